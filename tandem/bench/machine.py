@@ -1,0 +1,41 @@
+"""What a benchmark ran on, and the memory bandwidth the roofline divides by (measured in the same run)."""
+from __future__ import annotations
+
+import os
+import platform
+import time
+
+import torch
+
+
+def machine_info() -> dict:
+    return {
+        "cpu": _cpu_model(), "cores": os.cpu_count(), "threads": torch.get_num_threads(),
+        "torch": torch.__version__, "python": platform.python_version(),
+    }
+
+
+def _cpu_model() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def memory_bandwidth_gbps(size_mb: int = 512, reps: int = 5) -> float:
+    """Read bandwidth of a matrix-vector product (what AR decoding does) over a buffer far larger than the caches.
+
+    A plain reduction (`sum`) reads ~2x slower here than a gemv, so it would understate the roofline.
+    """
+    x = torch.ones(size_mb * 1024 * 1024 // 4).view(-1, 4096)
+    v = torch.ones(4096)
+    torch.mv(x, v)
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        torch.mv(x, v)
+        best = min(best, time.perf_counter() - t)
+    return x.numel() * 4 / best / 1e9

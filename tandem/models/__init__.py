@@ -1,0 +1,1 @@
+"""nn.Modules and model loading: the target runtime, KV cache, zoo, drafter heads."""

@@ -1,0 +1,117 @@
+"""Preallocated KV cache for a batch of sequences of different lengths, plus per-forward metadata.
+
+Layout: k, v are [num_layers, max_batch, num_kv_heads, max_len, head_dim]. Row r holds one sequence;
+`lengths[r]` tokens of it are valid. A forward over T new tokens writes them at slots
+lengths[r] .. lengths[r]+T-1 and advances lengths; the engine then rolls back (`truncate`) or
+compacts a draft tree to its accepted path (`keep_path`). Rows of a forward are a contiguous slice so
+the cache is read through views, never copied.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tandem.errors import PromptTooLongError
+from tandem.models.config import ModelConfig
+
+
+class KVCache:
+    def __init__(self, cfg: ModelConfig, max_batch: int, max_len: int, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+        shape = (cfg.num_layers, max_batch, cfg.num_kv_heads, max_len, cfg.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)  # [L, B, H, S, D]
+        self.v = torch.zeros(shape, dtype=dtype, device=device)  # [L, B, H, S, D]
+        self.lengths = torch.zeros(max_batch, dtype=torch.long)  # [B] valid tokens per row (CPU)
+        self.max_batch = max_batch
+        self.max_len = max_len
+
+    def truncate(self, row: int, length: int) -> None:
+        """Roll row back to its first `length` tokens (drop rejected drafts)."""
+        if not 0 <= length <= int(self.lengths[row]):
+            raise ValueError(f"cannot truncate row {row} of length {int(self.lengths[row])} to {length}")
+        self.lengths[row] = length
+
+    def keep_path(self, row: int, start: int, offsets: list[int]) -> None:
+        """Keep only the tree nodes at slots start+offsets (an accepted root-to-node path), packed at start..
+
+        offsets are increasing (nodes are topologically ordered), so every gather reads before it writes.
+        """
+        if offsets and offsets != list(range(len(offsets))):
+            src = torch.tensor(offsets, device=self.k.device) + start
+            n = len(offsets)
+            self.k[:, row, :, start : start + n] = self.k[:, row, :, src]
+            self.v[:, row, :, start : start + n] = self.v[:, row, :, src]
+        self.lengths[row] = start + len(offsets)
+
+    def move_row(self, src: int, dst: int) -> None:
+        """Copy row src into row dst (keeps active rows contiguous when a request leaves)."""
+        n = int(self.lengths[src])
+        self.k[:, dst, :, :n] = self.k[:, src, :, :n]
+        self.v[:, dst, :, :n] = self.v[:, src, :, :n]
+        self.lengths[dst] = n
+
+    def reset(self, row: int) -> None:
+        self.lengths[row] = 0
+
+
+@dataclass
+class AttentionBatch:
+    """What every layer of one forward needs to read and write the cache (built once per forward)."""
+
+    rows: slice  # cache rows of this batch
+    starts: torch.Tensor  # [B] cache length of each row before this forward
+    write_slots: torch.Tensor  # [B, T] cache slot of each new token
+    total_len: int  # S: keys each query may see (max over rows of start + T)
+    mask: torch.Tensor | None  # [B, 1, T, S] bool, True = attend; None = all of [0, S) (B=1 causal decode)
+    is_causal: bool  # no prefix and no tree: SDPA's own causal mask
+
+    @property
+    def uniform_start(self) -> int | None:
+        """The common start when every row starts at the same slot (then writes are a narrow copy)."""
+        first = int(self.starts[0])
+        return first if bool((self.starts == first).all()) else None
+
+
+def build_attention_batch(
+    cache: KVCache | None,
+    rows: slice | None,
+    num_new: int,
+    tree_mask: torch.Tensor | None,  # [B, T, T] bool, True = new token i sees new token j
+    batch: int,
+    device: torch.device,
+) -> AttentionBatch:
+    if cache is None:
+        starts = torch.zeros(batch, dtype=torch.long)
+        rows = slice(0, batch)
+    else:
+        rows = rows if rows is not None else slice(0, batch)
+        starts = cache.lengths[rows].clone()
+        if int(starts.max()) + num_new > cache.max_len:
+            raise PromptTooLongError(f"KV cache holds {cache.max_len} tokens per sequence; a forward needs {int(starts.max()) + num_new}")
+    total = int(starts.max()) + num_new
+    slots = starts.unsqueeze(1) + torch.arange(num_new).unsqueeze(0)  # [B, T]
+    no_prefix = bool((starts == 0).all())
+    if tree_mask is None and (no_prefix or (num_new == 1 and batch == 1)):
+        return AttentionBatch(rows, starts, slots, total, None, is_causal=no_prefix and num_new > 1)
+    mask = _attention_mask(starts, num_new, total, tree_mask).to(device)
+    return AttentionBatch(rows, starts, slots, total, mask, is_causal=False)
+
+
+def _attention_mask(
+    starts: torch.Tensor,  # [B]
+    num_new: int,
+    total: int,
+    tree_mask: torch.Tensor | None,  # [B, T, T]
+) -> torch.Tensor:  # [B, 1, T, S]
+    batch = starts.shape[0]
+    key = torch.arange(total).view(1, 1, total)  # [1, 1, S]
+    start = starts.view(batch, 1, 1)
+    prefix = key < start  # [B, 1, S]: the cached prefix of each row
+    if tree_mask is None:
+        tree_mask = torch.ones(num_new, num_new, dtype=torch.bool).tril().expand(batch, -1, -1)
+    rel = key - start  # [B, 1, S] index of a key among the new tokens
+    in_new = (rel >= 0) & (rel < num_new)
+    gathered = torch.gather(
+        tree_mask.to(torch.bool).cpu(), 2, rel.clamp(0, num_new - 1).expand(batch, num_new, total)
+    )  # [B, T, S]
+    return (prefix | (in_new & gathered)).unsqueeze(1)

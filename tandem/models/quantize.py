@@ -1,0 +1,65 @@
+"""Weight-quantized copies of a target for self-speculation (EfficientRollout-style).
+
+int8: symmetric per-output-channel weights, fbgemm dynamic-activation GEMM (the fastest int8 path on
+this AVX2 CPU; int4 has no good AVX2 kernel in torch, see RESOURCES.md). The copy shares the target's
+embedding and norms; `requantize_` refreshes it in place when the target's weights change (RL steps).
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import nn
+
+from tandem.models.transformer import Linear, Transformer
+
+
+class Int8Linear(nn.Module):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):  # weight [out, in]
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.bias = None if bias is None else bias.detach().float()
+        self.packed = _pack_int8(weight)
+
+    def requantize_(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.packed = _pack_int8(weight)
+        if bias is not None:
+            self.bias = bias.detach().float()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., in]
+        flat = x.reshape(-1, self.in_features).float()
+        out = torch.ops.quantized.linear_dynamic(flat, self.packed, True)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.view(*x.shape[:-1], self.out_features).to(x.dtype)
+
+
+def _pack_int8(weight: torch.Tensor):
+    w = weight.detach().float()
+    scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-8)
+    with warnings.catch_warnings():  # torch marks the quantized tensor API deprecated; fbgemm is still the fast path
+        warnings.simplefilter("ignore")
+        qw = torch.quantize_per_channel(w, scale.double(), torch.zeros_like(scale, dtype=torch.long), 0, torch.qint8)
+        return torch.ops.quantized.linear_prepack(qw, None)
+
+
+def quantized_copy(target: Transformer) -> Transformer:
+    """A Transformer whose Linear layers are int8; everything else is shared with the target."""
+    with torch.device("meta"):
+        copy = Transformer(target.cfg)
+    copy.load_state_dict(target.state_dict(), assign=True)
+    copy.inv_freq = target.inv_freq
+    for name, module in list(copy.named_modules()):
+        if isinstance(module, Linear):
+            parent_name, _, attr = name.rpartition(".")
+            setattr(copy.get_submodule(parent_name) if parent_name else copy, attr, Int8Linear(module.weight, module.bias))
+    return copy.eval().requires_grad_(False)
+
+
+def requantize_(copy: Transformer, target: Transformer) -> None:
+    """Refresh the int8 copy from the target's current weights, in place (same modules, new packed data)."""
+    target_linears = {n: m for n, m in target.named_modules() if isinstance(m, Linear)}
+    for name, module in copy.named_modules():
+        if isinstance(module, Int8Linear):
+            src = target_linears[name]
+            module.requantize_(src.weight, src.bias)

@@ -1,0 +1,224 @@
+"""A compact decoder for the Llama, Qwen2 and Qwen3 families (no transformers in the forward path).
+
+What speculative decoding needs from the target: a forward over several new tokens per sequence at
+explicit positions, an optional tree attention mask (a whole draft tree verified in one pass), a KV
+cache shared by a ragged batch, and the hidden states of chosen layers (EAGLE-3 taps).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tandem.models.config import ModelConfig
+from tandem.models.kv_cache import AttentionBatch, KVCache, build_attention_batch
+
+
+class Linear(nn.Module):
+    """y = x W^T + b, with an optional prepacked oneDNN copy of W for CPU inference.
+
+    On this CPU a plain fp32 F.linear repacks W on every call, so a 5-token forward costs ~1.7x a
+    1-token one; a prepacked weight makes it ~1.3x (docs/BENCHMARKS.md), which is what lets a
+    k-token verify pay. The packed copy is derived state: `pack()` rebuilds it after weights change.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))  # [out, in]
+        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None  # [out]
+        self.packed: torch.Tensor | None = None  # oneDNN blocked layout of weight, CPU only
+
+    def pack(self, batch_hint: int = 8) -> None:
+        usable = self.weight.device.type == "cpu" and self.weight.dtype == torch.float32 and torch.backends.mkldnn.is_available()
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), batch_hint) if usable else None
+
+    def unpack(self) -> None:
+        self.packed = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None and not torch.is_grad_enabled():
+            bias = None if self.bias is None else self.bias.detach()
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:  # [head_dim / 2]
+    dim = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))
+    scaling = cfg.rope_scaling or {}
+    if scaling.get("rope_type") == "linear":
+        return inv_freq / float(scaling["factor"])
+    if scaling.get("rope_type") == "llama3":
+        return _llama3_inv_freq(inv_freq, scaling)
+    return inv_freq
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
+    """Llama 3.1 frequency-dependent scaling: long wavelengths divided by factor, short kept, smooth between."""
+    factor, low, high = float(s["factor"]), float(s["low_freq_factor"]), float(s["high_freq_factor"])
+    old_len = float(s["original_max_position_embeddings"])
+    wavelen = 2 * torch.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.cfg = cfg
+        self.layer = layer
+        self.qkv = Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
+        self.o = Linear(cfg.q_size, cfg.hidden_size)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [B, T, hidden]
+        cos: torch.Tensor,  # [B, T, 1, head_dim]
+        sin: torch.Tensor,  # [B, T, 1, head_dim]
+        cache: KVCache | None,
+        batch: AttentionBatch,
+    ) -> torch.Tensor:  # [B, T, hidden]
+        cfg = self.cfg
+        b, t, _ = x.shape
+        q, k, v = self.qkv(x).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+        q = q.view(b, t, cfg.num_heads, cfg.head_dim)
+        k = k.view(b, t, cfg.num_kv_heads, cfg.head_dim)
+        v = v.view(b, t, cfg.num_kv_heads, cfg.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        keys, values = self._keys_values(k, v, cache, batch)  # [B, Hkv, S, D]
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), keys, values, attn_mask=batch.mask, is_causal=batch.is_causal,
+            enable_gqa=cfg.num_heads != cfg.num_kv_heads,
+        )  # [B, H, T, D]
+        return self.o(out.transpose(1, 2).reshape(b, t, cfg.q_size))
+
+    def _keys_values(self, k: torch.Tensor, v: torch.Tensor, cache: KVCache | None, batch: AttentionBatch):
+        if cache is None:
+            return k.transpose(1, 2), v.transpose(1, 2)
+        layer_k, layer_v = cache.k[self.layer, batch.rows], cache.v[self.layer, batch.rows]  # [B, H, Smax, D]
+        start = batch.uniform_start
+        if start is not None:
+            t = k.shape[1]
+            layer_k[:, :, start : start + t] = k.transpose(1, 2)
+            layer_v[:, :, start : start + t] = v.transpose(1, 2)
+        else:
+            rows = torch.arange(k.shape[0]).unsqueeze(1).expand_as(batch.write_slots)
+            layer_k[rows, :, batch.write_slots] = k
+            layer_v[rows, :, batch.write_slots] = v
+        return layer_k[:, :, : batch.total_len], layer_v[:, :, : batch.total_len]
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_up = Linear(cfg.hidden_size, 2 * cfg.intermediate_size)
+        self.down = Linear(cfg.intermediate_size, cfg.hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attn = Attention(cfg, layer)
+        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, cache, batch):
+        x = x + self.attn(self.attn_norm(x), cos, sin, cache, batch)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+@dataclass
+class ForwardOutput:
+    logits: torch.Tensor  # [B, T, V] (or [B, 1, V] with last_only)
+    hidden: tuple[torch.Tensor, ...]  # one [B, T, hidden] per requested tap (output of that layer)
+    final_hidden: torch.Tensor  # [B, T, hidden] after the final norm (what the LM head reads)
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+
+    def linears(self) -> list[Linear]:
+        return [m for m in self.modules() if isinstance(m, Linear)]
+
+    def pack(self, batch_hint: int = 8) -> None:
+        """Prepack every Linear for CPU inference; call again after any weight change."""
+        for lin in self.linears():
+            lin.pack(batch_hint)
+
+    def unpack(self) -> None:
+        for lin in self.linears():
+            lin.unpack()
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [B, T]
+        positions: torch.Tensor | None = None,  # [B, T]; default: cache length + arange(T)
+        cache: KVCache | None = None,
+        rows: slice | None = None,  # cache rows of this batch; default 0..B-1
+        tree_mask: torch.Tensor | None = None,  # [B, T, T] bool; default causal among new tokens
+        taps: tuple[int, ...] = (),  # layers whose output hidden states to return
+        last_only: bool = False,  # logits for the last position only (prefill)
+    ) -> ForwardOutput:
+        b, t = input_ids.shape
+        batch = build_attention_batch(cache, rows, t, tree_mask, b, input_ids.device)
+        if positions is None:
+            positions = batch.write_slots.to(input_ids.device)
+        cos, sin = self._rope(positions)
+        x = self.embed(input_ids)
+        tapped = {}
+        for i, block in enumerate(self.blocks):
+            x = block(x, cos, sin, cache, batch)
+            if i in taps:
+                tapped[i] = x
+        if cache is not None:
+            cache.lengths[batch.rows] += t
+        x = self.norm(x)
+        logits = self.lm_head(x[:, -1:] if last_only else x)
+        return ForwardOutput(logits.float(), tuple(tapped[i] for i in taps), x)
+
+    def _rope(self, positions: torch.Tensor):  # -> cos, sin [B, T, 1, head_dim]
+        freqs = positions.float().unsqueeze(-1) * self.inv_freq  # [B, T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().unsqueeze(2).to(self.embed.weight.dtype), emb.sin().unsqueeze(2).to(self.embed.weight.dtype)

@@ -1,0 +1,1 @@
+"""Pure tensor functions: no state, randomness passed in."""

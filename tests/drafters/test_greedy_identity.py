@@ -1,0 +1,115 @@
+"""Every drafter leaves greedy output token-identical to plain greedy decoding (tiny models)."""
+import pytest
+import torch
+
+from tandem.config import EngineConfig, SamplingParams
+from tandem.drafters import build_drafter
+from tandem.drafters.base import DrafterBase
+from tandem.engine.control import AdaptiveDraftLength
+from tandem.engine.engine import Engine
+from tandem.models.loader import load_transformer
+from tandem.models.tiny import make_tiny_model
+from tandem.types import DraftTree
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+
+
+def repetitive_prompts(n=4, seed=0):
+    """Prompts with repeats so prompt lookup finds matches."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        chunk = torch.randint(0, 256, (5,), generator=gen).tolist()
+        out.append(chunk + torch.randint(0, 256, (3,), generator=gen).tolist() + chunk + chunk[:2])
+    return out
+
+
+def load(path):
+    model = load_transformer(path)
+    model.pack()
+    return model
+
+
+def plain_outputs(path, prompts, params=GREEDY):
+    return [r.output_ids for r in Engine(load(path), EngineConfig(max_batch_size=4)).run(prompts, [params] * len(prompts))]
+
+
+def spec_engine(path, name, batch=4, adaptive=False, **kw):
+    target = load(path)
+    drafter = build_drafter(name, target=target, num_draft_tokens=4, max_batch=batch, max_len=256, **kw)
+    policy = AdaptiveDraftLength(max_k=4) if adaptive else None
+    return Engine(target, EngineConfig(max_batch_size=batch, max_model_len=256), drafter=drafter, draft_policy=policy)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("name", ["ngram", "self_draft"])
+def test_drafter_greedy_identical(tiny_dirs, arch, name):
+    prompts = repetitive_prompts()
+    engine = spec_engine(tiny_dirs[arch], name)
+    got = [r.output_ids for r in engine.run(prompts, [GREEDY] * len(prompts))]
+    assert got == plain_outputs(tiny_dirs[arch], prompts)
+    assert engine.stats.drafted_tokens > 0
+
+
+def test_self_draft_accepts_most_tokens(tiny_llama):
+    engine = spec_engine(tiny_llama, "self_draft")
+    engine.run(repetitive_prompts(), [GREEDY] * 4)
+    assert engine.stats.accepted_tokens / engine.stats.drafted_tokens > 0.5  # int8 copy of the target
+
+
+def test_draft_model_greedy_identical(tiny_dirs, tmp_path):
+    draft_dir = make_tiny_model(tmp_path / "draft", "qwen2", seed=7)
+    prompts = repetitive_prompts(seed=1)
+    engine = spec_engine(tiny_dirs["qwen2"], "draft_model", drafter_model=str(draft_dir))
+    got = [r.output_ids for r in engine.run(prompts, [GREEDY] * len(prompts))]
+    assert got == plain_outputs(tiny_dirs["qwen2"], prompts)
+
+
+def test_draft_model_drafting_for_itself_accepts_everything(tiny_dirs):
+    engine = spec_engine(tiny_dirs["llama"], "draft_model", drafter_model=tiny_dirs["llama"])
+    engine.run(repetitive_prompts(), [GREEDY] * 4)
+    assert engine.stats.accepted_tokens == engine.stats.drafted_tokens
+
+
+def test_adaptive_k_keeps_greedy_identity(tiny_llama):
+    prompts = repetitive_prompts(seed=2)
+    engine = spec_engine(tiny_llama, "ngram", adaptive=True)
+    got = [r.output_ids for r in engine.run(prompts, [GREEDY] * len(prompts))]
+    assert got == plain_outputs(tiny_llama, prompts)
+
+
+class OracleTreeDrafter(DrafterBase):
+    """Test drafter: a tree whose first branch is a wrong token and second branch follows the reference."""
+
+    name = "oracle_tree"
+    max_nodes = 7
+
+    def __init__(self, reference: dict[tuple, list[int]], vocab: int):
+        self.reference, self.vocab = reference, vocab
+
+    def propose(self, requests, budgets):
+        drafts = []
+        for r, budget in zip(requests, budgets):
+            ref = self.reference[tuple(r.prompt_ids)]
+            done = len(r.output_ids)
+            truth = ref[done : done + 3]
+            if budget < 3 or len(truth) < 3:
+                drafts.append(DraftTree.empty())
+                continue
+            wrong = [(t + 1) % self.vocab for t in truth]
+            #        root -> wrong0 (0), truth0 (1); truth0 -> wrong1 (2), truth1 (3); truth1 -> truth2 (4), wrong2 (5); wrong0 -> truth1 (6)
+            tokens = [wrong[0], truth[0], wrong[1], truth[1], truth[2], wrong[2], truth[1]]
+            parents = [-1, -1, 1, 1, 3, 3, 0]
+            drafts.append(DraftTree(torch.tensor(tokens), torch.tensor(parents)))
+        return drafts
+
+
+def test_tree_drafts_verified_in_one_pass_keep_greedy_identity(tiny_llama):
+    prompts = repetitive_prompts(seed=3)
+    reference = plain_outputs(tiny_llama, prompts)
+    target = load(tiny_llama)
+    drafter = OracleTreeDrafter({tuple(p): ref for p, ref in zip(prompts, reference)}, target.cfg.vocab_size)
+    engine = Engine(target, EngineConfig(max_batch_size=3, max_model_len=256), drafter=drafter)
+    got = [r.output_ids for r in engine.run(prompts, [GREEDY] * len(prompts))]
+    assert got == reference
+    assert engine.stats.accepted_tokens >= engine.stats.drafts * 3 - 3  # the true path is always accepted
