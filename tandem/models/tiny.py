@@ -22,8 +22,9 @@ def tiny_hf_config(arch: str, vocab_size: int = 320, num_layers: int = 3, tie: b
     common = dict(
         vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6,
-        bos_token_id=256, eos_token_id=258, pad_token_id=256,
     )
+    has_specials = vocab_size > 258  # the byte tokenizer's specials are ids 256..258
+    common |= dict(bos_token_id=256, eos_token_id=258, pad_token_id=256) if has_specials else dict(bos_token_id=None, eos_token_id=None, pad_token_id=None)
     if arch == "llama":
         cfg = LlamaConfig(**common, tie_word_embeddings=True if tie is None else tie, rope_theta=10000.0)
     elif arch == "qwen2":

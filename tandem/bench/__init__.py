@@ -1,0 +1,1 @@
+"""Benchmarks: real prompts, decode runs, domain-shift streams and their plots."""

@@ -1,0 +1,115 @@
+"""Small records that cross component boundaries (ops -> engine -> observers)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tandem.errors import InvalidParameterError
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    """Outcome of verifying one draft (chain or tree) against the target.
+
+    `tokens` are the emitted tokens: the accepted drafted tokens, then one recovered token (sampled from
+    the residual after a rejection) or bonus token (sampled from the target after the last accepted
+    node, which is a leaf). Acceptance length of the step = len(tokens) = num_accepted + 1.
+    """
+
+    accepted_nodes: list[int]  # node indices along the accepted root-to-node path
+    tokens: list[int]  # emitted tokens; len = len(accepted_nodes) + 1
+    num_drafted: int  # nodes in the draft (all of them, for a tree)
+    bonus: bool  # True when the last token is a bonus (a whole root-to-leaf path was accepted)
+
+    def __post_init__(self) -> None:
+        if len(self.tokens) != len(self.accepted_nodes) + 1:
+            raise InvalidParameterError(
+                f"a VerifyResult emits one token more than it accepts, got {len(self.tokens)} tokens "
+                f"for {len(self.accepted_nodes)} accepted nodes"
+            )
+
+    @property
+    def num_accepted(self) -> int:
+        return len(self.accepted_nodes)
+
+
+@dataclass
+class DraftTree:
+    """A drafter's proposal for one request: N nodes in topological order (a chain is the common case).
+
+    `draft_probs[i]` is the distribution node i's token was actually drawn from; None means every node
+    was picked deterministically (argmax, top-k children, n-gram lookup): a one-hot row per node.
+    """
+
+    tokens: torch.Tensor  # [N] long
+    parents: torch.Tensor  # [N] long, -1 = child of the root (the request's pending token)
+    draft_probs: torch.Tensor | None = None  # [N, V] or None (deterministic)
+
+    def __len__(self) -> int:
+        return int(self.tokens.numel())
+
+    @staticmethod
+    def empty() -> "DraftTree":
+        return DraftTree(torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long))
+
+    @staticmethod
+    def chain(tokens: list[int] | torch.Tensor, draft_probs: torch.Tensor | None = None) -> "DraftTree":
+        tokens = torch.as_tensor(tokens, dtype=torch.long).reshape(-1)
+        return DraftTree(tokens, torch.arange(tokens.numel(), dtype=torch.long) - 1, draft_probs)
+
+    @property
+    def is_chain(self) -> bool:
+        return bool(torch.equal(self.parents, torch.arange(len(self), dtype=torch.long) - 1))
+
+    def probs(self, vocab: int) -> torch.Tensor:  # [N, V]
+        if self.draft_probs is not None:
+            return self.draft_probs
+        return torch.zeros(len(self), vocab).scatter_(1, self.tokens.view(-1, 1), 1.0)
+
+    def depths(self) -> list[int]:
+        out: list[int] = []
+        for parent in self.parents.tolist():
+            out.append(0 if parent < 0 else out[parent] + 1)
+        return out
+
+    def nodes_per_depth(self) -> list[int]:
+        counts: list[int] = []
+        for depth in self.depths():
+            if depth == len(counts):
+                counts.append(0)
+            counts[depth] += 1
+        return counts
+
+
+STEP_RECORD_SCHEMA = 1
+
+
+@dataclass
+class RequestStep:
+    """What one verify step did for one request (the flywheel's raw material)."""
+
+    request_id: str
+    tags: dict
+    context_len: int  # tokens in the KV cache before this step (prompt + committed output - pending)
+    pending_token: int  # the root the draft hangs from
+    draft_tokens: list[int]
+    draft_parents: list[int]
+    accepted_nodes: list[int]
+    emitted_tokens: list[int]  # accepted + recovered/bonus
+    bonus: bool
+    context_ids: list[int] | None = None  # detailed only: every token before pending_token
+    draft_probs: torch.Tensor | None = None  # detailed only: [N, V] (None also when deterministic)
+    target_probs: torch.Tensor | None = None  # detailed only: [N+1, V] the target's sampling distribution
+    hidden: torch.Tensor | None = None  # detailed only: [taps, N+1, hidden] target hidden states at root + nodes
+
+
+@dataclass
+class StepRecord:
+    """One engine step, handed to observers (metrics, trace collector) after the step committed."""
+
+    step: int
+    time: float
+    drafter_version: int
+    requests: list[RequestStep]
+    schema_version: int = STEP_RECORD_SCHEMA
