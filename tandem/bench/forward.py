@@ -48,59 +48,74 @@ def forward_cost_ms(model: Transformer, ks=COST_KS, context: int = 64, reps: int
     return out
 
 
-def ours_ar_tokens_per_s(llm, prompts: list[str], max_tokens: int) -> tuple[float, list[list[int]]]:
+def timed_ours(llm, prompt: str, max_tokens: int) -> tuple[float, list[int]]:
     from tandem.config import SamplingParams
 
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    llm.generate(prompts[0], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
-    tokens, seconds, outputs = 0, 0.0, []
-    for prompt in prompts:  # batch 1, one prompt at a time, like HF generate
+    t = time.perf_counter()
+    out = llm.generate(prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))[0]
+    return time.perf_counter() - t, out.token_ids
+
+
+def timed_hf(hf, tokenizer, prompt: str, max_tokens: int) -> tuple[float, list[int]]:
+    ids = torch.tensor([tokenizer.encode(prompt, add_special_tokens=False)])
+    with torch.inference_mode():
         t = time.perf_counter()
-        out = llm.generate(prompt, params)[0]
-        seconds += time.perf_counter() - t
-        tokens += len(out.token_ids)
-        outputs.append(out.token_ids)
-    return tokens / seconds, outputs
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False, pad_token_id=0)
+        seconds = time.perf_counter() - t
+    return seconds, out[0, ids.shape[1] :].tolist()
 
 
-def hf_ar_tokens_per_s(model_dir, tokenizer, prompts: list[str], max_tokens: int) -> tuple[float, list[list[int]]]:
+def load_hf(model_dir):
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     hf.generation_config.eos_token_id = None  # like ignore_eos: always generate max_tokens, logits untouched
-    tokens, seconds, outputs = 0, 0.0, []
-    with torch.inference_mode():
-        warm = torch.tensor([tokenizer.encode(prompts[0], add_special_tokens=False)])
-        hf.generate(warm, max_new_tokens=4, do_sample=False)
+    return hf
+
+
+def ar_comparison(llm, hf, prompts: list[str], max_tokens: int, rounds: int = 2) -> dict:
+    """Batch-1 greedy tokens/s of ours and HF's, interleaved prompt by prompt so machine noise hits both."""
+    timed_ours(llm, prompts[0], 4)
+    if hf is not None:
+        timed_hf(hf, llm.tokenizer, prompts[0], 4)
+    totals = {"ours": [0.0, 0], "hf": [0.0, 0]}
+    matches = True
+    for _ in range(rounds):
         for prompt in prompts:
-            ids = torch.tensor([tokenizer.encode(prompt, add_special_tokens=False)])
-            t = time.perf_counter()
-            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False, pad_token_id=0)
-            seconds += time.perf_counter() - t
-            tokens += out.shape[1] - ids.shape[1]
-            outputs.append(out[0, ids.shape[1] :].tolist())
-    return tokens / seconds, outputs
+            seconds, ours = timed_ours(llm, prompt, max_tokens)
+            totals["ours"][0] += seconds
+            totals["ours"][1] += len(ours)
+            if hf is not None:
+                seconds, theirs = timed_hf(hf, llm.tokenizer, prompt, max_tokens)
+                totals["hf"][0] += seconds
+                totals["hf"][1] += len(theirs)
+                matches &= ours == theirs
+    rates = {k: n / s for k, (s, n) in totals.items() if n}
+    return rates | {"greedy_matches_hf": matches if hf is not None else None}
 
 
 def run_forward_bench(model: str, max_tokens: int = 64, with_hf: bool = True, pack: bool = True) -> dict:
     from tandem.llm import LLM
 
     llm = LLM(model=model, pack_weights=pack)
+    hf = load_hf(llm.model_dir) if with_hf else None
     prompts = list(BENCH_PROMPTS)
     bandwidth = memory_bandwidth_gbps()
     weight_bytes = weight_bytes_per_token(llm.target)
     roofline = bandwidth * 1e9 / weight_bytes
-    ours, our_outputs = ours_ar_tokens_per_s(llm, prompts, max_tokens)
+    rates = ar_comparison(llm, hf, prompts, max_tokens)
     cost = forward_cost_ms(llm.target)
+    ours = rates["ours"]
     result = {
         "model": model, "max_tokens": max_tokens, "packed_weights": pack, "machine": machine_info(),
         "ar_tokens_per_s": round(ours, 2), "roofline_tokens_per_s": round(roofline, 2),
         "fraction_of_roofline": round(ours / roofline, 3), "memory_bandwidth_gbps": round(bandwidth, 2),
-        "weight_bytes_per_token": weight_bytes, "cost_ms": {k: round(v, 3) for k, v in cost.items()},
+        "weight_bytes_per_token": weight_bytes, "forward_ms_per_token": round(cost[1], 2),
+        "forward_fraction_of_roofline": round(weight_bytes / bandwidth / 1e9 * 1000 / cost[1], 3),
+        "cost_ms": {k: round(v, 3) for k, v in cost.items()},
         "cost_ratio": {k: round(v / cost[1], 3) for k, v in cost.items()},
     }
-    if with_hf:
-        hf, hf_outputs = hf_ar_tokens_per_s(llm.model_dir, llm.tokenizer, prompts, max_tokens)
-        result |= {"hf_ar_tokens_per_s": round(hf, 2), "speedup_vs_hf": round(ours / hf, 3),
-                   "greedy_matches_hf": our_outputs == hf_outputs}
+    if hf is not None:
+        result |= {"hf_ar_tokens_per_s": round(rates["hf"], 2), "speedup_vs_hf": round(ours / rates["hf"], 3),
+                   "greedy_matches_hf": rates["greedy_matches_hf"]}
     return result

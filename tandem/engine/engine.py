@@ -23,8 +23,8 @@ from tandem.errors import InvalidParameterError, PromptTooLongError
 from tandem.models.kv_cache import KVCache
 from tandem.models.transformer import Transformer
 from tandem.ops import tree as tree_ops
-from tandem.ops.sampling import draw_uniform, sample_from_probs, sampling_probs
-from tandem.ops.verify import verify_tree
+from tandem.ops.sampling import draw_uniform, sampling_probs
+from tandem.ops.verify import verify_greedy, verify_tree
 from tandem.engine.records import build_step_record
 from tandem.types import DraftTree, StepRecord
 
@@ -118,8 +118,7 @@ class Engine:
         self.cache.reset(request.row)
         ids = torch.tensor([request.prompt_ids], device=self.cache.k.device)
         out = self.model(ids, cache=self.cache, rows=slice(request.row, request.row + 1), last_only=True)
-        probs = self._target_probs([request], out.logits[:, -1])
-        token = int(sample_from_probs(probs, draw_uniform([request.generator])[:, 0])[0])
+        token = self._verify(request, DraftTree.empty(), out.logits[0, -1:])[0].tokens[0]
         request.metrics.prefill_time_s = time.perf_counter() - start
         request.metrics.first_token_time = time.perf_counter()
         self.stats.prefill_tokens += len(request.prompt_ids)
@@ -139,10 +138,7 @@ class Engine:
         out = self.model(ids, positions=positions, cache=self.cache, rows=slice(0, len(requests)), tree_mask=mask, taps=taps)
         outputs, results = [], []
         for b, (request, draft) in enumerate(zip(requests, drafts)):
-            n = len(draft)
-            target_probs = self._target_probs([request] * (n + 1), out.logits[b, : n + 1])  # [N+1, V]
-            uniform = draw_uniform([request.generator], n + 1)[0]
-            result = verify_tree(draft.parents, draft.tokens, draft.probs(target_probs.shape[-1]), target_probs, uniform)
+            result, target_probs = self._verify(request, draft, out.logits[b, : len(draft) + 1])
             self.cache.keep_path(request.row, starts[b], [0] + [1 + i for i in result.accepted_nodes])
             results.append((result, target_probs))
             outputs.append(self._commit(request, result.tokens))
@@ -152,6 +148,15 @@ class Engine:
         if self.drafter is not None:
             self.drafter.on_verified(requests, drafts, [r for r, _ in results], starts, out)
         return outputs
+
+    def _verify(self, request: Request, draft: DraftTree, logits: torch.Tensor):  # logits [N+1, V]
+        """Verify one request's draft; target_probs [N+1, V] is returned only when it was needed or recorded."""
+        if request.params.greedy and not self.config.record_steps:
+            return verify_greedy(draft.parents, draft.tokens, logits.argmax(-1).cpu()), None
+        n = len(draft)
+        target_probs = self._target_probs([request] * (n + 1), logits)
+        uniform = draw_uniform([request.generator], n + 1)[0]
+        return verify_tree(draft.parents, draft.tokens, draft.probs(target_probs.shape[-1]), target_probs, uniform), target_probs
 
     def _propose(self, requests: list[Request]) -> list[DraftTree]:
         if self.drafter is None:

@@ -64,12 +64,7 @@ class AttentionBatch:
     total_len: int  # S: keys each query may see (max over rows of start + T)
     mask: torch.Tensor | None  # [B, 1, T, S] bool, True = attend; None = all of [0, S) (B=1 causal decode)
     is_causal: bool  # no prefix and no tree: SDPA's own causal mask
-
-    @property
-    def uniform_start(self) -> int | None:
-        """The common start when every row starts at the same slot (then writes are a narrow copy)."""
-        first = int(self.starts[0])
-        return first if bool((self.starts == first).all()) else None
+    uniform_start: int | None  # the common start when all rows start at the same slot (writes are a narrow copy)
 
 
 def build_attention_batch(
@@ -90,11 +85,13 @@ def build_attention_batch(
             raise PromptTooLongError(f"KV cache holds {cache.max_len} tokens per sequence; a forward needs {int(starts.max()) + num_new}")
     total = int(starts.max()) + num_new
     slots = starts.unsqueeze(1) + torch.arange(num_new).unsqueeze(0)  # [B, T]
-    no_prefix = bool((starts == 0).all())
+    first = int(starts[0])
+    uniform = first if bool((starts == first).all()) else None
+    no_prefix = uniform == 0
     if tree_mask is None and (no_prefix or (num_new == 1 and batch == 1)):
-        return AttentionBatch(rows, starts, slots, total, None, is_causal=no_prefix and num_new > 1)
+        return AttentionBatch(rows, starts, slots, total, None, no_prefix and num_new > 1, uniform)
     mask = _attention_mask(starts, num_new, total, tree_mask).to(device)
-    return AttentionBatch(rows, starts, slots, total, mask, is_causal=False)
+    return AttentionBatch(rows, starts, slots, total, mask, False, uniform)
 
 
 def _attention_mask(

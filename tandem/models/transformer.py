@@ -51,10 +51,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        h = x.float()  # a no-op for fp32; torch's F.rms_norm measured ~2x slower here
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:  # [head_dim / 2]
@@ -80,9 +79,13 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def apply_rope(
+    x: torch.Tensor,  # [B, T, heads, head_dim]
+    cos: torch.Tensor,  # [B, T, 1, head_dim]
+    sin_signed: torch.Tensor,  # [B, T, 1, head_dim]: sin with the first half negated
+) -> torch.Tensor:
+    """x*cos + rotate_half(x)*sin, where rotate_half(x) = [-x2, x1] = roll(x, D/2) * [-1.., +1..]."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin_signed)
 
 
 class Attention(nn.Module):
@@ -105,14 +108,14 @@ class Attention(nn.Module):
     ) -> torch.Tensor:  # [B, T, hidden]
         cfg = self.cfg
         b, t, _ = x.shape
-        q, k, v = self.qkv(x).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-        q = q.view(b, t, cfg.num_heads, cfg.head_dim)
-        k = k.view(b, t, cfg.num_kv_heads, cfg.head_dim)
+        heads = cfg.num_heads + cfg.num_kv_heads
+        qk, v = self.qkv(x).split([cfg.q_size + cfg.kv_size, cfg.kv_size], dim=-1)
+        qk = qk.view(b, t, heads, cfg.head_dim)
         v = v.view(b, t, cfg.num_kv_heads, cfg.head_dim)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+            q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=2)
+            qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=2)
+        q, k = apply_rope(qk, cos, sin).split([cfg.num_heads, cfg.num_kv_heads], dim=2)  # rope on q and k at once
         keys, values = self._keys_values(k, v, cache, batch)  # [B, Hkv, S, D]
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), keys, values, attn_mask=batch.mask, is_causal=batch.is_causal,
@@ -218,7 +221,8 @@ class Transformer(nn.Module):
         logits = self.lm_head(x[:, -1:] if last_only else x)
         return ForwardOutput(logits.float(), tuple(tapped[i] for i in taps), x)
 
-    def _rope(self, positions: torch.Tensor):  # -> cos, sin [B, T, 1, head_dim]
-        freqs = positions.float().unsqueeze(-1) * self.inv_freq  # [B, T, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().unsqueeze(2).to(self.embed.weight.dtype), emb.sin().unsqueeze(2).to(self.embed.weight.dtype)
+    def _rope(self, positions: torch.Tensor):  # -> cos, sin_signed [B, T, 1, head_dim]
+        freqs = positions.float().unsqueeze(-1) * self.inv_freq  # [B, T, D/2], fp32 as in HF
+        cos, sin = freqs.cos(), freqs.sin()
+        dtype = self.embed.weight.dtype
+        return torch.cat((cos, cos), -1).unsqueeze(2).to(dtype), torch.cat((-sin, sin), -1).unsqueeze(2).to(dtype)

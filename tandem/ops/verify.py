@@ -176,3 +176,26 @@ def _check_tokens(token_list: list[int], vocab: int) -> None:
     bad = [t for t in token_list if not 0 <= t < vocab]
     if bad:
         raise InvalidParameterError(f"drafted token ids {bad} are outside the vocabulary [0, {vocab})")
+
+
+def verify_greedy(
+    parents: torch.Tensor,  # [N] long, topological, -1 = child of the root
+    tokens: torch.Tensor,  # [N] long
+    target_argmax: torch.Tensor,  # [N + 1] long: the target's greedy token at the root and after each node
+) -> VerifyResult:
+    """`verify_tree` for a greedy target (one-hot target rows), without building any [*, V] tensor.
+
+    With a one-hot target every child is accepted iff its token is the argmax (target(x) = 1 >= any
+    draft(x)); a rejection leaves the residual one-hot on the argmax, so the next sibling faces the same
+    test and the final token is the argmax of the last accepted node. No randomness is used.
+    """
+    token_list, best = tokens.tolist(), target_argmax.tolist()
+    kids = children(parents)
+    row, accepted = 0, []
+    while True:
+        match = next((c for c in kids[row] if token_list[c] == best[row]), None)
+        if match is None:
+            break
+        accepted.append(match)
+        row = match + 1
+    return VerifyResult(accepted, [token_list[c] for c in accepted] + [best[row]], len(token_list), bonus=not kids[row])

@@ -4,6 +4,7 @@ import torch
 
 from tandem.models.kv_cache import KVCache
 from tandem.models.loader import load_transformer
+from tandem.ops.tree import root_to_leaf_paths, tree_attention_mask
 
 
 ARCHS = ("llama", "qwen2", "qwen3")

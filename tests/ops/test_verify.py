@@ -401,3 +401,19 @@ def test_tree_result_is_a_path_ending_in_recovered_or_bonus():
         assert result.tokens[:-1] == tokens[result.accepted_nodes].tolist()
         assert result.bonus == (last not in parents.tolist())  # bonus iff the path ends at a leaf
         assert target[last + 1, result.tokens[-1]] > 0  # residuals stay inside the target's support
+
+
+def test_verify_greedy_equals_verify_tree_with_one_hot_target():
+    from tandem.ops.verify import verify_greedy
+
+    gen = torch.Generator().manual_seed(123)
+    vocab = 4
+    for _ in range(300):
+        n = int(torch.randint(0, 8, (1,), generator=gen))
+        parents = torch.tensor([int(torch.randint(-1, i, (1,), generator=gen)) for i in range(n)], dtype=torch.long)
+        tokens = torch.randint(0, vocab, (n,), generator=gen)
+        argmax = torch.randint(0, vocab, (n + 1,), generator=gen)
+        target = torch.nn.functional.one_hot(argmax, vocab).float()
+        draft = torch.softmax(torch.randn(n, vocab, generator=gen), -1)
+        uniform = torch.rand(n + 1, generator=gen)
+        assert verify_greedy(parents, tokens, argmax) == verify_tree(parents, tokens, draft, target, uniform)
