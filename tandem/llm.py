@@ -60,21 +60,32 @@ class LLM:
         self.target = load_transformer(self.model_dir, DTYPES[dtype], device)
         if pack_weights:
             self.target.pack()
-        cfg = self.target.cfg
-        max_len = min(max_model_len or DEFAULT_MAX_MODEL_LEN, cfg.max_position)
-        config = EngineConfig(max_batch_size=max_batch_size, max_model_len=max_len, num_threads=num_threads, pack_weights=pack_weights)
-        draft = None
+        self.device = device
+        max_len = min(max_model_len or DEFAULT_MAX_MODEL_LEN, self.target.cfg.max_position)
+        self.config = EngineConfig(max_batch_size=max_batch_size, max_model_len=max_len, num_threads=num_threads, pack_weights=pack_weights)
+        self.engine = self._make_engine(drafter, num_draft_tokens, drafter_model, drafter_path, adaptive_k)
+
+    def _make_engine(self, drafter, num_draft_tokens, drafter_model, drafter_path, adaptive_k) -> Engine:
+        draft, policy = None, None
         if drafter:
             from tandem.drafters import build_drafter
 
             draft = build_drafter(drafter, target=self.target, num_draft_tokens=num_draft_tokens, drafter_model=drafter_model,
-                                  drafter_path=drafter_path, device=device, max_batch=max_batch_size, max_len=max_len)
-        policy = None
+                                  drafter_path=drafter_path, device=self.device, max_batch=self.config.max_batch_size,
+                                  max_len=self.config.max_model_len)
         if adaptive_k and draft is not None:
             from tandem.engine.control import AdaptiveDraftLength
 
             policy = AdaptiveDraftLength(max_k=num_draft_tokens)
-        self.engine = Engine(self.target, config, drafter=draft, draft_policy=policy)
+        return Engine(self.target, self.config, drafter=draft, draft_policy=policy)
+
+    def with_drafter(self, drafter: str | None, num_draft_tokens: int = 4, drafter_model: str | None = None,
+                     drafter_path: str | None = None, adaptive_k: bool = False) -> "LLM":
+        """A second LLM over the same loaded target and tokenizer, with another drafter (benchmarks)."""
+        other = object.__new__(LLM)
+        other.__dict__.update(self.__dict__)
+        other.engine = self._make_engine(drafter, num_draft_tokens, drafter_model, drafter_path, adaptive_k)
+        return other
 
     # ---- generation ---------------------------------------------------------------------------------
     def generate(

@@ -26,9 +26,24 @@ class DraftContext(Protocol):
 
 
 class Drafter(Protocol):
+    """What the engine calls, in order, for each request:
+
+    on_prefill(request, out)   after the prompt's forward and the first token's commit. out is the target's
+                               ForwardOutput for the prompt: out.hidden[i] [1, P, d] per tap (all prompt
+                               positions), out.logits [1, 1, V] (last position only). request.all_ids =
+                               prompt + [first token].
+    propose(requests, budgets) each step, for all running requests (rows 0..B-1): at most budgets[b] nodes.
+    on_verified(..., starts, out) after verification and commit. out.hidden[i] [B, T, d]: position 0 is the
+                               root (the pending token, at sequence position starts[b]), position 1 + j is
+                               draft node j; the accepted path is [0] + [1 + j for j in accepted_nodes].
+                               request.all_ids already includes the emitted tokens.
+    move_row / release         rows stay contiguous: the engine moves the last row into a finished one.
+    """
+
     name: str
     version: int  # weight version; bumps on every hot-swap or re-sync
     max_nodes: int  # most nodes one proposal may have (the engine reserves KV room for them)
+    taps: tuple[int, ...]  # target layers whose hidden states the drafter reads from target_out.hidden
 
     def propose(self, requests: list[DraftContext], budgets: list[int]) -> list[DraftTree]: ...
     def on_prefill(self, request: DraftContext, target_out) -> None: ...
@@ -43,6 +58,7 @@ class DrafterBase:
     name = "base"
     version = 0
     max_nodes = 0
+    taps: tuple[int, ...] = ()
 
     def on_prefill(self, request, target_out) -> None:
         pass

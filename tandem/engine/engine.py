@@ -52,6 +52,8 @@ class Engine:
         self.observers: list[Callable[[StepRecord], None]] = []
         self.stats = EngineStats()
         self.eos_ids = set(model.cfg.eos_token_ids)
+        drafter_taps = tuple(drafter.taps) if drafter is not None else ()
+        self.taps = tuple(sorted(set(config.hidden_taps) | set(drafter_taps)))  # target layers returned by every forward
         self._ids = itertools.count()
 
     # ---- requests -------------------------------------------------------------------------------
@@ -117,14 +119,15 @@ class Engine:
         start = time.perf_counter()
         self.cache.reset(request.row)
         ids = torch.tensor([request.prompt_ids], device=self.cache.k.device)
-        out = self.model(ids, cache=self.cache, rows=slice(request.row, request.row + 1), last_only=True)
+        out = self.model(ids, cache=self.cache, rows=slice(request.row, request.row + 1), last_only=True, taps=self.taps)
         token = self._verify(request, DraftTree.empty(), out.logits[0, -1:])[0].tokens[0]
         request.metrics.prefill_time_s = time.perf_counter() - start
         request.metrics.first_token_time = time.perf_counter()
         self.stats.prefill_tokens += len(request.prompt_ids)
+        output = self._commit(request, [token])
         if self.drafter is not None:
             self.drafter.on_prefill(request, out)
-        return self._commit(request, [token])
+        return output
 
     @torch.inference_mode()
     def _decode(self) -> list[StepOutput]:
@@ -134,8 +137,7 @@ class Engine:
         t1 = time.perf_counter()
         starts = [int(self.cache.lengths[r.row]) for r in requests]
         ids, positions, mask = self._verify_inputs(requests, drafts, starts)
-        taps = self.config.hidden_taps
-        out = self.model(ids, positions=positions, cache=self.cache, rows=slice(0, len(requests)), tree_mask=mask, taps=taps)
+        out = self.model(ids, positions=positions, cache=self.cache, rows=slice(0, len(requests)), tree_mask=mask, taps=self.taps)
         outputs, results = [], []
         for b, (request, draft) in enumerate(zip(requests, drafts)):
             result, target_probs = self._verify(request, draft, out.logits[b, : len(draft) + 1])

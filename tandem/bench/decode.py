@@ -1,0 +1,156 @@
+"""`tandem bench decode`: speculative decoding per drafter and per domain, against plain decoding (and peers).
+
+All drafters run over the same loaded target, interleaved prompt by prompt so that machine noise hits
+them alike; speedups are ratios measured in this one run. Greedy output of every drafter is compared
+token by token with plain decoding (`greedy_matches_ar`).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+
+from tandem.bench.machine import machine_info
+from tandem.bench.prompts import Prompt, load_prompts, render_chat
+from tandem.config import SamplingParams
+from tandem.errors import InvalidParameterError
+
+
+@dataclass(frozen=True)
+class DecodeBenchConfig:
+    model: str = "smollm2-135m"
+    drafters: tuple[str, ...] = ("ar", "ngram", "self_draft")  # "ar" = plain decoding
+    prompts: str = "builtin"  # or a JSONL file of {"domain", "prompt"}
+    per_domain: int = 4  # prompts per domain (None-like 0 = all)
+    max_tokens: int = 96
+    batch_size: int = 1
+    num_draft_tokens: int = 4
+    adaptive_k: bool = False
+    drafter_model: str | None = None  # draft_model / HF assisted generation
+    drafter_path: str | None = None  # eagle / mtp heads
+    peers: tuple[str, ...] = ()  # "hf"
+
+    def __post_init__(self) -> None:
+        if "ar" not in self.drafters:
+            raise InvalidParameterError("--drafters must include 'ar' (the baseline every speedup is measured against)")
+        if self.batch_size < 1 or self.max_tokens < 1:
+            raise InvalidParameterError("batch_size and max_tokens must be >= 1")
+
+
+@dataclass
+class Tally:
+    """Sums over requests; the summary turns them into rates and ratios."""
+
+    requests: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+    steps: int = 0  # verify steps (each request's first token comes from prefill, not a step)
+    drafted: int = 0
+    accepted: int = 0
+    draft_s: float = 0.0
+    draft_len_sum: float = 0.0
+    matches: bool = True
+
+    def add(self, out, seconds: float, reference: list[int] | None) -> None:
+        m = out.metrics
+        self.requests += 1
+        self.tokens += len(out.token_ids)
+        self.seconds += seconds
+        self.steps += m["steps"]
+        self.drafted += m["drafted_tokens"]
+        self.accepted += m["accepted_tokens"]
+        self.draft_s += m["draft_time_s"]
+        self.draft_len_sum += m["mean_draft_length"] * m["steps"]
+        if reference is not None:
+            self.matches &= out.token_ids == reference
+
+    def merge(self, other: "Tally") -> None:
+        for name in ("requests", "tokens", "seconds", "steps", "drafted", "accepted", "draft_s", "draft_len_sum"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.matches &= other.matches
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+    def summary(self, ar: "Tally | None") -> dict:
+        steps = max(self.steps, 1)
+        out = {
+            "requests": self.requests, "tokens": self.tokens, "seconds": round(self.seconds, 3),
+            "tokens_per_s": round(self.rate, 3),
+            "acceptance_length": round((self.tokens - self.requests) / steps, 3),
+            "acceptance_rate": round(self.accepted / self.drafted, 3) if self.drafted else 0.0,
+            "mean_draft_length": round(self.draft_len_sum / steps, 3),
+            "draft_ms_per_drafted_token": round(1000 * self.draft_s / self.drafted, 3) if self.drafted else 0.0,
+            "greedy_matches_ar": self.matches,
+        }
+        if ar is not None and ar.rate:
+            out["speedup_vs_ar"] = round(self.rate / ar.rate, 3)
+        return out
+
+
+def run_decode_bench(config: DecodeBenchConfig) -> dict:
+    from tandem.llm import LLM
+
+    base = LLM(model=config.model, max_batch_size=config.batch_size)
+    prompts = _prompts(config)
+    token_ids = render_chat(prompts, base.tokenizer)
+    engines = {name: _llm_for(base, name, config) for name in config.drafters}
+    tallies = {name: {} for name in engines}
+    params = SamplingParams(max_tokens=config.max_tokens, temperature=0.0)
+    engines["ar"].generate(token_ids[0], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
+    for start in range(0, len(prompts), config.batch_size):
+        batch = list(range(start, min(start + config.batch_size, len(prompts))))
+        domain_of = [prompts[i].domain for i in batch]
+        reference = None
+        for name, llm in engines.items():  # "ar" first: it is the reference for greedy identity
+            t = time.perf_counter()
+            outputs = llm.generate([token_ids[i] for i in batch], params)
+            seconds = time.perf_counter() - t
+            if name == "ar":
+                reference = [o.token_ids for o in outputs]
+            _tally(tallies[name], domain_of, outputs, seconds, reference if name != "ar" else None)
+    result = {"config": asdict(config), "machine": machine_info(), "num_prompts": len(prompts), "drafters": _summaries(tallies)}
+    if "hf" in config.peers:
+        from tandem.bench.peers import run_hf_peers
+
+        result["peers"] = run_hf_peers(base, prompts, token_ids, config, result["drafters"]["ar"])
+    return result
+
+
+def _prompts(config: DecodeBenchConfig) -> list[Prompt]:
+    split = "test" if config.prompts == "builtin" else "all"
+    return load_prompts(config.prompts, per_domain=config.per_domain or None, split=split)
+
+
+def _llm_for(base, name: str, config: DecodeBenchConfig):
+    if name == "ar":
+        return base
+    drafter = "eagle" if name == "eagle_tree" else name
+    return base.with_drafter(drafter, config.num_draft_tokens, config.drafter_model, config.drafter_path, config.adaptive_k)
+
+
+def _tally(per_domain: dict, domains: list[str], outputs, seconds: float, reference) -> None:
+    """Split a batch's wall time over its requests by token share, then add each to its domain."""
+    total = sum(len(o.token_ids) for o in outputs) or 1
+    for i, (domain, out) in enumerate(zip(domains, outputs)):
+        share = seconds * len(out.token_ids) / total
+        per_domain.setdefault(domain, Tally()).add(out, share, None if reference is None else reference[i])
+
+
+def _overall(per_domain: dict[str, Tally]) -> Tally:
+    total = Tally()
+    for tally in per_domain.values():
+        total.merge(tally)
+    return total
+
+
+def _summaries(tallies: dict[str, dict[str, Tally]]) -> dict:
+    ar_domains = tallies["ar"]
+    ar_overall = _overall(ar_domains)
+    return {
+        name: {
+            "overall": _overall(per_domain).summary(ar_overall),
+            "per_domain": {d: t.summary(ar_domains.get(d)) for d, t in sorted(per_domain.items())},
+        }
+        for name, per_domain in tallies.items()
+    }
