@@ -36,6 +36,9 @@ class DecodeBenchConfig:
             raise InvalidParameterError("batch_size and max_tokens must be >= 1")
 
 
+EMPTY_METRICS = {"steps": 0, "drafted_tokens": 0, "accepted_tokens": 0, "draft_time_s": 0.0, "mean_draft_length": 0.0}
+
+
 @dataclass
 class Tally:
     """Sums over requests; the summary turns them into rates and ratios."""
@@ -51,7 +54,7 @@ class Tally:
     matches: bool = True
 
     def add(self, out, seconds: float, reference: list[int] | None) -> None:
-        m = out.metrics
+        m = out.metrics or EMPTY_METRICS
         self.requests += 1
         self.tokens += len(out.token_ids)
         self.seconds += seconds
@@ -77,7 +80,7 @@ class Tally:
         out = {
             "requests": self.requests, "tokens": self.tokens, "seconds": round(self.seconds, 3),
             "tokens_per_s": round(self.rate, 3),
-            "acceptance_length": round((self.tokens - self.requests) / steps, 3),
+            "acceptance_length": round((self.tokens - self.requests) / steps, 3) if self.steps else None,
             "acceptance_rate": round(self.accepted / self.drafted, 3) if self.drafted else 0.0,
             "mean_draft_length": round(self.draft_len_sum / steps, 3),
             "draft_ms_per_drafted_token": round(1000 * self.draft_s / self.drafted, 3) if self.drafted else 0.0,
@@ -89,32 +92,36 @@ class Tally:
 
 
 def run_decode_bench(config: DecodeBenchConfig) -> dict:
+    """Every runner (tandem drafters, then HF peers) decodes each prompt batch in turn, interleaved."""
     from tandem.llm import LLM
 
     base = LLM(model=config.model, max_batch_size=config.batch_size)
     prompts = _prompts(config)
     token_ids = render_chat(prompts, base.tokenizer)
-    engines = {name: _llm_for(base, name, config) for name in config.drafters}
-    tallies = {name: {} for name in engines}
     params = SamplingParams(max_tokens=config.max_tokens, temperature=0.0)
-    engines["ar"].generate(token_ids[0], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
+    runners = {name: _tandem_runner(_llm_for(base, name, config), params) for name in config.drafters}
+    if "hf" in config.peers:
+        from tandem.bench.peers import hf_runners
+
+        runners |= hf_runners(base, config)
+    for run in runners.values():
+        run([token_ids[0][:16]])  # warm-up
+    tallies: dict[str, dict[str, Tally]] = {name: {} for name in runners}
     for start in range(0, len(prompts), config.batch_size):
         batch = list(range(start, min(start + config.batch_size, len(prompts))))
-        domain_of = [prompts[i].domain for i in batch]
         reference = None
-        for name, llm in engines.items():  # "ar" first: it is the reference for greedy identity
+        for name, run in runners.items():  # "ar" first: the reference for greedy identity
             t = time.perf_counter()
-            outputs = llm.generate([token_ids[i] for i in batch], params)
+            outputs = run([token_ids[i] for i in batch])
             seconds = time.perf_counter() - t
             if name == "ar":
                 reference = [o.token_ids for o in outputs]
-            _tally(tallies[name], domain_of, outputs, seconds, reference if name != "ar" else None)
-    result = {"config": asdict(config), "machine": machine_info(), "num_prompts": len(prompts), "drafters": _summaries(tallies)}
-    if "hf" in config.peers:
-        from tandem.bench.peers import run_hf_peers
+            _tally(tallies[name], [prompts[i].domain for i in batch], outputs, seconds, None if name == "ar" else reference)
+    return {"config": asdict(config), "machine": machine_info(), "num_prompts": len(prompts), "drafters": _summaries(tallies)}
 
-        result["peers"] = run_hf_peers(base, prompts, token_ids, config, result["drafters"]["ar"])
-    return result
+
+def _tandem_runner(llm, params: SamplingParams):
+    return lambda batch: llm.generate(batch, params)
 
 
 def _prompts(config: DecodeBenchConfig) -> list[Prompt]:

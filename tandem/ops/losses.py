@@ -1,0 +1,111 @@
+"""Distillation losses for learned drafters: draft logits over a reduced vocabulary vs the target.
+
+A drafter with a reduced vocabulary (`draft_to_target` [Vd] maps draft ids to target ids) can only
+propose in-vocabulary tokens. We therefore compare the draft against the target distribution
+*restricted to the draft vocabulary and renormalised*: p'(i) = p(d2t[i]) / sum_j p(d2t[j]). That is the
+best the draft can do (its acceptance on out-of-vocabulary mass is 0 whatever it outputs), and it equals
+softmax over the restricted target logits, so the full [N, V] target distribution is never needed.
+`in_vocab_mass` reports what was dropped (an upper bound on the per-token acceptance probability).
+
+Soft cross-entropy H(p', q) and forward KL(p' || q) = H(p', q) - H(p') differ by a constant of the
+target, so they share gradients; training minimises the former and logs the latter.
+
+`soft_cross_entropy_reference` is the obvious autograd version; `soft_cross_entropy` is the fused one
+(a custom autograd function working in row chunks: no [N, Vd] log-softmax is kept for backward, the
+gradient softmax(z) * sum(p) - p is recomputed chunk by chunk). They agree in value and gradient
+(tests/ops/test_losses.py).
+"""
+from __future__ import annotations
+
+import torch
+
+CHUNK_ROWS = 1024  # rows per chunk of the fused loss: bounds its temporary [chunk, Vd] buffers
+
+
+def restricted_target_probs(
+    target_logits: torch.Tensor,  # [N, V] target logits over its full vocabulary
+    draft_to_target: torch.Tensor,  # [Vd] long
+    temperature: float = 1.0,
+) -> torch.Tensor:  # [N, Vd], rows sum to 1
+    """The target distribution restricted to the draft vocabulary and renormalised."""
+    return torch.softmax(target_logits.float().index_select(-1, draft_to_target) / temperature, dim=-1)
+
+
+def in_vocab_mass(
+    target_logits: torch.Tensor,  # [N, V]
+    draft_to_target: torch.Tensor,  # [Vd] long
+) -> torch.Tensor:  # [N]: target probability mass inside the draft vocabulary
+    log_probs = torch.log_softmax(target_logits.float(), dim=-1)
+    return log_probs.index_select(-1, draft_to_target).exp().sum(-1)
+
+
+def soft_cross_entropy_reference(
+    draft_logits: torch.Tensor,  # [N, Vd]
+    target_probs: torch.Tensor,  # [N, Vd], rows sum to 1 (or less: mass outside is ignored)
+    weights: torch.Tensor | None = None,  # [N] per-row weights (0 = masked); None = all 1
+) -> torch.Tensor:  # scalar: sum_n w_n * H(p_n, q_n) / sum_n w_n
+    per_row = -(target_probs * torch.log_softmax(draft_logits.float(), dim=-1)).sum(-1)  # [N]
+    weights = torch.ones_like(per_row) if weights is None else weights.to(per_row.dtype)
+    return (per_row * weights).sum() / weights.sum().clamp_min(1e-12)
+
+
+class _FusedSoftCE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, draft_logits, target_probs, weights):  # [N, Vd], [N, Vd], [N]
+        norm = weights.sum().clamp_min(1e-12)
+        total = draft_logits.new_zeros((), dtype=torch.float32)
+        for rows in _chunks(draft_logits.shape[0]):
+            z, p = draft_logits[rows].float(), target_probs[rows].float()
+            lse = torch.logsumexp(z, dim=-1)  # [C]
+            per_row = lse * p.sum(-1) - (p * z).sum(-1)  # H(p, softmax(z)) without a log-softmax buffer
+            total = total + (per_row * weights[rows]).sum()
+        ctx.save_for_backward(draft_logits, target_probs, weights)
+        ctx.norm = norm
+        return total / norm
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        draft_logits, target_probs, weights = ctx.saved_tensors
+        grad = torch.empty_like(draft_logits)
+        scale = grad_out / ctx.norm
+        for rows in _chunks(draft_logits.shape[0]):
+            z, p = draft_logits[rows].float(), target_probs[rows].float()
+            g = torch.softmax(z, dim=-1) * p.sum(-1, keepdim=True) - p  # d H(p, softmax(z)) / dz
+            grad[rows] = (g * (weights[rows] * scale).unsqueeze(-1)).to(grad.dtype)
+        return grad, None, None
+
+
+def _chunks(n: int) -> list[slice]:
+    return [slice(i, min(i + CHUNK_ROWS, n)) for i in range(0, n, CHUNK_ROWS)]
+
+
+def soft_cross_entropy(
+    draft_logits: torch.Tensor,  # [N, Vd]
+    target_probs: torch.Tensor,  # [N, Vd]; no gradient flows into the target
+    weights: torch.Tensor | None = None,  # [N]; None = all 1
+) -> torch.Tensor:  # scalar, equal to soft_cross_entropy_reference
+    """Fused soft cross-entropy: same value and gradient as the reference, less memory."""
+    if weights is None:
+        weights = draft_logits.new_ones(draft_logits.shape[0], dtype=torch.float32)
+    return _FusedSoftCE.apply(draft_logits, target_probs.detach(), weights.detach().float())
+
+
+def forward_kl(
+    draft_logits: torch.Tensor,  # [N, Vd]
+    target_probs: torch.Tensor,  # [N, Vd], rows sum to 1
+    weights: torch.Tensor | None = None,  # [N]
+) -> torch.Tensor:  # scalar: weighted mean of KL(p || q) = H(p, q) - H(p)
+    entropy = -(target_probs * target_probs.clamp_min(1e-30).log()).sum(-1)  # [N]
+    weights = torch.ones_like(entropy) if weights is None else weights.to(entropy.dtype)
+    mean_entropy = (entropy * weights).sum() / weights.sum().clamp_min(1e-12)
+    return soft_cross_entropy(draft_logits, target_probs, weights) - mean_entropy
+
+
+def top1_agreement(
+    draft_logits: torch.Tensor,  # [N, Vd]
+    target_probs: torch.Tensor,  # [N, Vd]
+    weights: torch.Tensor | None = None,  # [N] 0/1 mask
+) -> tuple[int, int]:  # (rows where both argmaxes agree, rows counted)
+    agree = draft_logits.argmax(-1) == target_probs.argmax(-1)
+    mask = torch.ones_like(agree) if weights is None else weights > 0
+    return int((agree & mask).sum()), int(mask.sum())
