@@ -1,32 +1,47 @@
-"""`ngram`: prompt-lookup drafting over the request's own context (no model, deterministic)."""
+"""`ngram` / `ngram_tree`: prompt-lookup drafting over the request's own context (no model, deterministic).
+
+`ngram` drafts the continuation after the most recent longest suffix match; `ngram_tree` merges the
+continuations after several matches into one tree, verified in the same single target pass.
+"""
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 from tandem.drafters.base import DrafterBase, register
 from tandem.errors import InvalidParameterError
-from tandem.ops.ngram import ngram_propose
+from tandem.ops.ngram import ngram_candidates
+from tandem.ops.tree import trie_from_sequences
 from tandem.types import DraftTree
 
 
 class NgramDrafter(DrafterBase):
     name = "ngram"
 
-    def __init__(self, num_draft_tokens: int = 4, n_min: int = 1, n_max: int = 4):
-        if not 1 <= n_min <= n_max or num_draft_tokens < 1:
-            raise InvalidParameterError(f"ngram needs 1 <= n_min <= n_max and num_draft_tokens >= 1, got {n_min}, {n_max}, {num_draft_tokens}")
-        self.k, self.n_min, self.n_max = num_draft_tokens, n_min, n_max
-        self.max_nodes = num_draft_tokens
+    def __init__(self, num_draft_tokens: int = 4, n_min: int = 1, n_max: int = 4, candidates: int = 1, max_nodes: int | None = None):
+        if not 1 <= n_min <= n_max or num_draft_tokens < 1 or candidates < 1:
+            raise InvalidParameterError(
+                f"ngram needs 1 <= n_min <= n_max, num_draft_tokens >= 1 and candidates >= 1, got {n_min}, {n_max}, {num_draft_tokens}, {candidates}"
+            )
+        self.k, self.n_min, self.n_max, self.candidates = num_draft_tokens, n_min, n_max, candidates
+        self.max_nodes = max_nodes or num_draft_tokens * candidates
 
     def propose(self, requests, budgets: list[int]) -> list[DraftTree]:
-        drafts = []
-        for request, budget in zip(requests, budgets):
-            k = min(self.k, budget)
-            tokens = ngram_propose(np.asarray(request.all_ids), self.n_min, self.n_max, k) if k > 0 else []
-            drafts.append(DraftTree.chain(tokens))
-        return drafts
+        return [self._propose_one(np.asarray(r.all_ids), min(self.k, b)) for r, b in zip(requests, budgets)]
+
+    def _propose_one(self, context: np.ndarray, k: int) -> DraftTree:
+        if k == 0:
+            return DraftTree.empty()
+        sequences = ngram_candidates(context, self.n_min, self.n_max, k, self.candidates)
+        tokens, parents = trie_from_sequences(sequences, self.max_nodes)
+        return DraftTree(torch.tensor(tokens, dtype=torch.long), torch.tensor(parents, dtype=torch.long))
 
 
 @register("ngram")
 def _build(num_draft_tokens: int = 4, **_) -> NgramDrafter:
     return NgramDrafter(num_draft_tokens=num_draft_tokens)
+
+
+@register("ngram_tree")
+def _build_tree(num_draft_tokens: int = 4, **_) -> NgramDrafter:
+    return NgramDrafter(num_draft_tokens=num_draft_tokens, candidates=3, max_nodes=2 * num_draft_tokens + 2)

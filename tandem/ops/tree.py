@@ -121,3 +121,27 @@ def root_to_leaf_paths(parents: torch.Tensor) -> list[list[int]]:  # parents: [N
 def is_chain(parents: torch.Tensor) -> bool:  # parents: [N]
     """True iff the tree is a single chain [-1, 0, ..., N-2] (so chain fast paths apply)."""
     return torch.equal(parents.cpu().long(), chain_parents(parents.numel()))
+
+
+def trie_from_sequences(sequences: list[list[int]], max_nodes: int) -> tuple[list[int], list[int]]:
+    """Merge token sequences into a prefix tree (tokens, parents) in topological order.
+
+    Shared prefixes become one path; sequences are inserted in order, so earlier ones own the first
+    nodes; insertion stops when `max_nodes` nodes exist.
+    """
+    tokens: list[int] = []
+    parents: list[int] = []
+    child_of: dict[tuple[int, int], int] = {}
+    for sequence in sequences:
+        node = -1
+        for token in sequence:
+            nxt = child_of.get((node, token))
+            if nxt is None:
+                if len(tokens) == max_nodes:
+                    return tokens, parents
+                nxt = len(tokens)
+                tokens.append(token)
+                parents.append(node)
+                child_of[(node, token)] = nxt
+            node = nxt
+    return tokens, parents

@@ -42,7 +42,7 @@ def spec_engine(path, name, batch=4, adaptive=False, **kw):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
-@pytest.mark.parametrize("name", ["ngram", "self_draft"])
+@pytest.mark.parametrize("name", ["ngram", "ngram_tree", "self_draft"])
 def test_drafter_greedy_identical(tiny_dirs, arch, name):
     prompts = repetitive_prompts()
     engine = spec_engine(tiny_dirs[arch], name)

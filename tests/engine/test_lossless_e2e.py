@@ -75,7 +75,7 @@ def sample_outputs(path, drafter_name, params, drafter_model=None) -> tuple[dict
     return counts, engine
 
 
-@pytest.mark.parametrize("drafter_name", ["ngram", "self_draft", "draft_model"])
+@pytest.mark.parametrize("drafter_name", ["ngram", "ngram_tree", "self_draft", "draft_model"])
 @pytest.mark.parametrize("params", [
     SamplingParams(temperature=0.8, top_p=0.9),
     pytest.param(SamplingParams(temperature=1.0, top_k=4), marks=pytest.mark.slow),
