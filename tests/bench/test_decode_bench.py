@@ -1,0 +1,37 @@
+"""`tandem bench decode` and `tandem bench forward` run end to end on a tiny model and report what they promise."""
+import json
+
+import pytest
+
+from tandem.cli import main
+
+
+def test_bench_decode_on_a_user_prompt_file(tiny_llama, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps(x) for x in [
+        {"domain": "code", "prompt": "abcabcabc abc"},
+        {"domain": "sql", "prompt": "select select select"},
+        {"domain": "sql", "prompt": "from x from x from"},
+    ]))
+    out = tmp_path / "out.json"
+    assert main(["bench", "decode", "--model", tiny_llama, "--drafters", "ar,ngram,self_draft", "--prompts", str(prompts),
+                 "--max-tokens", "8", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    for name in ("ar", "ngram", "self_draft"):
+        entry = result["drafters"][name]
+        assert set(entry["per_domain"]) == {"code", "sql"}
+        for summary in [entry["overall"], *entry["per_domain"].values()]:
+            assert {"tokens_per_s", "acceptance_length", "speedup_vs_ar", "greedy_matches_ar"} <= set(summary)
+            assert summary["greedy_matches_ar"] is True
+    assert result["drafters"]["ar"]["overall"]["speedup_vs_ar"] == 1.0
+    assert result["drafters"]["self_draft"]["overall"]["acceptance_length"] > 1.0
+
+
+@pytest.mark.slow  # measures memory bandwidth over 512 MB and times 7 forward sizes
+def test_bench_forward_reports_roofline_and_costs(tiny_llama, tmp_path):
+    out = tmp_path / "fwd.json"
+    assert main(["bench", "forward", "--model", tiny_llama, "--max-tokens", "8", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert {"ar_tokens_per_s", "hf_ar_tokens_per_s", "roofline_tokens_per_s", "cost_ratio"} <= set(result)
+    assert set(result["cost_ratio"]) == {"1", "2", "3", "4", "5", "8", "16"} and result["cost_ratio"]["1"] == 1.0
+    assert result["greedy_matches_hf"] is True
