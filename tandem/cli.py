@@ -145,6 +145,7 @@ def _bench_decode_command(bench) -> None:
     p.add_argument("--drafter-model", default=None)
     p.add_argument("--drafter-path", default=None)
     p.add_argument("--peers", default="", help="comma list: hf")
+    p.add_argument("--no-pack", action="store_true", help="don't prepack target weights (halves memory, slower)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json", dest="json_out", default=None)
     p.set_defaults(func=_bench_decode)
@@ -160,7 +161,7 @@ def _bench_decode(args) -> int:
         model=args.model, drafters=tuple(d for d in args.drafters.split(",") if d), prompts=args.prompts,
         per_domain=args.per_domain, max_tokens=args.max_tokens, batch_size=args.batch_size,
         num_draft_tokens=args.num_draft_tokens, adaptive_k=args.adaptive_k, drafter_model=args.drafter_model,
-        drafter_path=args.drafter_path, peers=tuple(p for p in args.peers.split(",") if p),
+        drafter_path=args.drafter_path, peers=tuple(p for p in args.peers.split(",") if p), pack_weights=not args.no_pack,
     )
     return _emit(run_decode_bench(config), args.json_out)
 

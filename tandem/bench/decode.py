@@ -9,6 +9,8 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass
 
+from tqdm import tqdm
+
 from tandem.bench.machine import machine_info
 from tandem.bench.prompts import Prompt, load_prompts, render_chat
 from tandem.config import SamplingParams
@@ -28,6 +30,7 @@ class DecodeBenchConfig:
     drafter_model: str | None = None  # draft_model / HF assisted generation
     drafter_path: str | None = None  # eagle / mtp heads
     peers: tuple[str, ...] = ()  # "hf"
+    pack_weights: bool = True  # False saves a copy of the weights (big targets next to HF peers in one process)
 
     def __post_init__(self) -> None:
         if "ar" not in self.drafters:
@@ -95,7 +98,7 @@ def run_decode_bench(config: DecodeBenchConfig) -> dict:
     """Every runner (tandem drafters, then HF peers) decodes each prompt batch in turn, interleaved."""
     from tandem.llm import LLM
 
-    base = LLM(model=config.model, max_batch_size=config.batch_size)
+    base = LLM(model=config.model, max_batch_size=config.batch_size, pack_weights=config.pack_weights)
     prompts = _prompts(config)
     token_ids = render_chat(prompts, base.tokenizer)
     params = SamplingParams(max_tokens=config.max_tokens, temperature=0.0)
@@ -107,7 +110,7 @@ def run_decode_bench(config: DecodeBenchConfig) -> dict:
     for run in runners.values():
         run([token_ids[0][:16]])  # warm-up
     tallies: dict[str, dict[str, Tally]] = {name: {} for name in runners}
-    for start in range(0, len(prompts), config.batch_size):
+    for start in tqdm(range(0, len(prompts), config.batch_size), desc="bench decode", unit="batch"):
         batch = list(range(start, min(start + config.batch_size, len(prompts))))
         reference = None
         for name, run in runners.items():  # "ar" first: the reference for greedy identity
