@@ -2,11 +2,17 @@
 
 Acceptance per draft position is an EMA per request (seeded from the engine-wide EMA); costs are EMAs
 of what the engine measured (draft ms per drafted token, verify ms per draft length). When speculation
-does not pay (k = 0) the request still probes with a short draft now and then, so it can come back.
+does not pay (k = 0) the request still probes with a short draft now and then, so it can come back;
+probes are spaced so they cost at most 5 % of plain decoding (rarer for expensive drafters).
 """
 from __future__ import annotations
 
+import math
+
 from tandem.ops.cost import best_draft_length
+
+PROBE_K = 2  # draft length of a probe while speculation is off
+PROBE_BUDGET = 0.05  # probes may cost at most this fraction of plain decoding time
 
 
 class AdaptiveDraftLength:
@@ -27,9 +33,15 @@ class AdaptiveDraftLength:
         if k == 0:
             idle = self.idle_steps.get(request.request_id, 0) + 1
             self.idle_steps[request.request_id] = idle
-            if idle % self.probe_every == 0:
-                return min(2, self.max_k)
+            if idle % self._probe_interval() == 0:
+                return min(PROBE_K, self.max_k)
         return k
+
+    def _probe_interval(self) -> int:
+        """Idle steps between probes, so that probing costs at most PROBE_BUDGET of plain decoding time."""
+        costs = self._verify_costs()
+        probe_ms = PROBE_K * (self.draft_ms_per_token or 0.0) + costs[min(PROBE_K, self.max_k)] - costs[0]
+        return max(self.probe_every, math.ceil(probe_ms / (PROBE_BUDGET * costs[0])))
 
     def observe(self, requests, drafts, results, draft_s: float, verify_s: float) -> None:
         width = max(len(d) for d in drafts)

@@ -20,6 +20,6 @@ def best_draft_length(alphas: list[float], draft_ms_per_token: float, verify_ms:
     best_k, best_rate = 0, 1.0 / verify_ms[0]
     for k in range(1, min(len(alphas), len(verify_ms) - 1) + 1):
         rate = expected_tokens_per_step(alphas, k) / (k * draft_ms_per_token + verify_ms[k])
-        if rate > best_rate * 1.02:  # a small margin: don't flip to speculation on noise
+        if rate > best_rate * 1.05:  # a margin: don't speculate at break-even, where noise decides
             best_k, best_rate = k, rate
     return best_k
