@@ -29,6 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     _generate_command(sub)
     _bench_commands(sub)
     _prompts_command(sub)
+    _train_command(sub)
     _demo_command(sub)
     return parser
 
@@ -177,6 +178,12 @@ def _prompts_fetch(args) -> int:
 
     print(ensure_builtin_prompts())
     return 0
+
+
+def _train_command(sub) -> None:
+    from tandem.training.offline import add_train_command
+
+    add_train_command(sub)
 
 
 def _demo_command(sub) -> None:

@@ -135,8 +135,7 @@ def _prompts(config: DecodeBenchConfig) -> list[Prompt]:
 def _llm_for(base, name: str, config: DecodeBenchConfig):
     if name == "ar":
         return base
-    drafter = "eagle" if name == "eagle_tree" else name
-    return base.with_drafter(drafter, config.num_draft_tokens, config.drafter_model, config.drafter_path, config.adaptive_k)
+    return base.with_drafter(name, config.num_draft_tokens, config.drafter_model, config.drafter_path, config.adaptive_k)
 
 
 def _tally(per_domain: dict, domains: list[str], outputs, seconds: float, reference) -> None:

@@ -1,0 +1,383 @@
+"""An EAGLE-3-style draft head: one decoder layer over fused target features, with a reduced vocabulary.
+
+Shapes and the one-step shift (positions are sequence positions; x_t is token t, f_t the target feature
+at position t, i.e. what the target computed after reading x_0..x_t):
+
+    fused f_t      = fc([h_low_t; h_mid_t; h_high_t])                          [3 d_target] -> [d]
+    layer input t  = [input_norm(embed(x_{t+1})); hidden_norm(f_t)]            [2d]
+    h_t            = f_t + attn(input) ; h_t += mlp(mlp_norm(h_t))            [d]
+    logits_t       = lm_head(norm(h_t)) over the draft vocabulary              predicts x_{t+2}
+
+Draft-cache entry j holds (f_j, x_{j+1}) at RoPE position j. After the target committed n tokens and the
+pending token x_n was emitted, entry n-1 predicts the first draft token; a draft node at depth d sits at
+position n + d and is fed its parent's output h instead of a target feature (the "training-time test":
+`unroll` trains exactly that).
+
+The token embedding is the target's (shared, frozen, never saved); the LM head covers only
+`draft_to_target` [Vd], the most frequent target tokens in observed traffic, initialised from the
+target's LM head rows. Files: `model.safetensors` + `eagle_config.json` (schema version and the target's
+identity: loading a head for another target raises ModelLoadError).
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tandem.errors import InvalidParameterError, ModelLoadError
+from tandem.models.config import ModelConfig
+from tandem.models.kv_cache import AttentionBatch, KVCache, build_attention_batch
+from tandem.models.transformer import MLP, Linear, RMSNorm, Transformer, apply_rope, rope_inv_freq
+
+SCHEMA_VERSION = 1
+CONFIG_FILE = "eagle_config.json"
+WEIGHTS_FILE = "model.safetensors"
+
+
+def target_identity(cfg: ModelConfig) -> str:
+    """A string naming the target a head was trained for: shape plus a hash of its whole config."""
+    digest = hashlib.sha256(json.dumps(dataclasses.asdict(cfg), sort_keys=True).encode()).hexdigest()[:12]
+    return f"{cfg.arch}-L{cfg.num_layers}-d{cfg.hidden_size}-V{cfg.vocab_size}-{digest}"
+
+
+def default_taps(num_layers: int) -> tuple[int, int, int]:
+    """(low, mid, high) target layers as in EAGLE-3: (2, L//2, L-3), squeezed into shallow models."""
+    if num_layers >= 6:
+        return 2, num_layers // 2, num_layers - 3
+    if num_layers < 3:
+        raise InvalidParameterError(f"EAGLE taps 3 distinct layers; the target has {num_layers}")
+    return 0, num_layers // 2, num_layers - 1
+
+
+@dataclass(frozen=True)
+class EagleConfig:
+    hidden_size: int  # width of the draft layer (= the target's: the embedding is shared)
+    target_hidden: int  # width of each tapped target hidden state
+    num_heads: int  # attention heads of the draft layer
+    num_kv_heads: int  # key/value heads (GQA)
+    head_dim: int
+    intermediate_size: int  # MLP width of the draft layer
+    taps: tuple[int, int, int]  # (low, mid, high) target layers whose outputs are fused
+    draft_vocab_size: int  # Vd: rows of the draft LM head
+    target_vocab_size: int  # V: the target's vocabulary (draft_to_target indexes it)
+    target_id: str  # target_identity() of the target this head drafts for
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    schema_version: int = SCHEMA_VERSION
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "taps", tuple(int(t) for t in self.taps))
+        if len(self.taps) != 3 or list(self.taps) != sorted(set(self.taps)):
+            raise InvalidParameterError(f"taps must be 3 increasing layer indices, got {self.taps}")
+        if self.hidden_size != self.target_hidden:
+            raise InvalidParameterError("the draft layer shares the target's embedding, so hidden_size must equal target_hidden")
+        if self.num_heads % self.num_kv_heads:
+            raise InvalidParameterError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+        if not 1 <= self.draft_vocab_size <= self.target_vocab_size:
+            raise InvalidParameterError(f"draft_vocab_size must be in [1, {self.target_vocab_size}], got {self.draft_vocab_size}")
+
+    @classmethod
+    def for_target(cls, cfg: ModelConfig, draft_vocab_size: int | None = None, taps: tuple[int, int, int] | None = None) -> "EagleConfig":
+        """A head shaped like one layer of the target (EAGLE-3's choice)."""
+        return cls(
+            hidden_size=cfg.hidden_size, target_hidden=cfg.hidden_size, num_heads=cfg.num_heads,
+            num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, intermediate_size=cfg.intermediate_size,
+            taps=taps or default_taps(cfg.num_layers), draft_vocab_size=min(draft_vocab_size or cfg.vocab_size, cfg.vocab_size),
+            target_vocab_size=cfg.vocab_size, target_id=target_identity(cfg), rms_norm_eps=cfg.rms_norm_eps,
+            rope_theta=cfg.rope_theta,
+        )
+
+    def layer_config(self) -> ModelConfig:
+        """The draft layer as a one-layer Llama config (for its KV cache, MLP and RoPE)."""
+        return ModelConfig(
+            arch="llama", vocab_size=self.draft_vocab_size, hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size, num_layers=1, num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, rms_norm_eps=self.rms_norm_eps,
+            rope_theta=self.rope_theta,
+        )
+
+
+# ---- the reduced draft vocabulary ---------------------------------------------------------------------
+def draft_vocab_from_tokens(token_lists: Iterable[Iterable[int]], size: int, target_vocab: int) -> torch.Tensor:  # [size] long
+    """The `size` most frequent target tokens in observed traffic, most frequent first.
+
+    Ties and the tail (when fewer distinct tokens were seen) go to the lowest ids: BPE gives low ids to
+    its earliest, most frequent merges.
+    """
+    if not 1 <= size <= target_vocab:
+        raise InvalidParameterError(f"draft vocabulary size must be in [1, {target_vocab}], got {size}")
+    counts = Counter(t for ids in token_lists for t in ids)
+    seen = sorted((t for t in counts if 0 <= t < target_vocab), key=lambda t: (-counts[t], t))[:size]
+    chosen = set(seen)
+    tail = (t for t in range(target_vocab) if t not in chosen)
+    return torch.tensor(seen + [next(tail) for _ in range(size - len(seen))], dtype=torch.long)
+
+
+def target_to_draft(draft_to_target: torch.Tensor, target_vocab: int) -> torch.Tensor:  # [V] long, -1 = not drafted
+    out = torch.full((target_vocab,), -1, dtype=torch.long)
+    out[draft_to_target] = torch.arange(draft_to_target.numel())
+    return out
+
+
+def expand_to_target(
+    draft_probs: torch.Tensor,  # [N, Vd]
+    draft_to_target: torch.Tensor,  # [Vd] long
+    target_vocab: int,
+) -> torch.Tensor:  # [N, V]: zeros outside the draft vocabulary
+    out = draft_probs.new_zeros(draft_probs.shape[0], target_vocab)
+    return out.index_copy_(1, draft_to_target.to(draft_probs.device), draft_probs)
+
+
+# ---- attention over a draft tree kept in the cache --------------------------------------------------------
+def tree_cache_mask(
+    prefix_lens: torch.Tensor,  # [B] committed draft-cache entries per row (visible to every node)
+    ancestors: torch.Tensor,  # [B, M, M] bool: node i sees node j (itself and its ancestors); M nodes after the prefix
+    num_query: int,  # the last num_query nodes are this forward's queries
+) -> torch.Tensor:  # [B, 1, T, S] bool, S = max(prefix) + M
+    batch, m = ancestors.shape[0], ancestors.shape[1]
+    total = int(prefix_lens.max()) + m
+    key = torch.arange(total).view(1, 1, total)
+    start = prefix_lens.view(batch, 1, 1)
+    rel = key - start  # [B, 1, S] index of a key among the tree nodes
+    in_tree = (rel >= 0) & (rel < m)
+    queries = ancestors[:, m - num_query :].to(torch.bool).cpu()  # [B, T, M]
+    seen = torch.gather(queries, 2, rel.clamp(0, m - 1).expand(batch, num_query, total))  # [B, T, S]
+    return ((key < start) | (in_tree & seen)).unsqueeze(1)
+
+
+def unroll_mask(roots: torch.Tensor, num_tokens: int, step: int) -> torch.Tensor:  # [R, T + step R] bool
+    """Training-time-test attention at unroll step s for chains rooted at `roots` [R]: causal over the T
+    target-feature entries (up to the root), then each chain sees only its own entries from steps 1..s
+    (one per step, on the diagonal)."""
+    causal = torch.arange(num_tokens).unsqueeze(0) <= roots.unsqueeze(1)
+    return torch.cat([causal] + [torch.eye(len(roots), dtype=torch.bool)] * step, dim=1)
+
+
+# ---- modules ----------------------------------------------------------------------------------------------
+class EagleAttention(nn.Module):
+    """Llama attention whose q/k/v read the 2d-wide [embedding; feature] input."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.qkv = Linear(2 * cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size)
+        self.o = Linear(cfg.q_size, cfg.hidden_size)
+
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):  # x [B, T, 2d] -> q, k, v [B, T, heads, D]
+        cfg = self.cfg
+        b, t, _ = x.shape
+        qk, v = self.qkv(x).split([cfg.q_size + cfg.kv_size, cfg.kv_size], dim=-1)
+        qk = apply_rope(qk.view(b, t, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim), cos, sin)
+        q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=2)
+        return q, k, v.view(b, t, cfg.num_kv_heads, cfg.head_dim)
+
+    def attend(
+        self,
+        q: torch.Tensor,  # [B, T, H, D]
+        keys: torch.Tensor,  # [B, Hkv, S, D]
+        values: torch.Tensor,  # [B, Hkv, S, D]
+        mask: torch.Tensor | None,  # [B or 1, 1, T, S] bool
+        is_causal: bool,
+    ) -> torch.Tensor:  # [B, T, d]
+        b, t = q.shape[:2]
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), keys, values, attn_mask=mask, is_causal=is_causal,
+            enable_gqa=self.cfg.num_heads != self.cfg.num_kv_heads,
+        )
+        return self.o(out.transpose(1, 2).reshape(b, t, self.cfg.q_size))
+
+    def forward(self, x, cos, sin, cache: KVCache | None, batch: AttentionBatch) -> torch.Tensor:  # [B, T, d]
+        q, k, v = self.project(x, cos, sin)
+        keys, values = _cache_keys_values(cache, k, v, batch)
+        return self.attend(q, keys, values, batch.mask, batch.is_causal)
+
+
+def _cache_keys_values(cache: KVCache | None, k: torch.Tensor, v: torch.Tensor, batch: AttentionBatch):  # -> [B, Hkv, S, D] x2
+    """Write this forward's k, v [B, T, Hkv, D] into the one-layer cache and read back the visible keys."""
+    if cache is None:
+        return k.transpose(1, 2), v.transpose(1, 2)
+    layer_k, layer_v = cache.k[0, batch.rows], cache.v[0, batch.rows]
+    rows = torch.arange(k.shape[0]).unsqueeze(1).expand_as(batch.write_slots)
+    layer_k[rows, :, batch.write_slots] = k
+    layer_v[rows, :, batch.write_slots] = v
+    return layer_k[:, :, : batch.total_len], layer_v[:, :, : batch.total_len]
+
+
+class EagleHead(nn.Module):
+    def __init__(self, cfg: EagleConfig, target_embed: torch.Tensor, draft_to_target: torch.Tensor):  # [V, d], [Vd]
+        super().__init__()
+        if tuple(target_embed.shape) != (cfg.target_vocab_size, cfg.hidden_size):
+            raise ModelLoadError(f"target embedding {tuple(target_embed.shape)} does not fit the head's config")
+        if tuple(draft_to_target.shape) != (cfg.draft_vocab_size,):
+            raise ModelLoadError(f"draft_to_target has shape {tuple(draft_to_target.shape)}, expected ({cfg.draft_vocab_size},)")
+        self.cfg = cfg
+        layer = cfg.layer_config()
+        self.register_buffer("embed_weight", target_embed.detach(), persistent=False)  # shared with the target, frozen
+        self.register_buffer("draft_to_target", draft_to_target.long().clone())  # [Vd]
+        self.fc = Linear(3 * cfg.target_hidden, cfg.hidden_size)
+        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attn = EagleAttention(layer)
+        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(layer)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = Linear(cfg.hidden_size, cfg.draft_vocab_size)
+        self.register_buffer("inv_freq", rope_inv_freq(layer), persistent=False)
+
+    def linears(self) -> list[Linear]:
+        return [m for m in self.modules() if isinstance(m, Linear)]
+
+    def pack(self) -> None:
+        """Prepack the Linears for CPU inference; call again after the weights changed."""
+        for lin in self.linears():
+            lin.pack(batch_hint=4)
+
+    def unpack(self) -> None:
+        for lin in self.linears():
+            lin.unpack()
+
+    def fuse(self, taps: tuple[torch.Tensor, ...] | list[torch.Tensor]) -> torch.Tensor:  # 3 x [..., d_t] -> [..., d]
+        return self.fc(torch.cat([t.to(self.fc.weight.dtype) for t in taps], dim=-1))
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [B, T] target token ids x_{t+1}
+        features: torch.Tensor,  # [B, T, d] fused target features f_t, or the head's own output h for draft nodes
+        positions: torch.Tensor | None = None,  # [B, T]; default: cache length + arange(T)
+        cache: KVCache | None = None,
+        rows: slice | None = None,
+        tree_mask: torch.Tensor | None = None,  # [B, T, T] among the new entries (cached entries all visible)
+        cache_mask: torch.Tensor | None = None,  # [B, 1, T, S] over the whole cache (draft trees); overrides tree_mask
+        logits_at: torch.Tensor | None = None,  # [B] long: the one position per row whose logits are wanted; None = all
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # logits [B, T, Vd] (or [B, 1, Vd] with logits_at), hidden [B, T, d]
+        b, t = input_ids.shape
+        batch = build_attention_batch(cache, rows, t, tree_mask, b, input_ids.device)
+        if cache_mask is not None:
+            batch = dataclasses.replace(batch, mask=cache_mask.to(input_ids.device), is_causal=False)
+        cos, sin = self._rope(batch.write_slots.to(input_ids.device) if positions is None else positions)
+        hidden = self._residual(features, self.attn(self._layer_input(input_ids, features), cos, sin, cache, batch))
+        if cache is not None:
+            cache.lengths[batch.rows] += t
+        if logits_at is not None:
+            return self.lm_head(self.norm(hidden[torch.arange(b), logits_at.to(hidden.device)].unsqueeze(1))), hidden
+        return self.lm_head(self.norm(hidden)), hidden
+
+    def unroll(
+        self,
+        input_ids: torch.Tensor,  # [B, T + steps - 1]: x_1 .. (token t+1 pairs with feature t)
+        fused: torch.Tensor,  # [B, T, d] fused target features f_0 .. f_{T-1}
+        steps: int,
+        chain_roots: torch.Tensor | None = None,  # [R] increasing: roots whose chains go past step 0; None = all T
+    ) -> list[torch.Tensor]:  # [B, T, Vd], then steps-1 x [B, R, Vd]: step s at root t predicts x_{t+s+2}
+        """Training-time test: step s feeds step s-1's hidden states back in place of target features.
+
+        Step 0 runs over every position (its keys are the context of every chain); later steps are
+        independent per chain, so training may unroll only a sample of roots (`chain_roots`).
+        """
+        t = fused.shape[1]
+        roots = torch.arange(t)
+        keys, values, logits = [], [], []
+        features = fused
+        for step in range(steps):
+            if step == 1 and chain_roots is not None:
+                roots = chain_roots.cpu()
+                features = features[:, chain_roots.to(features.device)]
+            index = (roots + step).to(fused.device)
+            cos, sin = self._rope(index.unsqueeze(0))
+            q, k, v = self.attn.project(self._layer_input(input_ids[:, index], features), cos, sin)
+            keys.append(k.transpose(1, 2))
+            values.append(v.transpose(1, 2))
+            mask = unroll_mask(roots, t, step).to(fused.device).view(1, 1, len(roots), -1)
+            features = self._residual(features, self.attn.attend(q, torch.cat(keys, 2), torch.cat(values, 2), mask, False))
+            logits.append(self.lm_head(self.norm(features)))
+        return logits
+
+    def _layer_input(self, input_ids: torch.Tensor, features: torch.Tensor) -> torch.Tensor:  # -> [B, T, 2d]
+        embeds = F.embedding(input_ids, self.embed_weight).to(features.dtype)
+        return torch.cat([self.input_norm(embeds), self.hidden_norm(features)], dim=-1)
+
+    def _residual(self, features: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:  # -> [B, T, d]
+        hidden = features + attn_out
+        return hidden + self.mlp(self.mlp_norm(hidden))
+
+    def _rope(self, positions: torch.Tensor):  # [B, T] -> cos, sin_signed [B, T, 1, head_dim]
+        freqs = positions.float().unsqueeze(-1) * self.inv_freq
+        cos, sin = freqs.cos(), freqs.sin()
+        return torch.cat((cos, cos), -1).unsqueeze(2), torch.cat((-sin, sin), -1).unsqueeze(2)
+
+
+def new_eagle_head(target: Transformer, cfg: EagleConfig, draft_to_target: torch.Tensor, generator: torch.Generator | None = None) -> EagleHead:
+    """An untrained head for `target`: LM head rows and final norm copied from the target, fc passing the
+    high tap through, the rest small random (std 0.02)."""
+    check_target(cfg.target_id, cfg.target_vocab_size, target.cfg)
+    head = EagleHead(cfg, target.embed.weight, draft_to_target)
+    with torch.no_grad():
+        for lin in head.linears():
+            lin.weight.normal_(0.0, 0.02, generator=generator)
+        d = cfg.hidden_size
+        head.fc.weight[:, 2 * d :] += torch.eye(d)
+        head.lm_head.weight.copy_(target.lm_head.weight.detach().float()[head.draft_to_target])
+        head.norm.weight.copy_(target.norm.weight.detach().float())
+    return head
+
+
+# ---- files --------------------------------------------------------------------------------------------------
+def save_head_files(out_dir: str | Path, module: nn.Module, config_file: str, config: dict) -> Path:
+    """Write `model.safetensors` (persistent state only: never the shared target embedding) + a config JSON."""
+    from safetensors.torch import save_file
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().contiguous().cpu() for k, v in module.state_dict().items()}
+    save_file(state, str(out_dir / WEIGHTS_FILE))
+    (out_dir / config_file).write_text(json.dumps(config, indent=2) + "\n")
+    return out_dir
+
+
+def read_head_files(path: str | Path, config_file: str, schema_version: int) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(config dict, tensors) of a saved head; ModelLoadError on anything missing, corrupt or of another schema."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    try:
+        config = json.loads((path / config_file).read_text())
+        tensors = load_file(str(path / WEIGHTS_FILE))
+    except (OSError, ValueError, RuntimeError) as e:
+        raise ModelLoadError(f"cannot read a drafter head from {path}: {e}") from e
+    if config.get("schema_version") != schema_version:
+        raise ModelLoadError(f"{path / config_file} has schema version {config.get('schema_version')}, expected {schema_version}")
+    return config, tensors
+
+
+def check_target(target_id: str, target_vocab: int, cfg: ModelConfig) -> None:
+    if target_id != target_identity(cfg) or target_vocab != cfg.vocab_size:
+        raise ModelLoadError(f"this head was trained for target {target_id!r}; the target is {target_identity(cfg)!r}")
+
+
+def save_eagle(head: EagleHead, out_dir: str | Path) -> Path:
+    return save_head_files(out_dir, head, CONFIG_FILE, dataclasses.asdict(head.cfg))
+
+
+def load_eagle(path: str | Path, target: Transformer) -> EagleHead:
+    config, tensors = read_head_files(path, CONFIG_FILE, SCHEMA_VERSION)
+    try:
+        cfg = EagleConfig(**config)
+    except (TypeError, InvalidParameterError) as e:
+        raise ModelLoadError(f"bad {CONFIG_FILE} in {path}: {e}") from e
+    check_target(cfg.target_id, cfg.target_vocab_size, target.cfg)
+    if "draft_to_target" not in tensors:
+        raise ModelLoadError(f"{path / WEIGHTS_FILE} lacks draft_to_target")
+    head = EagleHead(cfg, target.embed.weight, tensors["draft_to_target"])
+    try:
+        head.load_state_dict(tensors, strict=True)
+    except RuntimeError as e:
+        raise ModelLoadError(f"{path / WEIGHTS_FILE} does not match {CONFIG_FILE}: {e}") from e
+    return head.eval()

@@ -1,0 +1,1 @@
+"""Training drafter heads: offline (from the target's own continuations of prompts)."""

@@ -1,0 +1,224 @@
+"""The eagle / eagle_tree drafters: greedy identity, tree shapes, sampled losslessness, learning helps."""
+import pytest
+import torch
+
+from tandem.config import EngineConfig, SamplingParams
+from tandem.drafters import build_drafter
+from tandem.drafters.eagle import EagleDrafter, TreeOptions, sibling_ranks
+from tandem.engine.engine import Engine
+from tandem.errors import InvalidParameterError
+from tandem.models.eagle import EagleConfig, save_eagle
+from tandem.models.loader import load_transformer
+from tandem.models.tiny import make_tiny_model
+from tandem.training.offline import TrainConfig, build_examples, train_head
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+STATIC = [-1, -1, 0, 0, 1, 2, 2, 4]
+
+
+def prompts(n=4, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 256, (int(length),), generator=gen).tolist() for length in torch.randint(4, 20, (n,), generator=gen)]
+
+
+def load(path):
+    model = load_transformer(path)
+    model.pack()
+    return model
+
+
+def plain(path, prompt_ids, params):
+    return [r.output_ids for r in Engine(load(path), EngineConfig(max_batch_size=4)).run(prompt_ids, params)]
+
+
+def spec_engine(path, name, batch=4, **kw):
+    target = load(path)
+    drafter = build_drafter(name, target=target, num_draft_tokens=4, max_batch=batch, max_len=256, **kw)
+    return Engine(target, EngineConfig(max_batch_size=batch, max_model_len=256), drafter=drafter)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("name,kw", [("eagle", {}), ("eagle_tree", {}), ("eagle", {"tree_parents": STATIC})])
+def test_greedy_identical(tiny_dirs, arch, name, kw):
+    ps = prompts()
+    engine = spec_engine(tiny_dirs[arch], name, **kw)
+    assert [r.output_ids for r in engine.run(ps, [GREEDY] * 4)] == plain(tiny_dirs[arch], ps, [GREEDY] * 4)
+    assert engine.stats.drafted_tokens > 0
+
+
+@pytest.mark.parametrize("name", ["eagle", "eagle_tree"])
+def test_greedy_identical_when_rows_move(tiny_llama, name):
+    """Requests of different lengths through 2 rows: rows are refilled and moved (draft state must follow)."""
+    ps = prompts(5, seed=1)
+    params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in (9, 30, 3, 17, 22)]
+    engine = spec_engine(tiny_llama, name, batch=2, draft_vocab_size=200)
+    assert [r.output_ids for r in engine.run(ps, params)] == plain(tiny_llama, ps, params)
+
+
+def test_mixed_batch_keeps_greedy_rows_identical(tiny_llama):
+    """A sampled request in the batch turns trees into chains; greedy rows still match plain decoding."""
+    ps = prompts()
+    params = [GREEDY, SamplingParams(max_tokens=24, temperature=0.9, seed=3, ignore_eos=True), GREEDY, GREEDY]
+    got = [r.output_ids for r in spec_engine(tiny_llama, "eagle_tree").run(ps, params)]
+    want = plain(tiny_llama, ps, params)
+    assert [got[i] for i in (0, 2, 3)] == [want[i] for i in (0, 2, 3)]
+
+
+class Req:
+    """A DraftContext stand-in."""
+
+    def __init__(self, all_ids, row=0, params=GREEDY):
+        self.row, self.request_id, self.params, self.generator = row, f"r{row}", params, torch.Generator().manual_seed(0)
+        self.all_ids = all_ids
+
+
+def catch_up(drafter, target, prompt, row=0):
+    """Prefill the target and the drafter for one request, as the engine does."""
+    with torch.inference_mode():
+        out = target(torch.tensor([prompt]), taps=drafter.taps)
+    request = Req(prompt + [int(out.logits[0, -1].argmax())], row)
+    drafter.on_prefill(request, out)
+    return request
+
+
+def test_batched_catch_up_drafts_what_each_request_drafts_alone(tiny_llama):
+    """Rows with queues of different lengths (one longer than PAD_LIMIT) share one padded forward."""
+    target = load(tiny_llama)
+    gen = torch.Generator().manual_seed(4)
+    short, long = torch.randint(0, 256, (5,), generator=gen).tolist(), torch.randint(0, 256, (23,), generator=gen).tolist()
+    make = lambda batch: build_drafter("eagle", target=target, num_draft_tokens=4, max_batch=batch, max_len=64)  # noqa: E731
+    both = make(2)
+    together = both.propose([catch_up(both, target, short, 0), catch_up(both, target, long, 1)], [4, 4])
+    alone = [(d := make(1)).propose([catch_up(d, target, p)], [4])[0] for p in (short, long)]
+    assert [t.tokens.tolist() for t in together] == [t.tokens.tolist() for t in alone]
+
+
+def test_static_tree_first_children_path_is_the_greedy_chain(tiny_llama):
+    """Siblings share the draft cache but must be invisible to each other: the rank-0 path equals the chain."""
+    target = load(tiny_llama)
+    tree = build_drafter("eagle", target=target, num_draft_tokens=4, max_batch=1, max_len=64, tree_parents=[-1, -1, 0, 0, 2, 2, 4, 4])
+    chain = build_drafter("eagle", target=target, num_draft_tokens=4, max_batch=1, max_len=64)
+    prompt = prompts(1)[0]
+    tree_draft = tree.propose([catch_up(tree, target, prompt)], [8])[0]
+    chain_draft = chain.propose([catch_up(chain, target, prompt)], [4])[0]
+    assert tree_draft.tokens[[0, 2, 4, 6]].tolist() == chain_draft.tokens.tolist()
+
+
+def test_dynamic_tree_shape(tiny_llama):
+    target = load(tiny_llama)
+    drafter = build_drafter("eagle_tree", target=target, num_draft_tokens=4, max_batch=1, max_len=64, max_nodes=10, tree_topk=3)
+    request = catch_up(drafter, target, prompts(1)[0])
+    draft = drafter.propose([request], [50])[0]
+    assert len(draft) == 10 and draft.draft_probs is None
+    assert all(-1 <= p < i for i, p in enumerate(draft.parents.tolist()))  # topological
+    assert len(set(zip(draft.parents.tolist(), draft.tokens.tolist()))) == 10  # no duplicate children
+    assert sum(1 for p in draft.parents.tolist() if p == -1) <= 3
+    assert drafter.max_nodes == 10
+
+
+def test_budgets_cap_the_tree(tiny_llama):
+    target = load(tiny_llama)
+    drafter = build_drafter("eagle_tree", target=target, num_draft_tokens=4, max_batch=1, max_len=64)
+    assert len(drafter.propose([catch_up(drafter, target, prompts(1)[0])], [2])[0]) == 2
+
+
+def test_options_validate():
+    assert sibling_ranks((-1, -1, 0, 0, 1, -1)) == [0, 1, 0, 1, 0, 2]
+    with pytest.raises(InvalidParameterError):
+        TreeOptions("bushy")
+    with pytest.raises(InvalidParameterError):
+        TreeOptions("static", parents=(0,))
+
+
+def test_sampled_drafts_report_rows_inside_the_draft_vocabulary(tiny_llama):
+    target = load(tiny_llama)
+    drafter = build_drafter("eagle", target=target, num_draft_tokens=3, max_batch=1, max_len=64, draft_vocab_size=100)
+    request = catch_up(drafter, target, prompts(1)[0])
+    request.params = SamplingParams(temperature=0.8, top_p=0.95)
+    draft = drafter.propose([request], [3])[0]
+    assert draft.draft_probs.shape == (3, target.cfg.vocab_size)
+    assert torch.allclose(draft.draft_probs.sum(-1), torch.ones(3))
+    outside = torch.ones(target.cfg.vocab_size, dtype=torch.bool)
+    outside[drafter.draft_to_target] = False
+    assert draft.draft_probs[:, outside].sum() == 0
+    assert (draft.draft_probs.gather(1, draft.tokens.view(-1, 1)) > 0).all()
+
+
+def test_wrong_number_of_hidden_states_is_refused(tiny_llama):
+    target = load(tiny_llama)
+    drafter = build_drafter("eagle", target=target, max_batch=1, max_len=64)
+    out = target(torch.tensor([[1, 2, 3]]), taps=(0,))
+    with pytest.raises(InvalidParameterError, match="taps"):
+        drafter.on_prefill(catch_up(drafter, target, [1, 2]), out)
+
+
+VOCAB = 12
+PROMPT = [3, 5, 7, 3, 5]
+SAMPLED = SamplingParams(temperature=0.8, top_p=0.9)
+
+
+def exact_distribution(target, length=3) -> dict[tuple, float]:
+    from tandem.ops.sampling import sampling_probs
+
+    dist = {(): 1.0}
+    for _ in range(length):
+        contexts = [c for c in dist if dist[c] > 0]
+        with torch.inference_mode():
+            logits = target(torch.tensor([PROMPT + list(c) for c in contexts])).logits[:, -1]
+        n = len(contexts)
+        probs = sampling_probs(logits, torch.full((n,), SAMPLED.temperature), torch.zeros(n, dtype=torch.long), torch.full((n,), SAMPLED.top_p))
+        dist = {c + (t,): dist[c] * probs[i, t].item() for i, c in enumerate(contexts) for t in range(VOCAB)}
+    return dist
+
+
+def chi_square_p_value(counts: dict, dist: dict, samples: int) -> float:
+    from scipy.stats import chi2
+
+    big = [c for c in dist if dist[c] * samples >= 5]
+    stat = sum((counts.get(c, 0) - dist[c] * samples) ** 2 / (dist[c] * samples) for c in big)
+    rest_expected = samples * (1 - sum(dist[c] for c in big))
+    rest_observed = samples - sum(counts.get(c, 0) for c in big)
+    if rest_expected >= 5:
+        stat += (rest_observed - rest_expected) ** 2 / rest_expected
+        return float(chi2.sf(stat, len(big)))
+    return 0.0 if rest_observed > 10 else float(chi2.sf(stat, len(big) - 1))
+
+
+@pytest.mark.parametrize("name", ["eagle", pytest.param("eagle_tree", marks=pytest.mark.slow), pytest.param("mtp", marks=pytest.mark.slow)])
+def test_sampled_output_has_target_distribution_with_a_reduced_vocabulary(tmp_path, name):
+    """Chi-square test of the first three sampled tokens (false-failure probability 1e-4, fixed seeds).
+
+    The draft vocabulary holds 8 of the 12 tokens, so drafts have zero probability on 4 target tokens.
+    """
+    path = make_tiny_model(tmp_path / "v12", "llama", seed=11, vocab_size=VOCAB)
+    samples = 1200
+    engine = spec_engine(path, name, batch=64, draft_vocab_size=8)
+    params = [SamplingParams(max_tokens=3, temperature=SAMPLED.temperature, top_p=SAMPLED.top_p, seed=s, ignore_eos=True) for s in range(samples)]
+    runs = engine.run([PROMPT] * samples, params)
+    assert engine.stats.drafted_tokens > 0 and engine.stats.accepted_tokens < engine.stats.drafted_tokens
+    counts: dict[tuple, int] = {}
+    for r in runs:
+        counts[tuple(r.output_ids)] = counts.get(tuple(r.output_ids), 0) + 1
+    assert chi_square_p_value(counts, exact_distribution(load(path)), samples) > 1e-4
+
+
+def acceptance(target, drafter, ps):
+    engine = Engine(target, EngineConfig(max_batch_size=4, max_model_len=256), drafter=drafter)
+    engine.run(ps, [GREEDY] * len(ps))
+    return engine.stats.acceptance_length
+
+
+def test_training_improves_acceptance(tiny_llama, tmp_path):
+    """~50 steps on the target's own continuations of 4 prompts beat the untrained head on them."""
+    torch.manual_seed(0)
+    target = load(tiny_llama)
+    ps = prompts(4, seed=5)
+    examples = build_examples(target, ps, 24, EagleConfig.for_target(target.cfg).taps)
+    cfg = TrainConfig(drafter="eagle", steps=50, batch_size=4, lr=3e-2, holdout=0.0, draft_vocab=target.cfg.vocab_size, unroll=3)
+    head, report = train_head(cfg, target, examples)
+    save_eagle(head, tmp_path / "head")
+    untrained = build_drafter("eagle", target=target, num_draft_tokens=4, max_batch=4, max_len=256)
+    trained = build_drafter("eagle", target=target, num_draft_tokens=4, max_batch=4, max_len=256, drafter_path=str(tmp_path / "head"))
+    assert report["loss_last"] < report["loss_first"]
+    assert acceptance(target, trained, ps) > acceptance(target, untrained, ps) + 0.2
+    assert isinstance(trained, EagleDrafter)
