@@ -144,7 +144,7 @@ def _bench_decode_command(bench) -> None:
     p.add_argument("--num-draft-tokens", type=int, default=4)
     p.add_argument("--adaptive-k", action="store_true")
     p.add_argument("--drafter-model", default=None)
-    p.add_argument("--drafter-path", default=None)
+    p.add_argument("--drafter-path", default=None, help="a head directory, or eagle=DIR,mtp=DIR")
     p.add_argument("--peers", default="", help="comma list: hf")
     p.add_argument("--no-pack", action="store_true", help="don't prepack target weights (halves memory, slower)")
     p.add_argument("--threads", type=int, default=2)

@@ -28,7 +28,7 @@ class DecodeBenchConfig:
     num_draft_tokens: int = 4
     adaptive_k: bool = False
     drafter_model: str | None = None  # draft_model / HF assisted generation
-    drafter_path: str | None = None  # eagle / mtp heads
+    drafter_path: str | None = None  # eagle / mtp heads: one DIR, or "eagle=DIR,mtp=DIR"
     peers: tuple[str, ...] = ()  # "hf"
     pack_weights: bool = True  # False saves a copy of the weights (big targets next to HF peers in one process)
 
@@ -135,7 +135,15 @@ def _prompts(config: DecodeBenchConfig) -> list[Prompt]:
 def _llm_for(base, name: str, config: DecodeBenchConfig):
     if name == "ar":
         return base
-    return base.with_drafter(name, config.num_draft_tokens, config.drafter_model, config.drafter_path, config.adaptive_k)
+    return base.with_drafter(name, config.num_draft_tokens, config.drafter_model, drafter_path_for(name, config.drafter_path), config.adaptive_k)
+
+
+def drafter_path_for(name: str, spec: str | None) -> str | None:
+    """`--drafter-path DIR` for every drafter, or `eagle=DIR,mtp=DIR` (eagle_tree falls back to eagle's)."""
+    if not spec or "=" not in spec:
+        return spec
+    paths = dict(item.split("=", 1) for item in spec.split(",") if item)
+    return paths.get(name) or (paths.get("eagle") if name == "eagle_tree" else None)
 
 
 def _tally(per_domain: dict, domains: list[str], outputs, seconds: float, reference) -> None:

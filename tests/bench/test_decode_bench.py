@@ -35,3 +35,11 @@ def test_bench_forward_reports_roofline_and_costs(tiny_llama, tmp_path):
     assert {"ar_tokens_per_s", "hf_ar_tokens_per_s", "roofline_tokens_per_s", "cost_ratio"} <= set(result)
     assert set(result["cost_ratio"]) == {"1", "2", "3", "4", "5", "8", "16"} and result["cost_ratio"]["1"] == 1.0
     assert result["greedy_matches_hf"] is True
+
+
+def test_drafter_path_per_drafter():
+    from tandem.bench.decode import drafter_path_for
+
+    assert drafter_path_for("eagle", "/h") == "/h"
+    spec = "eagle=/e,mtp=/m"
+    assert [drafter_path_for(n, spec) for n in ("eagle", "eagle_tree", "mtp", "ngram")] == ["/e", "/e", "/m", None]
