@@ -366,18 +366,25 @@ def save_eagle(head: EagleHead, out_dir: str | Path) -> Path:
     return save_head_files(out_dir, head, CONFIG_FILE, dataclasses.asdict(head.cfg))
 
 
-def load_eagle(path: str | Path, target: Transformer) -> EagleHead:
-    config, tensors = read_head_files(path, CONFIG_FILE, SCHEMA_VERSION)
+def load_head(path: str | Path, target: Transformer, config_cls, config_file: str, schema_version: int, build) -> nn.Module:
+    """Read a saved head, check it belongs to `target`, and build it with `build(cfg, draft_to_target)`."""
+    path = Path(path)
+    config, tensors = read_head_files(path, config_file, schema_version)
     try:
-        cfg = EagleConfig(**config)
+        cfg = config_cls(**config)
     except (TypeError, InvalidParameterError) as e:
-        raise ModelLoadError(f"bad {CONFIG_FILE} in {path}: {e}") from e
+        raise ModelLoadError(f"bad {config_file} in {path}: {e}") from e
     check_target(cfg.target_id, cfg.target_vocab_size, target.cfg)
     if "draft_to_target" not in tensors:
         raise ModelLoadError(f"{path / WEIGHTS_FILE} lacks draft_to_target")
-    head = EagleHead(cfg, target.embed.weight, tensors["draft_to_target"])
+    module = build(cfg, tensors["draft_to_target"])
     try:
-        head.load_state_dict(tensors, strict=True)
+        module.load_state_dict(tensors, strict=True)
     except RuntimeError as e:
-        raise ModelLoadError(f"{path / WEIGHTS_FILE} does not match {CONFIG_FILE}: {e}") from e
-    return head.eval()
+        raise ModelLoadError(f"{path / WEIGHTS_FILE} does not match {config_file}: {e}") from e
+    return module.eval()
+
+
+def load_eagle(path: str | Path, target: Transformer) -> EagleHead:
+    build = lambda cfg, draft_to_target: EagleHead(cfg, target.embed.weight, draft_to_target)  # noqa: E731
+    return load_head(path, target, EagleConfig, CONFIG_FILE, SCHEMA_VERSION, build)

@@ -22,7 +22,7 @@ from torch import nn
 
 from tandem.errors import InvalidParameterError, ModelLoadError
 from tandem.models.config import ModelConfig
-from tandem.models.eagle import WEIGHTS_FILE, check_target, read_head_files, save_head_files, target_identity
+from tandem.models.eagle import check_target, load_head, save_head_files, target_identity
 from tandem.models.transformer import Linear, Transformer
 
 SCHEMA_VERSION = 1
@@ -103,17 +103,4 @@ def save_mtp(heads: MtpHeads, out_dir: str | Path) -> Path:
 
 
 def load_mtp(path: str | Path, target: Transformer) -> MtpHeads:
-    config, tensors = read_head_files(path, CONFIG_FILE, SCHEMA_VERSION)
-    try:
-        cfg = MtpConfig(**config)
-    except (TypeError, InvalidParameterError) as e:
-        raise ModelLoadError(f"bad {CONFIG_FILE} in {path}: {e}") from e
-    check_target(cfg.target_id, cfg.target_vocab_size, target.cfg)
-    if "draft_to_target" not in tensors:
-        raise ModelLoadError(f"{Path(path) / WEIGHTS_FILE} lacks draft_to_target")
-    heads = MtpHeads(cfg, tensors["draft_to_target"])
-    try:
-        heads.load_state_dict(tensors, strict=True)
-    except RuntimeError as e:
-        raise ModelLoadError(f"{Path(path) / WEIGHTS_FILE} does not match {CONFIG_FILE}: {e}") from e
-    return heads.eval()
+    return load_head(path, target, MtpConfig, CONFIG_FILE, SCHEMA_VERSION, MtpHeads)

@@ -4,7 +4,6 @@ The exact distribution of the first three output tokens is enumerated from the m
 empirical distribution over many seeds must pass a chi-square goodness-of-fit test. Each test's false
 failure probability is 1e-4 (the p-value threshold); seeds are fixed, so a run is deterministic.
 """
-import itertools
 
 import pytest
 import torch
