@@ -55,9 +55,11 @@ class EngineConfig:
     num_threads: int | None = None  # torch CPU threads; None = leave as is
     pack_weights: bool = True  # prepack CPU linear weights (oneDNN) so k-token verifies stay cheap
     record_steps: bool = False  # StepRecords carry target probs / hidden states (the flywheel needs them)
+    record_topk: int = 8  # detailed records keep the top-k of the target's distribution per read position (0 = none)
     hidden_taps: tuple[int, ...] = field(default_factory=tuple)  # target layers whose hidden states are kept
 
     def __post_init__(self) -> None:
         _check(isinstance(self.max_batch_size, int) and self.max_batch_size >= 1, f"max_batch_size must be >= 1, got {self.max_batch_size!r}")
         _check(self.max_model_len is None or (isinstance(self.max_model_len, int) and self.max_model_len >= 2), f"max_model_len must be >= 2, got {self.max_model_len!r}")
+        _check(isinstance(self.record_topk, int) and self.record_topk >= 0, f"record_topk must be >= 0, got {self.record_topk!r}")
         _check(self.num_threads is None or (isinstance(self.num_threads, int) and self.num_threads >= 1), f"num_threads must be >= 1, got {self.num_threads!r}")

@@ -82,34 +82,46 @@ class DraftTree:
         return counts
 
 
-STEP_RECORD_SCHEMA = 1
+STEP_RECORD_SCHEMA = 2
 
 
 @dataclass
 class RequestStep:
-    """What one verify step did for one request (the flywheel's raw material)."""
+    """What one target forward did for one request (the flywheel's raw material).
+
+    A prefill entry read the prompt (positions 0..P-1) and emitted the first token; a decode entry read
+    [pending token + draft nodes] at positions context_len + depth and emitted accepted + recovered/bonus.
+    The detailed fields (EngineConfig.record_steps) are per read position: row 0 is the first one read
+    (prompt position 0, or the pending token), row 1 + j draft node j.
+    """
 
     request_id: str
     tags: dict
-    context_len: int  # tokens in the KV cache before this step (prompt + committed output - pending)
-    pending_token: int  # the root the draft hangs from
+    context_len: int  # tokens in the KV cache before this forward (0 for prefill)
+    pending_token: int  # the root the draft hangs from (-1 for prefill)
     draft_tokens: list[int]
     draft_parents: list[int]
     accepted_nodes: list[int]
-    emitted_tokens: list[int]  # accepted + recovered/bonus
+    emitted_tokens: list[int]  # accepted + recovered/bonus (prefill: the first token)
     bonus: bool
-    context_ids: list[int] | None = None  # detailed only: every token before pending_token
-    draft_probs: torch.Tensor | None = None  # detailed only: [N, V] (None also when deterministic)
-    target_probs: torch.Tensor | None = None  # detailed only: [N+1, V] the target's sampling distribution
-    hidden: torch.Tensor | None = None  # detailed only: [taps, N+1, hidden] target hidden states at root + nodes
+    finish_reason: str | None = None  # set when the request finished in this step
+    context_ids: list[int] | None = None  # detailed only: every token before pending_token (prefill: the prompt)
+    node_target_probs: torch.Tensor | None = None  # detailed: [N] the target's sampling prob of each node's token given its parent
+    node_draft_probs: torch.Tensor | None = None  # detailed: [N] the prob the drafter drew it with (1 = deterministic)
+    target_topk_ids: torch.Tensor | None = None  # detailed: [T, k] top-k of the target's T=1 distribution per read position
+    target_topk_probs: torch.Tensor | None = None  # detailed: [T, k]
+    hidden: torch.Tensor | None = None  # detailed: [taps, T, hidden] target hidden states per read position
+    final_hidden: torch.Tensor | None = None  # detailed: [T, hidden] after the target's final norm
 
 
 @dataclass
 class StepRecord:
-    """One engine step, handed to observers (metrics, trace collector) after the step committed."""
+    """One engine forward (a prefill or a decode step), handed to observers after it committed."""
 
     step: int
     time: float
     drafter_version: int
     requests: list[RequestStep]
+    kind: str = "decode"  # "prefill" | "decode"
+    taps: tuple[int, ...] = ()  # target layers of RequestStep.hidden, in order
     schema_version: int = STEP_RECORD_SCHEMA

@@ -25,7 +25,7 @@ from tandem.models.transformer import Transformer
 from tandem.ops import tree as tree_ops
 from tandem.ops.sampling import draw_uniform, sampling_probs
 from tandem.ops.verify import verify_greedy, verify_tree
-from tandem.engine.records import build_step_record
+from tandem.engine.records import build_prefill_record, build_step_record
 from tandem.types import DraftTree, StepRecord
 
 
@@ -49,7 +49,8 @@ class Engine:
         self.cache = KVCache(model.cfg, config.max_batch_size, self.max_model_len + draft_room, model.embed.weight.dtype, device)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # running[i] lives in cache row i
-        self.observers: list[Callable[[StepRecord], None]] = []
+        self.observers: list[Callable[[StepRecord], None]] = []  # called after each forward committed (must not block)
+        self.between_steps: list[Callable[["Engine"], None]] = []  # called before each step (weight hot-swap)
         self.stats = EngineStats()
         self.eos_ids = set(model.cfg.eos_token_ids)
         drafter_taps = tuple(drafter.taps) if drafter is not None else ()
@@ -98,6 +99,8 @@ class Engine:
 
     # ---- the step loop ----------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
+        for hook in self.between_steps:
+            hook(self)
         outputs = self._admit()
         self._release_finished()  # a request can finish at its first token
         if self.running:
@@ -127,6 +130,9 @@ class Engine:
         output = self._commit(request, [token])
         if self.drafter is not None:
             self.drafter.on_prefill(request, out)
+        if self.observers:
+            version = self.drafter.version if self.drafter is not None else 0
+            self._emit(build_prefill_record(self.stats.steps, version, request, token, out, self.config.record_steps, self.config.record_topk, self.taps))
         return output
 
     @torch.inference_mode()
@@ -252,7 +258,11 @@ class Engine:
         if not self.observers:
             return
         version = self.drafter.version if self.drafter is not None else 0
-        record = build_step_record(self.stats.steps, version, requests, drafts, results, out, starts, self.config.record_steps)
+        self._emit(build_step_record(
+            self.stats.steps, version, requests, drafts, results, out, starts, self.config.record_steps, self.config.record_topk, self.taps,
+        ))
+
+    def _emit(self, record: StepRecord) -> None:
         for observer in self.observers:
             observer(record)
 

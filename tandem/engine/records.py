@@ -1,4 +1,4 @@
-"""Build StepRecords from what one engine step computed (observers: metrics, the trace collector)."""
+"""Build StepRecords from what one engine forward computed (observers: metrics, the trace collector)."""
 from __future__ import annotations
 
 import time
@@ -15,10 +15,12 @@ def build_step_record(
     drafter_version: int,
     requests: list[Request],
     drafts: list[DraftTree],
-    results: list[tuple[VerifyResult, torch.Tensor]],  # (result, target_probs [N+1, V]) per request
+    results: list[tuple[VerifyResult, torch.Tensor]],  # (result, target sampling probs [N+1, V] or None) per request
     out: ForwardOutput,
     starts: list[int],
     detailed: bool,
+    topk: int,
+    taps: tuple[int, ...],
 ) -> StepRecord:
     entries = []
     for b, (request, draft, (result, target_probs)) in enumerate(zip(requests, drafts, results)):
@@ -27,14 +29,44 @@ def build_step_record(
             request_id=request.request_id, tags=dict(request.tags), context_len=starts[b],
             pending_token=int(request.all_ids[starts[b]]), draft_tokens=draft.tokens.tolist(),
             draft_parents=draft.parents.tolist(), accepted_nodes=list(result.accepted_nodes),
-            emitted_tokens=list(result.tokens), bonus=result.bonus,
+            emitted_tokens=list(result.tokens), bonus=result.bonus, finish_reason=_reason(request),
         )
         if detailed:
             entry.context_ids = request.all_ids[: starts[b]]
-            entry.draft_probs = None if draft.draft_probs is None else draft.draft_probs.detach().clone()
-            entry.target_probs = target_probs.detach().clone()
-            if out.hidden:
-                entry.hidden = torch.stack([h[b, : n + 1] for h in out.hidden]).detach().clone()
+            parent_rows = draft.parents + 1  # row of each node's parent in target_probs (0 = the root)
+            entry.node_target_probs = target_probs[parent_rows, draft.tokens].clone()
+            entry.node_draft_probs = torch.ones(n) if draft.draft_probs is None else draft.draft_probs[torch.arange(n), draft.tokens].float().cpu()
+            _add_forward_details(entry, out, b, n + 1, out.logits[b, : n + 1], topk)
         entries.append(entry)
-    return StepRecord(step=step, time=time.time(), drafter_version=drafter_version, requests=entries)
+    return StepRecord(step=step, time=time.time(), drafter_version=drafter_version, requests=entries, kind="decode", taps=taps)
 
+
+def build_prefill_record(
+    step: int, drafter_version: int, request: Request, first_token: int, out: ForwardOutput, detailed: bool, topk: int, taps: tuple[int, ...],
+) -> StepRecord:
+    """The prompt's forward: hidden states at every prompt position; target top-k only at the last one
+    (prefill computes logits there alone)."""
+    entry = RequestStep(
+        request_id=request.request_id, tags=dict(request.tags), context_len=0, pending_token=-1, draft_tokens=[],
+        draft_parents=[], accepted_nodes=[], emitted_tokens=[first_token], bonus=False, finish_reason=_reason(request),
+    )
+    if detailed:
+        entry.context_ids = list(request.prompt_ids)
+        entry.node_target_probs, entry.node_draft_probs = torch.zeros(0), torch.zeros(0)
+        _add_forward_details(entry, out, 0, len(request.prompt_ids), out.logits[0, -1:], topk)
+    return StepRecord(step=step, time=time.time(), drafter_version=drafter_version, requests=[entry], kind="prefill", taps=taps)
+
+
+def _add_forward_details(entry: RequestStep, out: ForwardOutput, b: int, length: int, logits: torch.Tensor, topk: int) -> None:
+    """Copy what the trainer needs out of the forward's buffers (they are reused by the next forward)."""
+    if topk:
+        probs = torch.softmax(logits.float(), dim=-1)
+        values, ids = probs.topk(min(topk, probs.shape[-1]), dim=-1)
+        entry.target_topk_ids, entry.target_topk_probs = ids.int().cpu(), values.half().cpu()
+    if out.hidden:
+        entry.hidden = torch.stack([h[b, :length] for h in out.hidden]).detach().float().cpu().clone()
+    entry.final_hidden = out.final_hidden[b, :length].detach().float().cpu().clone()
+
+
+def _reason(request: Request) -> str | None:
+    return request.finish_reason.value if request.finish_reason is not None else None

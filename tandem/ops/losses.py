@@ -122,3 +122,26 @@ def top1_agreement(
     agree = draft_logits.argmax(-1) == target_probs.argmax(-1)
     mask = torch.ones_like(agree) if weights is None else weights > 0
     return int((agree & mask).sum()), int(mask.sum())
+
+
+def rejection_probability(
+    target_prob: torch.Tensor,  # [N] p(x): the target's (sampling) probability of each drafted token
+    draft_prob: torch.Tensor,  # [N] q(x): the probability the drafter drew it with (1 = deterministic)
+) -> torch.Tensor:  # [N] r = 1 - min(1, p/q): the chance the verifier rejects x
+    return 1.0 - torch.clamp(target_prob / draft_prob.clamp_min(1e-12), max=1.0)
+
+
+def discard_loss(
+    draft_logits: torch.Tensor,  # [N, Vd] the draft's logits where each rejected token was proposed
+    tokens: torch.Tensor,  # [N] long: the rejected tokens (draft-vocabulary ids)
+    weights: torch.Tensor,  # [N] r, the rejection probability (no gradient)
+) -> torch.Tensor:  # scalar: sum_n r_n * -log(1 - q_theta(x_n)) / N  (0 for N = 0)
+    """Unlikelihood on rejected proposals: pushes probability off tokens the verifier discarded, in
+    proportion to how surely it discarded them. log(1 - q(x)) is computed as logsumexp over the other
+    tokens minus logsumexp over all, which stays finite as q(x) -> 1."""
+    if tokens.numel() == 0:
+        return draft_logits.sum() * 0.0
+    z = _at_least_fp32(draft_logits)
+    others = z.scatter(1, tokens.view(-1, 1), float("-inf"))
+    log_not_x = torch.logsumexp(others, dim=-1) - torch.logsumexp(z, dim=-1)  # log(1 - q(x)) [N]
+    return -(weights.detach().to(z.dtype) * log_not_x).sum() / tokens.numel()

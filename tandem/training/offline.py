@@ -150,15 +150,22 @@ class StepStats:
     continuation: torch.Tensor  # [B, T] bool: chain roots inside the continuation
 
 
-def eagle_step(head: EagleHead, target_rows: torch.Tensor, examples: list[Example], unroll: int, chain_roots: torch.Tensor | None = None) -> StepStats:
-    """chain_roots [R]: roots unrolled past step 0 (a sample makes training cheaper); None = all."""
+def eagle_logits(head: EagleHead, examples: list[Example], unroll: int, chain_roots: torch.Tensor | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The training-time-test unroll over a padded batch: logits per step ([B, T, Vd], then [B, R, Vd]) and
+    the chain roots of each step. chain_roots [R]: roots unrolled past step 0 (a sample makes training
+    cheaper); None = all."""
     length = max(len(e.tokens) for e in examples)
     t = length - 1  # chain roots 0 .. L-2 (entry t pairs feature t with token t+1)
     tokens = _pad(examples, "tokens", length + unroll)  # [B, L+S]
     fused = head.fuse([_pad(examples, "taps", t)])
-    logits = head.unroll(tokens[:, 1 : t + unroll], fused, unroll, chain_roots)  # [B, T, Vd], then [B, R, Vd]
+    logits = head.unroll(tokens[:, 1 : t + unroll], fused, unroll, chain_roots)
     later = torch.arange(t) if chain_roots is None else chain_roots
-    return _stats(examples, target_rows, logits, [torch.arange(t)] + [later] * (unroll - 1), head.draft_to_target)
+    return logits, [torch.arange(t)] + [later] * (unroll - 1)
+
+
+def eagle_step(head: EagleHead, target_rows: torch.Tensor, examples: list[Example], unroll: int, chain_roots: torch.Tensor | None = None) -> StepStats:
+    logits, roots = eagle_logits(head, examples, unroll, chain_roots)
+    return _stats(examples, target_rows, logits, roots, head.draft_to_target)
 
 
 def mtp_step(heads: MtpHeads, target_rows: torch.Tensor, examples: list[Example]) -> StepStats:

@@ -1,0 +1,1 @@
+"""The serve-to-train flywheel: traces -> buffer -> online trainer -> versioned weights -> hot-swap."""

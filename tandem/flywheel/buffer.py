@@ -1,0 +1,189 @@
+"""The trace buffer: in process, bounded by bytes, never blocks the producer; optional Parquet spill.
+
+`put` is O(1) under a lock and never waits: when the buffer is over its byte budget it drops by policy
+(`drop_oldest`: evict old traces, the default, since fresh traffic is what the drafter should follow;
+`drop_newest`: refuse the new one) and counts the drops (`stats()`). With `spill_dir`, every accepted
+trace is also appended to Parquet shards (one row per trace, tensors as raw bytes + dtype + shape) by a
+background writer, so traces survive a restart (`load_traces`) and can train a drafter offline
+(`tandem train --data DIR`). The interface (put / sample / stats / close) is what a Ray-backed buffer
+would implement too.
+"""
+from __future__ import annotations
+
+import queue
+import random
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import torch
+
+from tandem.errors import InvalidParameterError, TandemError
+from tandem.flywheel.traces import TRACE_SCHEMA, SequenceTrace
+
+POLICIES = ("drop_oldest", "drop_newest")
+SHARD_ROWS = 64  # traces per Parquet shard
+
+
+@dataclass
+class BufferStats:
+    traces: int  # held now
+    bytes: int  # held now
+    capacity_bytes: int
+    added: int  # accepted since start
+    dropped: int  # evicted or refused because the buffer was full
+    spilled: int  # written to Parquet
+    spill_dropped: int  # could not be queued for spilling (writer behind)
+
+
+class TraceBuffer:
+    def __init__(self, capacity_bytes: int = 512 << 20, policy: str = "drop_oldest", spill_dir: str | Path | None = None):
+        if capacity_bytes < 1:
+            raise InvalidParameterError(f"capacity_bytes must be >= 1, got {capacity_bytes}")
+        if policy not in POLICIES:
+            raise InvalidParameterError(f"policy must be one of {POLICIES}, got {policy!r}")
+        self.capacity_bytes = capacity_bytes
+        self.policy = policy
+        self._items: deque[SequenceTrace] = deque()
+        self._bytes = 0
+        self._lock = threading.Lock()
+        self._added = self._dropped = 0
+        self._spill = None if spill_dir is None else _ParquetSpill(Path(spill_dir))
+
+    def put(self, trace: SequenceTrace) -> bool:
+        """Add a trace; returns False if it was dropped (never blocks)."""
+        size = trace.num_bytes
+        with self._lock:
+            if size > self.capacity_bytes or (self.policy == "drop_newest" and self._bytes + size > self.capacity_bytes):
+                self._dropped += 1
+                return False
+            while self._bytes + size > self.capacity_bytes:
+                self._bytes -= self._items.popleft().num_bytes
+                self._dropped += 1
+            self._items.append(trace)
+            self._bytes += size
+            self._added += 1
+        if self._spill is not None:
+            self._spill.put(trace)
+        return True
+
+    def sample(self, n: int, rng: random.Random, recent: int | None = None) -> list[SequenceTrace]:
+        """n traces drawn uniformly with replacement (from the `recent` newest only, if given); [] if empty."""
+        with self._lock:
+            items = list(self._items)[-recent:] if recent else list(self._items)
+        return [rng.choice(items) for _ in range(n)] if items else []
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def stats(self) -> BufferStats:
+        spilled, spill_dropped = (self._spill.written, self._spill.dropped) if self._spill else (0, 0)
+        with self._lock:
+            return BufferStats(len(self._items), self._bytes, self.capacity_bytes, self._added, self._dropped, spilled, spill_dropped)
+
+    def close(self) -> None:
+        """Flush pending spills to disk."""
+        if self._spill is not None:
+            self._spill.close()
+
+
+# ---- Parquet ------------------------------------------------------------------------------------------------
+def _trace_row(trace: SequenceTrace) -> dict:
+    row: dict = {"schema_version": trace.schema_version, "request_id": trace.request_id, "domain": trace.domain,
+                 "prompt_len": trace.prompt_len, "taps": list(trace.taps)}
+    for name, tensor in trace.tensors().items():
+        t = tensor.contiguous()
+        row[f"{name}.data"] = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
+        row[f"{name}.dtype"] = str(t.dtype).removeprefix("torch.")
+        row[f"{name}.shape"] = list(t.shape)
+    return row
+
+
+def _row_trace(row: dict) -> SequenceTrace:
+    if row.get("schema_version") != TRACE_SCHEMA:
+        raise TandemError(f"trace schema {row.get('schema_version')} is not {TRACE_SCHEMA}")
+    values = {"request_id": row["request_id"], "domain": row["domain"], "prompt_len": int(row["prompt_len"]), "taps": tuple(row["taps"])}
+    for f in fields(SequenceTrace):
+        if f"{f.name}.data" in row:
+            dtype, shape = getattr(torch, row[f"{f.name}.dtype"]), tuple(row[f"{f.name}.shape"])
+            data = row[f"{f.name}.data"]
+            flat = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.zeros(0, dtype=torch.uint8)
+            values[f.name] = flat.view(dtype).reshape(shape).clone()
+    return SequenceTrace(**values)
+
+
+def write_shard(path: Path, traces: list[SequenceTrace]) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    tmp = path.with_suffix(".tmp")
+    pq.write_table(pa.Table.from_pylist([_trace_row(t) for t in traces]), tmp)
+    tmp.rename(path)  # readers never see half a shard
+
+
+def load_traces(directory: str | Path, limit: int | None = None) -> list[SequenceTrace]:
+    """Every trace in the Parquet shards of `directory`, oldest shard first. Unreadable shards raise."""
+    import pyarrow.parquet as pq
+
+    directory = Path(directory)
+    shards = sorted(directory.glob("traces-*.parquet"))
+    if not shards:
+        raise TandemError(f"no trace shards (traces-*.parquet) in {directory}")
+    out: list[SequenceTrace] = []
+    for shard in shards:
+        try:
+            rows = pq.read_table(shard).to_pylist()
+        except Exception as e:
+            raise TandemError(f"cannot read trace shard {shard}: {e}") from e
+        out.extend(_row_trace(r) for r in rows)
+        if limit is not None and len(out) >= limit:
+            return out[:limit]
+    return out
+
+
+class _ParquetSpill:
+    """Background writer: traces are queued (never blocking the buffer) and written SHARD_ROWS at a time."""
+
+    def __init__(self, directory: Path, max_queue: int = 1024):
+        directory.mkdir(parents=True, exist_ok=True)
+        self.directory = directory
+        self.queue: queue.Queue = queue.Queue(maxsize=max_queue)
+        self.written = self.dropped = 0
+        self.error: BaseException | None = None
+        self._pending: list[SequenceTrace] = []
+        self._thread = threading.Thread(target=self._loop, name="tandem-trace-spill", daemon=True)
+        self._thread.start()
+
+    def put(self, trace: SequenceTrace) -> None:
+        try:
+            self.queue.put_nowait(trace)
+        except queue.Full:
+            self.dropped += 1
+
+    def _loop(self) -> None:
+        while True:
+            item = self.queue.get()
+            if item is not None:
+                self._pending.append(item)
+            if item is None or len(self._pending) >= SHARD_ROWS:
+                self._write()
+            if item is None:
+                return
+
+    def _write(self) -> None:
+        if not self._pending:
+            return
+        name = f"traces-{time.time_ns():020d}.parquet"
+        try:
+            write_shard(self.directory / name, self._pending)
+            self.written += len(self._pending)
+        except Exception as e:  # a full disk loses spills, never serving
+            self.error = e
+            self.dropped += len(self._pending)
+        self._pending = []
+
+    def close(self) -> None:
+        self.queue.put(None)
+        self._thread.join(timeout=60)

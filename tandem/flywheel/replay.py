@@ -1,0 +1,121 @@
+"""Exact acceptance replay for greedy decoding, and the target-trace cache it replays against.
+
+For greedy decoding the emitted sequence is the target's greedy continuation whatever the drafter does,
+and a greedy chain drafter's acceptance depends only on its weights and the target's outputs: at a step
+whose pending token sits at position n, the head's chain is what `EagleHead.unroll` predicts at root
+n - 1 (step 0 from the target features of the committed context, step s from its own hidden state fed
+back, exactly as `EagleDrafter` drafts), and the accepted count is the leading run of predictions equal
+to the committed tokens, capped by the step's budget (the engine's: min(k, max_tokens - output - 1)).
+So the target runs once per prompt (`target_traces`, cached on disk) and each drafter version is
+replayed with k batched head passes per request instead of a live decode. tests/flywheel/test_replay.py
+checks that replay and a live engine give the same steps per request.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from tandem.flywheel.buffer import load_traces, write_shard
+from tandem.flywheel.traces import SequenceTrace, TraceAssembler
+from tandem.flywheel.trainer import trace_example
+from tandem.models.eagle import EagleHead
+from tandem.training.offline import eagle_logits
+
+
+@dataclass
+class ReplayResult:
+    steps: list[tuple[int, int, int]]  # (pending position n, drafted k, accepted)
+    rejections: list[tuple[int, int, int]]  # (root n - 1, depth, rejected target token)
+    output_tokens: int
+
+    @property
+    def acceptance_length(self) -> float:
+        """The engine's per-request metric: (output tokens - 1) / verify steps."""
+        return (self.output_tokens - 1) / len(self.steps) if self.steps else 0.0
+
+
+@torch.inference_mode()
+def chain_predictions(head: EagleHead, trace: SequenceTrace, k: int) -> torch.Tensor:  # [k, M - 1] target token ids
+    """Row s, column t: the token the head drafts at depth s for the step whose pending token is at t + 1."""
+    logits, _ = eagle_logits(head, [trace_example(trace)], k)
+    return torch.stack([head.draft_to_target[step[0].argmax(-1)].cpu() for step in logits])
+
+
+def replay_request(head: EagleHead, trace: SequenceTrace, k: int, max_tokens: int) -> ReplayResult:
+    tokens = trace.tokens.tolist()
+    length, prompt = len(tokens), trace.prompt_len
+    predicted = chain_predictions(head, trace, k).tolist() if length - prompt > 1 else [[]] * k
+    steps, rejections = [], []
+    n, output = prompt, 1  # prefill emitted the first output token, pending at position `prompt`
+    while output < length - prompt:
+        budget = max(0, min(k, max_tokens - output - 1))
+        accepted = 0
+        while accepted < budget and n + 1 + accepted < length and predicted[accepted][n - 1] == tokens[n + 1 + accepted]:
+            accepted += 1
+        if accepted < budget and n + 1 + accepted < length:
+            rejections.append((n - 1, accepted, predicted[accepted][n - 1]))
+        steps.append((n, budget, accepted))
+        output += accepted + 1
+        n += accepted + 1
+    return ReplayResult(steps, rejections, min(output, length - prompt))
+
+
+def replay_trace(trace: SequenceTrace, result: ReplayResult, version: int) -> SequenceTrace:
+    """The trace the engine would have recorded serving `trace` with the replayed drafter (greedy: r = 1
+    for every rejection; no branch states: the target never ran on rejected nodes in replay)."""
+    steps = torch.tensor(result.steps, dtype=torch.long).reshape(-1, 3)
+    rejects = torch.tensor(result.rejections, dtype=torch.long).reshape(-1, 3)
+    return replace(
+        trace, reject_root=rejects[:, 0], reject_depth=rejects[:, 1], reject_token=rejects[:, 2],
+        reject_weight=torch.ones(len(rejects)), step_root=steps[:, 0], step_drafted=steps[:, 1], step_accepted=steps[:, 2],
+        step_version=torch.full((len(steps),), version, dtype=torch.long),
+    )
+
+
+# ---- the target-trace cache -----------------------------------------------------------------------------------
+def trace_cache_dir(home: Path, model_dir: Path, max_tokens: int, taps: tuple[int, ...]) -> Path:
+    key = hashlib.sha256(json.dumps([str(model_dir), max_tokens, list(taps)]).encode()).hexdigest()[:16]
+    return home / "replay" / f"{model_dir.name}-{key}"
+
+
+def target_traces(
+    target, prompts: dict[str, list[int]], max_tokens: int, taps: tuple[int, ...], cache: Path | None = None, batch_size: int = 16,
+) -> dict[str, SequenceTrace]:
+    """Greedy target continuations with hidden states, keyed by prompt key; cached as Parquet shards."""
+    found: dict[str, SequenceTrace] = {}
+    if cache is not None and any(cache.glob("traces-*.parquet")):
+        found = {t.request_id: t for t in load_traces(cache) if t.request_id in prompts}
+    missing = [key for key in prompts if key not in found]
+    if missing:
+        fresh = _generate_traces(target, {key: prompts[key] for key in missing}, max_tokens, taps, batch_size)
+        if cache is not None:
+            cache.mkdir(parents=True, exist_ok=True)
+            write_shard(cache / f"traces-{len(list(cache.glob('traces-*.parquet'))):06d}.parquet", list(fresh.values()))
+        found.update(fresh)
+    return found
+
+
+def _generate_traces(target, prompts: dict[str, list[int]], max_tokens: int, taps: tuple[int, ...], batch_size: int) -> dict[str, SequenceTrace]:
+    from tandem.config import EngineConfig, SamplingParams
+    from tandem.engine.engine import Engine
+
+    longest = max(len(p) for p in prompts.values()) + max_tokens + 1
+    config = EngineConfig(max_batch_size=batch_size, max_model_len=min(longest, target.cfg.max_position), record_steps=True, record_topk=0, hidden_taps=taps)
+    engine = Engine(target, config)
+    assembler = TraceAssembler(keep_branches=False, max_inflight=len(prompts) + 1)
+    done: dict[str, SequenceTrace] = {}
+    engine.observers.append(lambda record: done.update((t.request_id, t) for t in assembler.add(record)))
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    for key, ids in prompts.items():
+        engine.add_request(ids, params, request_id=key)
+    with tqdm(total=len(prompts), desc="target traces", unit="req", disable=None) as bar:
+        while engine.has_unfinished():
+            before = len(done)
+            engine.step()
+            bar.update(len(done) - before)
+    return done

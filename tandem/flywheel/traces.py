@@ -1,0 +1,249 @@
+"""Traces: what the engine saw, per finished request, in the form the drafter trainer consumes.
+
+The engine hands each forward's StepRecord to observers (tandem.engine.records). `TraceAssembler` stitches
+a request's prefill and decode records into one `SequenceTrace` when the request finishes:
+
+- the committed sequence (prompt + output) with the target's tapped hidden states (`features`) and final
+  hidden states at every committed position: imitation data, exactly what offline training uses;
+- rejection events: drafted tokens the verifier evaluated and rejected (children of the accepted path
+  that are not on it), with the rejection probability r = 1 - min(1, p(x)/q(x)) (p: the target's
+  sampling prob of the token given its parent, q: the prob the drafter drew it with). A rejected node at
+  draft depth d of the step whose pending token sat at position n was predicted by the draft-cache entry
+  of committed position n - 1 at chain step d: (`reject_root`, `reject_depth`);
+- branches (optional): the target's hidden states at every drafted node off the accepted path (rejected
+  ones and their descendants), so a trainer can imitate the target on the branches the drafter explored;
+- per step: root position, drafted/accepted counts, drafter version; top-k of the target's distribution
+  at each verified position.
+
+`TraceCollector` is the engine observer: it only enqueues the record (the hot path never waits) and a
+daemon thread assembles traces and hands them to a sink (the buffer).
+"""
+from __future__ import annotations
+
+import queue
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field, fields
+from typing import Callable
+
+import torch
+
+from tandem.errors import InvalidParameterError
+from tandem.types import RequestStep, StepRecord
+
+TRACE_SCHEMA = 1
+STORE_DTYPE = torch.float16  # hidden states are stored at half width (training casts them back to fp32)
+
+
+@dataclass
+class SequenceTrace:
+    request_id: str
+    domain: str
+    prompt_len: int
+    taps: tuple[int, ...]  # target layers concatenated in `features`
+    tokens: torch.Tensor  # [L] long: prompt + output
+    features: torch.Tensor  # [M, taps * d] fp16: tapped hidden states at positions 0..M-1 (M = L - 1)
+    final_hidden: torch.Tensor  # [M, d] fp16: after the final norm (the target's distribution = lm_head of it)
+    reject_root: torch.Tensor  # [E] long: committed position whose draft-cache entry began the chain
+    reject_depth: torch.Tensor  # [E] long: draft depth of the rejected node
+    reject_token: torch.Tensor  # [E] long: the rejected (target-vocabulary) token
+    reject_weight: torch.Tensor  # [E] float: r = 1 - min(1, p/q)
+    step_root: torch.Tensor  # [S] long: position of each decode step's pending token
+    step_drafted: torch.Tensor  # [S] long
+    step_accepted: torch.Tensor  # [S] long
+    step_version: torch.Tensor  # [S] long: drafter version that proposed the step's draft
+    topk_ids: torch.Tensor  # [R, k] int32: target top-k at the verified positions of every step (R = sum(N + 1))
+    topk_probs: torch.Tensor  # [R, k] fp16
+    branch_token: torch.Tensor  # [Eb] long: drafted nodes off the accepted path
+    branch_pos: torch.Tensor  # [Eb] long: RoPE position of the node's draft-cache entry (= its parent's position)
+    branch_parent: torch.Tensor  # [Eb] long: index of a branch parent, -1 = the parent is committed (at branch_pos)
+    branch_features: torch.Tensor  # [Eb, taps * d] fp16: the target's tapped hidden states at the node
+    branch_final: torch.Tensor  # [Eb, d] fp16
+    schema_version: int = TRACE_SCHEMA
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(v.numel() * v.element_size() for v in self.tensors().values()) + 256
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {f.name: getattr(self, f.name) for f in fields(self) if isinstance(getattr(self, f.name), torch.Tensor)}
+
+    @property
+    def acceptance_length(self) -> float:
+        steps = len(self.step_root)
+        return float((self.step_accepted + 1).sum()) / steps if steps else 0.0
+
+
+def _cat(parts: list[torch.Tensor], empty: torch.Tensor) -> torch.Tensor:
+    return torch.cat(parts) if parts else empty
+
+
+@dataclass
+class _Partial:
+    """A request's trace while it runs."""
+
+    domain: str
+    prompt: list[int]
+    taps: tuple[int, ...]
+    tokens: list[int] = field(default_factory=list)
+    features: list[torch.Tensor] = field(default_factory=list)
+    final: list[torch.Tensor] = field(default_factory=list)
+    rejects: list[tuple[int, int, int, float]] = field(default_factory=list)
+    steps: list[tuple[int, int, int, int]] = field(default_factory=list)
+    topk_ids: list[torch.Tensor] = field(default_factory=list)
+    topk_probs: list[torch.Tensor] = field(default_factory=list)
+    branches: list[tuple[int, int, int]] = field(default_factory=list)
+    branch_features: list[torch.Tensor] = field(default_factory=list)
+    branch_final: list[torch.Tensor] = field(default_factory=list)
+
+
+class TraceAssembler:
+    """Turns StepRecords into SequenceTraces (one per finished request). Not thread-safe: one consumer."""
+
+    def __init__(self, keep_branches: bool = True, max_inflight: int = 1024):
+        self.keep_branches = keep_branches
+        self.max_inflight = max_inflight
+        self.inflight: OrderedDict[str, _Partial] = OrderedDict()
+        self.evicted = 0  # partial traces dropped (aborted requests, or more in flight than max_inflight)
+        self.skipped = 0  # requests whose records lacked detail (record_steps off)
+
+    def add(self, record: StepRecord) -> list[SequenceTrace]:
+        finished = []
+        for entry in record.requests:
+            if entry.final_hidden is None:
+                self.skipped += 1
+                continue
+            if record.kind == "prefill":
+                self._start(entry, record.taps)
+            elif entry.request_id in self.inflight:
+                self._decode(self.inflight[entry.request_id], entry, record.drafter_version)
+            else:
+                continue  # its prefill was not seen (collector attached mid-request)
+            if entry.finish_reason is not None:
+                finished.append(self._finish(entry.request_id))
+        return finished
+
+    def _start(self, entry: RequestStep, taps: tuple[int, ...]) -> None:
+        partial = _Partial(domain=str(entry.tags.get("domain", "")), prompt=list(entry.context_ids), taps=tuple(taps))
+        partial.tokens = list(entry.context_ids) + list(entry.emitted_tokens)
+        partial.features.append(_flatten_taps(entry.hidden))
+        partial.final.append(entry.final_hidden.to(STORE_DTYPE))
+        self.inflight[entry.request_id] = partial
+        while len(self.inflight) > self.max_inflight:
+            self.inflight.popitem(last=False)
+            self.evicted += 1
+
+    def _decode(self, partial: _Partial, entry: RequestStep, version: int) -> None:
+        n = entry.context_len
+        path = [-1] + list(entry.accepted_nodes)  # -1 = the root (pending token)
+        on_path = set(path)
+        depth = _depths(entry.draft_parents)
+        rows = [0] + [1 + j for j in entry.accepted_nodes]
+        partial.features.append(_flatten_taps(entry.hidden[:, rows]))
+        partial.final.append(entry.final_hidden[rows].to(STORE_DTYPE))
+        partial.tokens.extend(entry.emitted_tokens)
+        for j, parent in enumerate(entry.draft_parents):
+            if parent in on_path and j not in on_path:
+                p, q = float(entry.node_target_probs[j]), float(entry.node_draft_probs[j])
+                partial.rejects.append((n - 1, depth[j], entry.draft_tokens[j], 1.0 - min(1.0, p / max(q, 1e-12))))
+        partial.steps.append((n, len(entry.draft_tokens), len(entry.accepted_nodes), version))
+        if entry.target_topk_ids is not None:
+            partial.topk_ids.append(entry.target_topk_ids)
+            partial.topk_probs.append(entry.target_topk_probs)
+        if self.keep_branches:
+            self._add_branches(partial, entry, on_path, depth)
+
+    def _add_branches(self, partial: _Partial, entry: RequestStep, on_path: set[int], depth: list[int]) -> None:
+        index: dict[int, int] = {}
+        for j, parent in enumerate(entry.draft_parents):
+            if j in on_path:
+                continue
+            index[j] = len(partial.branches)
+            branch_parent = -1 if parent in on_path else index[parent]
+            partial.branches.append((entry.draft_tokens[j], entry.context_len + depth[j], branch_parent))
+            partial.branch_features.append(_flatten_taps(entry.hidden[:, 1 + j : 2 + j]))
+            partial.branch_final.append(entry.final_hidden[1 + j : 2 + j].to(STORE_DTYPE))
+
+    def _finish(self, request_id: str) -> SequenceTrace:
+        p = self.inflight.pop(request_id)
+        m = len(p.tokens) - 1  # the last emitted token was never read by the target
+        features, final = torch.cat(p.features)[:m], torch.cat(p.final)[:m]
+        rejects = [r for r in p.rejects if r[0] < m - 1]
+        long = lambda rows, i: torch.tensor([r[i] for r in rows], dtype=torch.long)  # noqa: E731
+        width, d = features.shape[1], final.shape[1]
+        k = p.topk_ids[0].shape[1] if p.topk_ids else 0
+        return SequenceTrace(
+            request_id=request_id, domain=p.domain, prompt_len=len(p.prompt), taps=p.taps,
+            tokens=torch.tensor(p.tokens, dtype=torch.long), features=features, final_hidden=final,
+            reject_root=long(rejects, 0), reject_depth=long(rejects, 1), reject_token=long(rejects, 2),
+            reject_weight=torch.tensor([r[3] for r in rejects], dtype=torch.float32),
+            step_root=long(p.steps, 0), step_drafted=long(p.steps, 1), step_accepted=long(p.steps, 2), step_version=long(p.steps, 3),
+            topk_ids=_cat(p.topk_ids, torch.zeros(0, k, dtype=torch.int32)), topk_probs=_cat(p.topk_probs, torch.zeros(0, k, dtype=STORE_DTYPE)),
+            branch_token=long(p.branches, 0), branch_pos=long(p.branches, 1), branch_parent=long(p.branches, 2),
+            branch_features=_cat(p.branch_features, torch.zeros(0, width, dtype=STORE_DTYPE)),
+            branch_final=_cat(p.branch_final, torch.zeros(0, d, dtype=STORE_DTYPE)),
+        )
+
+
+def _flatten_taps(hidden: torch.Tensor) -> torch.Tensor:  # [taps, T, d] -> [T, taps * d]
+    if hidden is None:
+        raise InvalidParameterError("trace collection needs the target's hidden states: give the engine hidden_taps or a drafter with taps")
+    return hidden.permute(1, 0, 2).reshape(hidden.shape[1], -1).to(STORE_DTYPE)
+
+
+def _depths(parents: list[int]) -> list[int]:
+    out: list[int] = []
+    for parent in parents:
+        out.append(0 if parent < 0 else out[parent] + 1)
+    return out
+
+
+class TraceCollector:
+    """Engine observer: enqueue each record (never blocks); a daemon thread assembles and hands traces on.
+
+    If the queue is full (the consumer fell behind), the record is dropped and counted: the engine's step
+    time must not depend on the trainer. Dropped records leave holes, so that request's trace is discarded.
+    """
+
+    def __init__(self, sink: Callable[[SequenceTrace], None], keep_branches: bool = True, max_queue: int = 4096):
+        self.sink = sink
+        self.assembler = TraceAssembler(keep_branches)
+        self.queue: queue.Queue = queue.Queue(maxsize=max_queue)
+        self.dropped_records = 0
+        self.traces = 0
+        self.error: BaseException | None = None
+        self._broken: set[str] = set()
+        self._thread = threading.Thread(target=self._loop, name="tandem-trace-collector", daemon=True)
+        self._thread.start()
+
+    def __call__(self, record: StepRecord) -> None:
+        try:
+            self.queue.put_nowait(record)
+        except queue.Full:
+            self.dropped_records += 1
+            self._broken.update(e.request_id for e in record.requests)
+
+    def _loop(self) -> None:
+        while True:
+            record = self.queue.get()
+            try:
+                if record is None:
+                    return
+                for trace in self.assembler.add(record):
+                    if trace.request_id in self._broken:
+                        self._broken.discard(trace.request_id)
+                        continue
+                    self.traces += 1
+                    self.sink(trace)
+            except Exception as e:  # keep serving: a bad record loses one trace, not the collector
+                self.error = e
+            finally:
+                self.queue.task_done()
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait until every enqueued record was assembled (tests, shutdown)."""
+        self.queue.join()
+
+    def close(self) -> None:
+        self.queue.put(None)
+        self._thread.join(timeout=5)

@@ -1,0 +1,256 @@
+"""Versioned drafter weights and the engine-side hot-swap with acceptance-collapse rollback.
+
+The trainer `publish`es a state dict to a `WeightStore` (CPU copies, a version number, a checksum). The
+engine-side `HotSwapper` is both an engine `between_steps` hook and an observer:
+
+- between steps it adopts the newest version: a background thread first validates it (names, shapes
+  and dtypes as served, every value finite, the checksum recomputed), then the next between-steps call
+  copies it into the serving head in place (`tensor.copy_`, no new parameters, nothing recompiled) and
+  rebuilds the head's prepacked CPU copies. A step therefore never mixes versions and serving pauses
+  for the copy only. Refused versions are counted and never retried.
+- as an observer it tracks acceptance length per drafter version over the last `window` request-steps.
+  When a swapped-in version's mean falls below `collapse_ratio` x the previous version's recent mean,
+  it rolls back to the last good weights (same in-place copy) and raises the alarm counter.
+
+Requests in flight keep the draft-cache entries their old head wrote (recomputing them would stall
+serving by a prefill); verification keeps the output lossless either way.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import hashlib
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from tandem.errors import TandemError
+from tandem.types import StepRecord
+
+
+class WeightRefused(TandemError):
+    """A published version failed validation (non-finite values, wrong shapes, checksum mismatch)."""
+
+
+def checksum(tensors: dict[str, torch.Tensor]) -> str:
+    digest = hashlib.blake2b(digest_size=16)
+    for name in sorted(tensors):
+        t = tensors[name].detach().contiguous().cpu()
+        digest.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
+        if t.numel():
+            digest.update(t.view(torch.uint8).numpy().data)
+    return digest.hexdigest()
+
+
+@dataclass(frozen=True)
+class WeightVersion:
+    version: int
+    tensors: dict[str, torch.Tensor]  # CPU copies
+    checksum: str
+    meta: dict = field(default_factory=dict)
+
+
+class WeightStore:
+    """The trainer -> engine channel: the newest `keep` versions in memory, optionally also on disk."""
+
+    def __init__(self, keep: int = 4, directory: str | Path | None = None, first_version: int = 1):
+        self.keep = keep
+        self.directory = None if directory is None else Path(directory)
+        self._versions: deque[WeightVersion] = deque(maxlen=keep)
+        self._next = first_version
+        self._lock = threading.Lock()
+
+    def publish(self, tensors: dict[str, torch.Tensor], meta: dict | None = None) -> WeightVersion:
+        copies = {k: v.detach().to("cpu", copy=True) for k, v in tensors.items()}
+        with self._lock:
+            version = WeightVersion(self._next, copies, checksum(copies), dict(meta or {}, published_at=time.time()))
+            self._next += 1
+            self._versions.append(version)
+        if self.directory is not None:
+            save_version(version, self.directory)
+        return version
+
+    def latest(self) -> WeightVersion | None:
+        with self._lock:
+            return self._versions[-1] if self._versions else None
+
+
+def save_version(version: WeightVersion, directory: Path) -> Path:
+    from safetensors.torch import save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"drafter-v{version.version:06d}.safetensors"
+    tmp = path.with_suffix(".tmp")
+    save_file({k: v.contiguous() for k, v in version.tensors.items()}, str(tmp), metadata={"version": str(version.version), "checksum": version.checksum})
+    tmp.rename(path)
+    return path
+
+
+def load_version(path: str | Path) -> WeightVersion:
+    """Read a published version from disk (safetensors only); a corrupt file or checksum mismatch raises WeightRefused."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except Exception as e:
+        raise WeightRefused(f"cannot read drafter weights {path}: {e}") from e
+    if "version" not in meta or "checksum" not in meta:
+        raise WeightRefused(f"{path} lacks version/checksum metadata")
+    version = WeightVersion(int(meta["version"]), tensors, meta["checksum"])
+    if checksum(tensors) != version.checksum:
+        raise WeightRefused(f"{path}: checksum mismatch (corrupt or tampered file)")
+    return version
+
+
+def validate(version: WeightVersion, served: dict[str, torch.Tensor]) -> None:
+    """Raise WeightRefused unless `version` can replace `served` in place."""
+    if set(version.tensors) != set(served):
+        raise WeightRefused(f"version {version.version}: tensor names differ from the served head")
+    for name, tensor in version.tensors.items():
+        ref = served[name]
+        if tensor.shape != ref.shape or tensor.dtype != ref.dtype:
+            raise WeightRefused(f"version {version.version}: {name} is {tuple(tensor.shape)} {tensor.dtype}, served {tuple(ref.shape)} {ref.dtype}")
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise WeightRefused(f"version {version.version}: {name} has NaN/Inf values")
+        if not tensor.is_floating_point() and not torch.equal(tensor, ref.cpu()):
+            raise WeightRefused(f"version {version.version}: {name} (index data) differs from the served head")
+    if checksum(version.tensors) != version.checksum:
+        raise WeightRefused(f"version {version.version}: checksum mismatch")
+
+
+@dataclass
+class SwapStats:
+    version: int = 0  # serving now
+    swaps: int = 0
+    refused: int = 0
+    rollbacks: int = 0
+    alarms: int = 0  # collapse alarms raised (each one rolled back)
+    swap_ms: list[float] = field(default_factory=list)  # time of each in-place copy (incl. rollbacks)
+    events: list[dict] = field(default_factory=list)  # [{"time", "kind": swap|refused|rollback, "version", ...}]
+
+    def as_dict(self) -> dict:
+        return {"version": self.version, "swaps": self.swaps, "refused": self.refused, "rollbacks": self.rollbacks,
+                "alarms": self.alarms, "max_swap_ms": round(max(self.swap_ms, default=0.0), 2)}
+
+
+class HotSwapper:
+    def __init__(self, drafter, store: WeightStore, collapse_ratio: float = 0.5, window: int = 64, background: bool = True):
+        self.drafter = drafter
+        self.head = drafter.head
+        self.store = store
+        self.collapse_ratio = collapse_ratio
+        self.window = window
+        self.stats = SwapStats(version=drafter.version)
+        self._serving = WeightVersion(drafter.version, self._served_copy(), "")  # what the head holds now
+        self._good = self._serving  # last version that passed its acceptance watch (initially the served one)
+        self._recent: dict[int, deque[int]] = {}  # version -> emitted tokens per request-step (recent window)
+        self._baseline: float | None = None  # previous version's recent mean at the last swap
+        self._watching: int | None = None  # version under watch after a swap
+        self._rollback = False
+        self._bad: set[int] = set()
+        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tandem-weights") if background else None
+        self._pending: tuple[WeightVersion, concurrent.futures.Future] | None = None
+
+    def _served_copy(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().to("cpu", copy=True) for k, v in self.head.state_dict().items()}
+
+    # ---- between steps --------------------------------------------------------------------------------
+    def __call__(self, engine=None) -> None:
+        if self._rollback:
+            self._install(self._good, "rollback")
+            self._rollback = False
+            return
+        if self._watching is not None:
+            return  # one swap at a time: the new version must pass its watch window first
+        if self._pending is not None:
+            version, future = self._pending
+            if not future.done():
+                return
+            self._pending = None
+            error = future.exception()
+            if error is None:
+                self._adopt(version)
+            else:
+                self._refuse(version, error)
+            return
+        candidate = self.store.latest()
+        if candidate is None or candidate.version <= self.stats.version or candidate.version in self._bad:
+            return
+        if self._executor is None:
+            try:
+                validate(candidate, self.head.state_dict())
+            except WeightRefused as e:
+                self._refuse(candidate, e)
+                return
+            self._adopt(candidate)
+        else:
+            self._pending = (candidate, self._executor.submit(validate, candidate, self.head.state_dict()))
+
+    def _adopt(self, version: WeightVersion) -> None:
+        self._baseline = self._mean(self.stats.version)
+        previous = self.stats.version
+        self._install(version, "swap")
+        self._watching = version.version
+        self.stats.events[-1]["from"] = previous
+
+    def _refuse(self, version: WeightVersion, error: BaseException) -> None:
+        self._bad.add(version.version)
+        self.stats.refused += 1
+        self.stats.events.append({"time": time.time(), "kind": "refused", "version": version.version, "reason": str(error)})
+
+    def _install(self, version: WeightVersion, kind: str) -> None:
+        start = time.perf_counter()
+        with torch.no_grad():
+            for name, tensor in self.head.state_dict().items():
+                tensor.copy_(version.tensors[name])
+        self.head.pack()
+        self.drafter.version = version.version
+        self._serving = version
+        self.stats.swap_ms.append(1000 * (time.perf_counter() - start))
+        self.stats.version = version.version
+        if kind == "swap":
+            self.stats.swaps += 1
+        else:
+            self.stats.rollbacks += 1
+        self.stats.events.append({"time": time.time(), "kind": kind, "version": version.version, "ms": round(self.stats.swap_ms[-1], 2)})
+
+    # ---- acceptance watch -----------------------------------------------------------------------------
+    def observe(self, record: StepRecord) -> None:
+        """Engine observer: count emitted tokens per drafted request-step by drafter version."""
+        if record.kind != "decode":
+            return
+        lengths = [len(e.emitted_tokens) for e in record.requests if e.draft_tokens]
+        self.observe_lengths(record.drafter_version, lengths)
+
+    def observe_lengths(self, version: int, lengths: list[int]) -> None:
+        recent = self._recent.setdefault(version, deque(maxlen=self.window))
+        recent.extend(lengths)
+        if self._watching != version or len(recent) < self.window:
+            return
+        self._watching = None
+        if self._baseline is not None and sum(recent) / len(recent) < self.collapse_ratio * self._baseline:
+            self._bad.add(version)
+            self.stats.alarms += 1
+            self._rollback = True
+        else:
+            self._good = self._serving
+
+    def _mean(self, version: int) -> float | None:
+        recent = self._recent.get(version)
+        if not recent or len(recent) < self.window // 2:
+            return None
+        return sum(recent) / len(recent)
+
+    def attach(self, engine) -> "HotSwapper":
+        engine.between_steps.append(self)
+        engine.observers.append(self.observe)
+        return self
+
+    def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
