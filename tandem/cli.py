@@ -121,6 +121,7 @@ def _bench_commands(sub) -> None:
     fwd.add_argument("--json", dest="json_out", default=None, help="write the results here")
     fwd.set_defaults(func=_bench_forward)
     _bench_decode_command(bench)
+    _bench_shift_command(bench)
 
 
 def _bench_forward(args) -> int:
@@ -165,6 +166,62 @@ def _bench_decode(args) -> int:
         drafter_path=args.drafter_path, peers=tuple(p for p in args.peers.split(",") if p), pack_weights=not args.no_pack,
     )
     return _emit(run_decode_bench(config), args.json_out)
+
+
+def _bench_shift_command(bench) -> None:
+    from tandem.bench.prompts import DOMAINS
+    from tandem.bench.shift import MODES, ShiftConfig
+
+    d = ShiftConfig()
+    p = bench.add_parser("shift", help="acceptance over a domain-shifting stream: static drafter vs the flywheel")
+    p.add_argument("--model", default=d.model)
+    p.add_argument("--drafter", default=d.drafter, choices=["eagle"])
+    p.add_argument("--prompts", default=d.prompts, help="builtin or a JSONL file of {domain, prompt}")
+    p.add_argument("--requests", type=int, default=d.requests)
+    p.add_argument("--block", type=int, default=d.block, help="requests per domain block")
+    p.add_argument("--domains", default=",".join(DOMAINS), help="block order (cycled)")
+    p.add_argument("--modes", default=",".join(d.modes), help=f"comma list of {', '.join(MODES)}")
+    p.add_argument("--replay", action="store_true", help="replay acceptance on cached target outputs (exact for greedy)")
+    p.add_argument("--max-tokens", type=int, default=d.max_tokens)
+    p.add_argument("--num-draft-tokens", type=int, default=d.num_draft_tokens)
+    p.add_argument("--draft-vocab", type=int, default=d.draft_vocab)
+    p.add_argument("--static-prompts", type=int, default=d.static_prompts)
+    p.add_argument("--static-steps", type=int, default=d.static_steps)
+    p.add_argument("--static-head", default=None, help="use this trained head as `static`")
+    p.add_argument("--train-steps-per-request", type=float, default=d.train_steps_per_request)
+    p.add_argument("--publish-every", type=int, default=d.publish_every)
+    p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--discard-weight", type=float, default=d.discard_weight)
+    p.add_argument("--branch-weight", type=float, default=d.branch_weight)
+    p.add_argument("--window", type=int, default=d.window)
+    p.add_argument("--live-batch", type=int, default=d.live_batch)
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--json", dest="json_out", default=None)
+    p.add_argument("--plot", default=None, help="write the PNG here")
+    p.set_defaults(func=_bench_shift)
+
+
+def _bench_shift(args) -> int:
+    import torch
+
+    from tandem.bench.shift import ShiftConfig, run_shift_bench
+
+    torch.set_num_threads(args.threads)
+    config = ShiftConfig(
+        model=args.model, drafter=args.drafter, prompts=args.prompts, requests=args.requests, block=args.block,
+        domains=tuple(x for x in args.domains.split(",") if x), modes=tuple(x for x in args.modes.split(",") if x),
+        replay=args.replay, max_tokens=args.max_tokens, num_draft_tokens=args.num_draft_tokens, draft_vocab=args.draft_vocab,
+        static_prompts=args.static_prompts, static_steps=args.static_steps, static_head=args.static_head,
+        train_steps_per_request=args.train_steps_per_request, publish_every=args.publish_every, lr=args.lr,
+        discard_weight=args.discard_weight, branch_weight=args.branch_weight, window=args.window, live_batch=args.live_batch, seed=args.seed,
+    )
+    report = run_shift_bench(config, args.plot)
+    if args.json_out:
+        Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json_out).write_text(json.dumps(report, indent=2) + "\n")
+    print(json.dumps({"summary": report["summary"], "stream": report["stream"], "seconds": report["seconds"], "plot": report.get("plot")}, indent=2))
+    return 0
 
 
 def _prompts_command(sub) -> None:

@@ -52,8 +52,9 @@ class TraceBuffer:
         self._added = self._dropped = 0
         self._spill = None if spill_dir is None else _ParquetSpill(Path(spill_dir))
 
-    def put(self, trace: SequenceTrace) -> bool:
-        """Add a trace; returns False if it was dropped (never blocks)."""
+    def put(self, trace: SequenceTrace, spill: bool = True) -> bool:
+        """Add a trace; returns False if it was dropped (never blocks). spill=False: don't write it to the
+        Parquet shards (it came from them)."""
         size = trace.num_bytes
         with self._lock:
             if size > self.capacity_bytes or (self.policy == "drop_newest" and self._bytes + size > self.capacity_bytes):
@@ -65,7 +66,7 @@ class TraceBuffer:
             self._items.append(trace)
             self._bytes += size
             self._added += 1
-        if self._spill is not None:
+        if spill and self._spill is not None:
             self._spill.put(trace)
         return True
 
@@ -123,12 +124,15 @@ def write_shard(path: Path, traces: list[SequenceTrace]) -> None:
     tmp.rename(path)  # readers never see half a shard
 
 
-def load_traces(directory: str | Path, limit: int | None = None) -> list[SequenceTrace]:
-    """Every trace in the Parquet shards of `directory`, oldest shard first. Unreadable shards raise."""
+def load_traces(directory: str | Path, limit: int | None = None, newest: bool = False) -> list[SequenceTrace]:
+    """The traces in the Parquet shards of `directory`, oldest shard first (newest=True: the newest `limit`
+    traces, still oldest first). Unreadable shards raise."""
     import pyarrow.parquet as pq
 
     directory = Path(directory)
     shards = sorted(directory.glob("traces-*.parquet"))
+    if newest:
+        shards = shards[::-1]
     if not shards:
         raise TandemError(f"no trace shards (traces-*.parquet) in {directory}")
     out: list[SequenceTrace] = []
@@ -137,10 +141,11 @@ def load_traces(directory: str | Path, limit: int | None = None) -> list[Sequenc
             rows = pq.read_table(shard).to_pylist()
         except Exception as e:
             raise TandemError(f"cannot read trace shard {shard}: {e}") from e
-        out.extend(_row_trace(r) for r in rows)
+        out.extend(_row_trace(r) for r in (rows[::-1] if newest else rows))
         if limit is not None and len(out) >= limit:
-            return out[:limit]
-    return out
+            out = out[:limit]
+            break
+    return out[::-1] if newest else out
 
 
 class _ParquetSpill:

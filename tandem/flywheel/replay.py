@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from tandem.flywheel.buffer import load_traces, write_shard
 from tandem.flywheel.traces import SequenceTrace, TraceAssembler
-from tandem.flywheel.trainer import trace_example
+from tandem.flywheel.trainer import generated_roots, trace_example
 from tandem.models.eagle import EagleHead
 from tandem.training.offline import eagle_logits
 
@@ -40,25 +40,28 @@ class ReplayResult:
 
 
 @torch.inference_mode()
-def chain_predictions(head: EagleHead, trace: SequenceTrace, k: int) -> torch.Tensor:  # [k, M - 1] target token ids
-    """Row s, column t: the token the head drafts at depth s for the step whose pending token is at t + 1."""
-    logits, _ = eagle_logits(head, [trace_example(trace)], k)
-    return torch.stack([head.draft_to_target[step[0].argmax(-1)].cpu() for step in logits])
+def chain_predictions(head: EagleHead, trace: SequenceTrace, k: int) -> tuple[torch.Tensor, int]:  # [k, R] target ids, first root
+    """Row s, column t - first: the token the head drafts at depth s for the step whose pending token is at
+    t + 1, for the generated roots t = first .. M - 2 only (the engine never drafts inside the prompt)."""
+    roots = generated_roots(trace)
+    logits, _ = eagle_logits(head, [trace_example(trace)], k, roots, roots)
+    return torch.stack([head.draft_to_target[step[0].argmax(-1)].cpu() for step in logits]), int(roots[0])
 
 
 def replay_request(head: EagleHead, trace: SequenceTrace, k: int, max_tokens: int) -> ReplayResult:
     tokens = trace.tokens.tolist()
     length, prompt = len(tokens), trace.prompt_len
-    predicted = chain_predictions(head, trace, k).tolist() if length - prompt > 1 else [[]] * k
+    predicted, first = chain_predictions(head, trace, k) if length - prompt > 1 else (torch.zeros(k, 0, dtype=torch.long), 0)
+    predicted = predicted.tolist()
     steps, rejections = [], []
     n, output = prompt, 1  # prefill emitted the first output token, pending at position `prompt`
     while output < length - prompt:
         budget = max(0, min(k, max_tokens - output - 1))
         accepted = 0
-        while accepted < budget and n + 1 + accepted < length and predicted[accepted][n - 1] == tokens[n + 1 + accepted]:
+        while accepted < budget and n + 1 + accepted < length and predicted[accepted][n - 1 - first] == tokens[n + 1 + accepted]:
             accepted += 1
         if accepted < budget and n + 1 + accepted < length:
-            rejections.append((n - 1, accepted, predicted[accepted][n - 1]))
+            rejections.append((n - 1, accepted, predicted[accepted][n - 1 - first]))
         steps.append((n, budget, accepted))
         output += accepted + 1
         n += accepted + 1

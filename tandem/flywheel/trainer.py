@@ -21,6 +21,7 @@ the engine keeps serving the last published weights.
 from __future__ import annotations
 
 import json
+import math
 
 import random
 import shutil
@@ -38,10 +39,11 @@ from tandem.flywheel.traces import SequenceTrace
 from tandem.flywheel.weights import WeightStore
 from tandem.models.eagle import EagleHead, load_eagle, save_eagle, target_to_draft
 from tandem.ops.losses import discard_loss, soft_cross_entropy
-from tandem.training.offline import Example, _stats, eagle_logits, sample_roots
+from tandem.training.offline import Example, _stats, eagle_logits
 
 OPTIMIZER_FILE = "optimizer.safetensors"
 STATE_FILE = "trainer.json"
+CHECKPOINT_MARKER = STATE_FILE  # written last: a directory with it holds a whole checkpoint
 
 
 @dataclass(frozen=True)
@@ -78,56 +80,65 @@ def trace_example(trace: SequenceTrace) -> Example:
 
 
 # ---- the loss ---------------------------------------------------------------------------------------------------
+def generated_roots(trace: SequenceTrace) -> torch.Tensor:  # [R] chain roots whose first draft token is generated output
+    """Roots prompt_len - 1 .. M - 2: where the engine drafts (the prompt itself is never drafted)."""
+    m = len(trace.features)
+    first = min(max(trace.prompt_len - 1, 0), m - 2)
+    return torch.arange(first, m - 1)
+
+
 def flywheel_loss(head: EagleHead, target_rows: torch.Tensor, traces: list[SequenceTrace], cfg: FlywheelConfig, generator: torch.Generator) -> tuple[torch.Tensor, dict]:
+    """Mean over traces of the switched-on terms. Each trace runs alone (no padding): its step-0 logits are
+    read at the generated positions only, and its chains are a `chain_fraction` sample of them plus every
+    root a rejection past depth 0 needs."""
     traces = [t for t in traces if len(t.features) >= 2]
     if not traces:
         raise InvalidParameterError("no trace in the batch has two committed positions")
-    examples = [trace_example(t) for t in traces]
-    length = max(len(e.tokens) for e in examples)
-    events = _reject_events(head, traces, cfg.unroll, length - 1)
-    roots = _chain_roots(length, cfg.chain_fraction, events, generator)
-    logits, step_roots = eagle_logits(head, examples, cfg.unroll, roots)
-    parts: dict[str, torch.Tensor] = {}
-    if cfg.imitation:
-        parts["imitation"] = _stats(examples, target_rows, logits, step_roots, head.draft_to_target).loss
-    if cfg.discard_weight > 0:
-        parts["discard"] = cfg.discard_weight * _discard(logits, step_roots, events)
-    if cfg.branch_weight > 0 and any(len(t.branch_token) for t in traces):
-        parts["branch"] = cfg.branch_weight * sum(_branch_loss(head, target_rows, t) for t in traces) / len(traces)
-    loss = sum(parts.values())
-    return loss, {k: float(v.detach()) for k, v in parts.items()} | {"rejections": int(len(events[0]))}
-
-
-def _reject_events(head: EagleHead, traces: list[SequenceTrace], unroll: int, num_roots: int):
-    """(batch index, root, depth, draft id, r) of the rejections the unroll can score."""
     to_draft = target_to_draft(head.draft_to_target.cpu(), head.cfg.target_vocab_size)
-    cols: list[list] = [[], [], [], [], []]
-    for b, t in enumerate(traces):
-        draft_ids = to_draft[t.reject_token] if len(t.reject_token) else t.reject_token
-        keep = (t.reject_depth < unroll) & (t.reject_root < min(num_roots, len(t.features) - 1)) & (draft_ids >= 0) & (t.reject_weight > 0)
-        for col, values in zip(cols, (torch.full_like(t.reject_root, b), t.reject_root, t.reject_depth, draft_ids, t.reject_weight)):
-            col.append(values[keep])
-    return tuple(torch.cat(c) if c else torch.zeros(0) for c in cols)
+    totals: dict[str, torch.Tensor] = {}
+    rejections = 0
+    for trace in traces:
+        roots = generated_roots(trace)
+        events = _reject_events(trace, to_draft, cfg.unroll, roots)
+        rejections += len(events[0])
+        sampled = roots[torch.randperm(len(roots), generator=generator)[: max(1, math.ceil(cfg.chain_fraction * len(roots)))]]
+        chains = torch.unique(torch.cat([sampled, events[0][events[1] > 0]]))
+        example = trace_example(trace)
+        logits, step_roots = eagle_logits(head, [example], cfg.unroll, chains, roots)
+        parts = {}
+        if cfg.imitation:
+            parts["imitation"] = _stats([example], target_rows, logits, step_roots, head.draft_to_target).loss
+        if cfg.discard_weight > 0:
+            parts["discard"] = cfg.discard_weight * _discard(logits, step_roots, events)
+        if cfg.branch_weight > 0 and len(trace.branch_token):
+            parts["branch"] = cfg.branch_weight * _branch_loss(head, target_rows, trace)
+        for name, value in parts.items():
+            totals[name] = totals.get(name, 0.0) + value / len(traces)
+    loss = sum(totals.values())
+    return loss, {k: float(v.detach()) for k, v in totals.items()} | {"rejections": rejections}
 
 
-def _chain_roots(length: int, fraction: float, events, generator: torch.Generator) -> torch.Tensor | None:
-    sampled = sample_roots(length, fraction, generator)
-    if sampled is None:
-        return None
-    deep = events[1][events[2] > 0]  # rejections past depth 0 need their root unrolled
-    return torch.unique(torch.cat([sampled, deep.long()]))  # sorted
+def _reject_events(trace: SequenceTrace, to_draft: torch.Tensor, unroll: int, roots: torch.Tensor):
+    """(root, depth, draft id, r) of the trace's rejections the unroll can score."""
+    if not len(trace.reject_token):
+        empty = torch.zeros(0, dtype=torch.long)
+        return empty, empty, empty, torch.zeros(0)
+    draft_ids = to_draft[trace.reject_token]
+    keep = (trace.reject_depth < unroll) & (trace.reject_root >= roots[0]) & (trace.reject_root <= roots[-1]) & (draft_ids >= 0) & (trace.reject_weight > 0)
+    return trace.reject_root[keep], trace.reject_depth[keep], draft_ids[keep], trace.reject_weight[keep]
 
 
 def _discard(logits: list[torch.Tensor], step_roots: list[torch.Tensor], events) -> torch.Tensor:
-    b, root, depth, token, weight = events
-    if len(b) == 0:
+    root, depth, token, weight = events
+    if len(root) == 0:
         return logits[0].sum() * 0.0
-    rows = []
-    for i in range(len(b)):
-        s = int(depth[i])
-        index = int(torch.searchsorted(step_roots[s], root[i]))
-        rows.append(logits[s][int(b[i]), index])
-    return discard_loss(torch.stack(rows), token.long(), weight.float())
+    rows, tokens, weights = [], [], []
+    for s in depth.unique().tolist():
+        at = depth == s
+        rows.append(logits[s][0, torch.searchsorted(step_roots[s], root[at])])
+        tokens.append(token[at])
+        weights.append(weight[at])
+    return discard_loss(torch.cat(rows), torch.cat(tokens), torch.cat(weights).float())
 
 
 def _branch_loss(head: EagleHead, target_rows: torch.Tensor, trace: SequenceTrace) -> torch.Tensor:
@@ -211,21 +222,25 @@ class OnlineTrainer:
         return version.version
 
     # ---- background thread --------------------------------------------------------------------------------
-    def start(self, threads: int | None = 1, idle_s: float = 0.05) -> "OnlineTrainer":
+    def start(self, threads: int | None = 1, idle_s: float = 0.05, checkpoint_dir: str | Path | None = None, checkpoint_every: int = 100) -> "OnlineTrainer":
+        """Train in a daemon thread (with its own torch thread count), checkpointing every `checkpoint_every` steps."""
         if self._thread is not None and self._thread.is_alive():
             return self
         self._stop.clear()
-        self._thread = threading.Thread(target=self._loop, args=(threads, idle_s), name="tandem-trainer", daemon=True)
+        args = (threads, idle_s, checkpoint_dir, checkpoint_every)
+        self._thread = threading.Thread(target=self._loop, args=args, name="tandem-trainer", daemon=True)
         self._thread.start()
         return self
 
-    def _loop(self, threads: int | None, idle_s: float) -> None:
+    def _loop(self, threads: int | None, idle_s: float, checkpoint_dir, checkpoint_every: int) -> None:
         if threads:
             torch.set_num_threads(threads)
         try:
             while not self._stop.is_set():
                 if self.train_step() is None:
                     self._stop.wait(idle_s)
+                elif checkpoint_dir is not None and self.steps % checkpoint_every == 0:
+                    self.save_checkpoint(checkpoint_dir)
         except BaseException as e:  # the engine keeps serving the last published weights
             self.error = e
 
@@ -281,7 +296,7 @@ class OnlineTrainer:
         trainer = cls(head, target_lm_rows(target, head), buffer, store, cfg)
         try:
             trainer.load_optimizer(path)
-        except (OSError, ValueError, KeyError, RuntimeError) as e:
+        except Exception as e:  # safetensors raises its own error type on a corrupt file
             raise TandemError(f"cannot resume the trainer from {path}: {e}") from e
         return trainer
 

@@ -276,11 +276,13 @@ class EagleHead(nn.Module):
         fused: torch.Tensor,  # [B, T, d] fused target features f_0 .. f_{T-1}
         steps: int,
         chain_roots: torch.Tensor | None = None,  # [R] increasing: roots whose chains go past step 0; None = all T
-    ) -> list[torch.Tensor]:  # [B, T, Vd], then steps-1 x [B, R, Vd]: step s at root t predicts x_{t+s+2}
+        first_roots: torch.Tensor | None = None,  # [R0]: roots whose step-0 logits are wanted; None = all T
+    ) -> list[torch.Tensor]:  # [B, T or R0, Vd], then steps-1 x [B, R, Vd]: step s at root t predicts x_{t+s+2}
         """Training-time test: step s feeds step s-1's hidden states back in place of target features.
 
         Step 0 runs over every position (its keys are the context of every chain); later steps are
-        independent per chain, so training may unroll only a sample of roots (`chain_roots`).
+        independent per chain, so training may unroll only a sample of roots (`chain_roots`) and read
+        step-0 logits at a subset (`first_roots`, e.g. the generated part only).
         """
         t = fused.shape[1]
         roots = torch.arange(t)
@@ -297,7 +299,8 @@ class EagleHead(nn.Module):
             values.append(v.transpose(1, 2))
             mask = unroll_mask(roots, t, step).to(fused.device).view(1, 1, len(roots), -1)
             features = self._residual(features, self.attn.attend(q, torch.cat(keys, 2), torch.cat(values, 2), mask, False))
-            logits.append(self.lm_head(self.norm(features)))
+            wanted = features[:, first_roots.to(features.device)] if step == 0 and first_roots is not None else features
+            logits.append(self.lm_head(self.norm(wanted)))
         return logits
 
     def _layer_input(self, input_ids: torch.Tensor, features: torch.Tensor) -> torch.Tensor:  # -> [B, T, 2d]

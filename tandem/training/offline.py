@@ -150,17 +150,19 @@ class StepStats:
     continuation: torch.Tensor  # [B, T] bool: chain roots inside the continuation
 
 
-def eagle_logits(head: EagleHead, examples: list[Example], unroll: int, chain_roots: torch.Tensor | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """The training-time-test unroll over a padded batch: logits per step ([B, T, Vd], then [B, R, Vd]) and
-    the chain roots of each step. chain_roots [R]: roots unrolled past step 0 (a sample makes training
-    cheaper); None = all."""
+def eagle_logits(
+    head: EagleHead, examples: list[Example], unroll: int, chain_roots: torch.Tensor | None = None, first_roots: torch.Tensor | None = None,
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The training-time-test unroll over a padded batch: logits per step ([B, T or R0, Vd], then [B, R, Vd])
+    and the roots of each step. chain_roots [R]: roots unrolled past step 0 (a sample makes training
+    cheaper); first_roots [R0]: roots whose step-0 logits are computed; None = all."""
     length = max(len(e.tokens) for e in examples)
     t = length - 1  # chain roots 0 .. L-2 (entry t pairs feature t with token t+1)
     tokens = _pad(examples, "tokens", length + unroll)  # [B, L+S]
     fused = head.fuse([_pad(examples, "taps", t)])
-    logits = head.unroll(tokens[:, 1 : t + unroll], fused, unroll, chain_roots)
+    logits = head.unroll(tokens[:, 1 : t + unroll], fused, unroll, chain_roots, first_roots)
     later = torch.arange(t) if chain_roots is None else chain_roots
-    return logits, [torch.arange(t)] + [later] * (unroll - 1)
+    return logits, [torch.arange(t) if first_roots is None else first_roots] + [later] * (unroll - 1)
 
 
 def eagle_step(head: EagleHead, target_rows: torch.Tensor, examples: list[Example], unroll: int, chain_roots: torch.Tensor | None = None) -> StepStats:
@@ -181,7 +183,7 @@ def _stats(examples: list[Example], target_rows: torch.Tensor, logits: list[torc
     logits[s] [B, R_s, Vd] holds the chains rooted at roots[s] [R_s]; correct/valid are scattered back
     to [S, B, T] (positions a step did not unroll count as invalid).
     """
-    steps, batch, t = len(logits), len(examples), roots[0].numel()
+    steps, batch, t = len(logits), len(examples), max(len(e.tokens) for e in examples) - 1
     final = _pad(examples, "final_hidden", t + steps + 1)  # [B, T+S+1, d]
     greedy = _pad(examples, "target_next", t + steps + 1)
     lengths = torch.tensor([len(e.tokens) for e in examples]).unsqueeze(1)  # [B, 1]

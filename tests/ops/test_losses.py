@@ -65,3 +65,23 @@ def test_top1_agreement_counts_only_weighted_rows():
     target_probs = torch.tensor([[0.2, 0.8], [0.3, 0.7], [0.9, 0.1]])
     assert top1_agreement(draft_logits, target_probs) == (2, 3)
     assert top1_agreement(draft_logits, target_probs, torch.tensor([1.0, 1.0, 0.0])) == (1, 2)
+
+
+def test_discard_loss_matches_its_definition_and_pushes_mass_off_the_token():
+    from tandem.ops.losses import discard_loss, rejection_probability
+
+    logits = torch.randn(5, 11, requires_grad=True)
+    tokens = torch.tensor([0, 3, 3, 10, 7])
+    r = rejection_probability(torch.tensor([0.0, 0.2, 0.5, 0.9, 0.1]), torch.tensor([1.0, 0.4, 0.5, 0.3, 1.0]))
+    torch.testing.assert_close(r, torch.tensor([1.0, 0.5, 0.0, 0.0, 0.9]))
+    loss = discard_loss(logits, tokens, r)
+    q = torch.softmax(logits, -1)[torch.arange(5), tokens]
+    torch.testing.assert_close(loss, -(r * torch.log1p(-q)).sum() / 5)
+    loss.backward()
+    grad_at_token = logits.grad[torch.arange(5), tokens]
+    assert (grad_at_token[r > 0] > 0).all() and (grad_at_token[r == 0] == 0).all()  # descent lowers q(x) where rejected
+    # stays finite when the draft is certain of the rejected token
+    sure = torch.full((1, 4), -50.0)
+    sure[0, 2] = 50.0
+    assert torch.isfinite(discard_loss(sure, torch.tensor([2]), torch.tensor([1.0])))
+    assert float(discard_loss(torch.randn(0, 4), torch.zeros(0, dtype=torch.long), torch.zeros(0))) == 0.0

@@ -1,0 +1,107 @@
+"""The flywheel around a running engine: collector -> buffer -> trainer thread -> store -> hot-swapper.
+
+Composition lives here, outside the engine (which knows only observers and between-steps hooks) and
+outside the trainer (which knows only the buffer and the store). `Flywheel.step()` is `engine.step()`
+with its wall time recorded and swap steps marked, so the stall a swap causes is measurable.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from tandem.errors import InvalidParameterError
+from tandem.flywheel.buffer import TraceBuffer, load_traces
+from tandem.flywheel.trainer import CHECKPOINT_MARKER, FlywheelConfig, OnlineTrainer, target_lm_rows, trainer_copy
+from tandem.flywheel.traces import TraceCollector
+from tandem.flywheel.weights import HotSwapper, WeightStore
+
+
+@dataclass(frozen=True)
+class FlywheelOptions:
+    loss: FlywheelConfig = field(default_factory=FlywheelConfig)
+    train: bool = True  # False: collect traces and watch acceptance, but never train (a static drafter)
+    buffer_bytes: int = 256 << 20
+    buffer_policy: str = "drop_oldest"
+    spill_dir: str | None = None  # Parquet shards of every trace (restart, offline training)
+    checkpoint_dir: str | None = None  # trainer checkpoints; resumed from when present
+    checkpoint_every: int = 100  # trainer steps
+    trainer_threads: int = 1
+    collapse_ratio: float = 0.5
+    window: int = 64  # request-steps a swapped-in version is watched over
+    keep_branches: bool = True
+
+
+class Flywheel:
+    def __init__(self, engine, target, options: FlywheelOptions = FlywheelOptions()):
+        drafter = engine.drafter
+        if drafter is None or not hasattr(drafter, "head"):
+            raise InvalidParameterError("the flywheel trains an EAGLE head: build the engine with the eagle drafter")
+        if not engine.config.record_steps:
+            raise InvalidParameterError("the flywheel needs detailed step records: EngineConfig(record_steps=True)")
+        self.engine, self.options = engine, options
+        self.buffer = TraceBuffer(options.buffer_bytes, options.buffer_policy, options.spill_dir)
+        self.restored_traces = self._restore_traces()
+        self.collector = TraceCollector(self.buffer.put, keep_branches=options.keep_branches)
+        engine.observers.append(self.collector)
+        self.store = WeightStore(first_version=drafter.version + 1)
+        self.swapper = HotSwapper(drafter, self.store, options.collapse_ratio, options.window).attach(engine)
+        self.trainer = self._trainer(target, drafter) if options.train else None
+        self.step_times: list[float] = []
+        self.swap_steps: list[int] = []  # indices into step_times of steps that began with a swap or rollback
+
+    def _restore_traces(self) -> int:
+        spill = self.options.spill_dir
+        if spill is None or not any(Path(spill).glob("traces-*.parquet")):
+            return 0
+        traces = load_traces(spill, limit=4096, newest=True)
+        for trace in traces:
+            self.buffer.put(trace, spill=False)
+        return len(traces)
+
+    def _trainer(self, target, drafter) -> OnlineTrainer:
+        checkpoint = self.options.checkpoint_dir
+        if checkpoint is not None and (Path(checkpoint) / CHECKPOINT_MARKER).exists():
+            trainer = OnlineTrainer.resume(checkpoint, target, self.buffer, self.store, self.options.loss)
+            trainer.publish()  # serving adopts the resumed weights at the next step
+            return trainer
+        return OnlineTrainer(trainer_copy(drafter.head), target_lm_rows(target, drafter.head), self.buffer, self.store, self.options.loss)
+
+    def start(self) -> "Flywheel":
+        if self.trainer is not None:
+            self.trainer.start(self.options.trainer_threads, checkpoint_dir=self.options.checkpoint_dir, checkpoint_every=self.options.checkpoint_every)
+        return self
+
+    def step(self):
+        changes = self.swapper.stats.swaps + self.swapper.stats.rollbacks
+        start = time.perf_counter()
+        outputs = self.engine.step()
+        self.step_times.append(time.perf_counter() - start)
+        if self.swapper.stats.swaps + self.swapper.stats.rollbacks != changes:
+            self.swap_steps.append(len(self.step_times) - 1)
+        return outputs
+
+    def metrics(self) -> dict:
+        trainer = self.trainer
+        times = sorted(self.step_times)
+        swap_times = [self.step_times[i] for i in self.swap_steps]
+        return {
+            "buffer": asdict(self.buffer.stats()), "collector_dropped_records": self.collector.dropped_records,
+            "collector_error": repr(self.collector.error) if self.collector.error else None,
+            "swaps": self.swapper.stats.as_dict(),
+            "trainer": None if trainer is None else {
+                "steps": trainer.steps, "alive": trainer.alive, "published": trainer.published,
+                "error": repr(trainer.error) if trainer.error else None, "last": trainer.losses[-1] if trainer.losses else None},
+            "median_step_s": round(times[len(times) // 2], 4) if times else None,
+            "max_swap_step_s": round(max(swap_times), 4) if swap_times else None,
+        }
+
+    def close(self) -> None:
+        if self.trainer is not None:
+            self.trainer.stop()
+            if self.options.checkpoint_dir is not None and self.trainer.error is None:
+                self.trainer.save_checkpoint(self.options.checkpoint_dir)
+        self.collector.flush()
+        self.collector.close()
+        self.buffer.close()
+        self.swapper.close()

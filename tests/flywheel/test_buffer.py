@@ -1,0 +1,73 @@
+"""The trace buffer: bounded by bytes, drops counted, never blocks; Parquet spill round trip."""
+import random
+import time
+
+import pytest
+import torch
+
+from tandem.errors import InvalidParameterError, TandemError
+from tandem.flywheel.buffer import TraceBuffer, load_traces
+
+from flywheel_helpers import served_traces
+
+
+@pytest.fixture(scope="module")
+def traces(target):
+    return served_traces(target, n=4)
+
+
+def test_bounded_by_bytes_drop_oldest(traces):
+    size = max(t.num_bytes for t in traces)
+    buffer = TraceBuffer(capacity_bytes=2 * size + 1)
+    for trace in traces:
+        assert buffer.put(trace)
+    stats = buffer.stats()
+    assert stats.bytes <= 2 * size + 1 and stats.traces == 2 and stats.dropped == 2 and stats.added == 4
+    kept = {t.request_id for t in buffer.sample(50, random.Random(0))}
+    assert kept <= {traces[-1].request_id, traces[-2].request_id}  # the newest survive
+
+
+def test_drop_newest_refuses_and_counts(traces):
+    buffer = TraceBuffer(capacity_bytes=traces[0].num_bytes, policy="drop_newest")
+    assert buffer.put(traces[0])
+    assert not buffer.put(traces[1])
+    assert buffer.stats().dropped == 1 and len(buffer) == 1
+
+
+def test_full_buffer_never_blocks(traces):
+    buffer = TraceBuffer(capacity_bytes=traces[1].num_bytes)
+    start = time.perf_counter()
+    for _ in range(2000):
+        buffer.put(traces[1])
+    assert time.perf_counter() - start < 2.0
+    assert buffer.stats().dropped == 1999
+
+
+def test_bad_settings_are_refused():
+    with pytest.raises(InvalidParameterError):
+        TraceBuffer(capacity_bytes=0)
+    with pytest.raises(InvalidParameterError):
+        TraceBuffer(policy="lifo")
+
+
+def test_parquet_spill_round_trip(traces, tmp_path):
+    buffer = TraceBuffer(spill_dir=tmp_path)
+    for trace in traces:
+        buffer.put(trace)
+    buffer.close()
+    assert buffer.stats().spilled == len(traces)
+    loaded = load_traces(tmp_path)
+    assert [t.request_id for t in loaded] == [t.request_id for t in traces]
+    for a, b in zip(loaded, traces):
+        assert a.domain == b.domain and a.prompt_len == b.prompt_len and a.taps == b.taps
+        for name, tensor in b.tensors().items():
+            assert torch.equal(a.tensors()[name], tensor), name
+    assert [t.request_id for t in load_traces(tmp_path, limit=2, newest=True)] == [t.request_id for t in traces[-2:]]
+
+
+def test_corrupt_shard_is_a_clear_error(tmp_path):
+    (tmp_path / "traces-0001.parquet").write_bytes(b"not parquet")
+    with pytest.raises(TandemError, match="cannot read trace shard"):
+        load_traces(tmp_path)
+    with pytest.raises(TandemError, match="no trace shards"):
+        load_traces(tmp_path / "empty")

@@ -1,0 +1,56 @@
+"""The whole flywheel on a tiny model: serve, collect, train in the background, hot-swap, restart."""
+import pytest
+
+from tandem.config import SamplingParams
+from tandem.errors import InvalidParameterError
+from tandem.flywheel.loop import Flywheel, FlywheelOptions
+from tandem.flywheel.trainer import FlywheelConfig, wait_for
+
+from flywheel_helpers import GREEDY, eagle_engine, make_prompts, plain_outputs
+
+
+def serve(flywheel, prompts, params):
+    engine = flywheel.engine
+    for prompt in prompts:
+        engine.add_request(prompt, params)
+    requests = list(engine.waiting)
+    while engine.has_unfinished():
+        flywheel.step()
+    return requests
+
+
+def test_flywheel_trains_swaps_and_stays_lossless(target, tmp_path):
+    options = FlywheelOptions(loss=FlywheelConfig(publish_every=2, min_traces=2), spill_dir=str(tmp_path / "traces"),
+                              checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=2, window=4)
+    flywheel = Flywheel(eagle_engine(target), target, options).start()
+    prompts = make_prompts(4, seed=5)
+    serve(flywheel, prompts, GREEDY)
+    assert wait_for(lambda: flywheel.trainer.published is not None, timeout=60)
+    later = make_prompts(4, seed=6)
+    requests = serve(flywheel, later, GREEDY)
+    assert [r.output_ids for r in requests] == plain_outputs(target, later, [GREEDY] * 4)
+    flywheel.close()
+    metrics = flywheel.metrics()
+    assert metrics["swaps"]["swaps"] >= 1 and metrics["trainer"]["steps"] >= 2 and metrics["trainer"]["error"] is None
+    assert metrics["buffer"]["added"] == 8 and metrics["collector_dropped_records"] == 0
+    assert metrics["median_step_s"] > 0
+    steps = flywheel.trainer.steps
+
+    # restart: the trainer resumes from its checkpoint, the buffer from the spilled traces
+    again = Flywheel(eagle_engine(target), target, options)
+    assert again.trainer.steps == steps
+    assert again.restored_traces == 8 and len(again.buffer) == 8
+    again.close()
+
+
+def test_flywheel_refuses_an_engine_it_cannot_train(target):
+    with pytest.raises(InvalidParameterError, match="record_steps"):
+        Flywheel(eagle_engine(target, record=False), target)
+
+
+def test_sampled_requests_feed_the_trainer_too(target):
+    flywheel = Flywheel(eagle_engine(target), target, FlywheelOptions(train=False))
+    serve(flywheel, make_prompts(2, seed=8), SamplingParams(max_tokens=16, temperature=0.8, seed=1))
+    flywheel.close()
+    trace = flywheel.buffer.sample(1, __import__("random").Random(0))[0]
+    assert len(trace.reject_weight) and float(trace.reject_weight.min()) >= 0.0 and float(trace.reject_weight.max()) <= 1.0

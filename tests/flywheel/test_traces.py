@@ -1,0 +1,82 @@
+"""Trace assembly: committed features match the target, rejections are the verifier's, collection never blocks."""
+import threading
+import time
+
+import torch
+
+from tandem.flywheel.traces import TraceAssembler, TraceCollector
+from tandem.types import RequestStep, StepRecord
+
+from flywheel_helpers import GREEDY, eagle_engine, make_prompts
+
+
+def collect(engine, prompts, params):
+    traces = []
+    collector = TraceCollector(traces.append)
+    engine.observers.append(collector)
+    requests = engine.run(prompts, params)
+    collector.flush()
+    collector.close()
+    return requests, {t.request_id: t for t in traces}
+
+
+def test_one_trace_per_request_with_the_targets_hidden_states(target):
+    engine = eagle_engine(target)
+    requests, traces = collect(engine, make_prompts(3), [GREEDY] * 3)
+    assert len(traces) == 3
+    for request in requests:
+        trace = traces[request.request_id]
+        assert trace.tokens.tolist() == request.prompt_ids + request.output_ids
+        assert len(trace.features) == len(trace.tokens) - 1 == len(trace.final_hidden)
+        # a fresh forward over the committed sequence gives the same hidden states (fp16 storage)
+        out = target(trace.tokens[:-1].unsqueeze(0), taps=engine.taps)
+        expected = torch.cat([h[0] for h in out.hidden], dim=-1)
+        torch.testing.assert_close(trace.features.float(), expected, atol=2e-2, rtol=1e-2)
+        torch.testing.assert_close(trace.final_hidden.float(), out.final_hidden[0], atol=2e-2, rtol=1e-2)
+        assert int(trace.step_root[0]) == len(request.prompt_ids)
+        assert int((trace.step_accepted + 1).sum()) >= len(request.output_ids) - 1
+        assert len(trace.step_root) == request.metrics.steps
+        # every drafted node off the accepted path is kept as a branch with its target state
+        assert len(trace.branch_token) == int(trace.step_drafted.sum() - trace.step_accepted.sum())
+        assert trace.branch_features.shape == (len(trace.branch_token), trace.features.shape[1])
+
+
+def _decode_entry(**kw):
+    base = dict(request_id="r", tags={}, context_len=5, pending_token=9, draft_tokens=[1, 2, 3], draft_parents=[-1, 0, 1],
+                accepted_nodes=[0], emitted_tokens=[1, 7], bonus=False, context_ids=[0, 1, 2, 3, 4],
+                node_target_probs=torch.tensor([1.0, 0.25, 0.0]), node_draft_probs=torch.tensor([1.0, 0.5, 1.0]),
+                hidden=torch.arange(3 * 4 * 2, dtype=torch.float32).view(3, 4, 2), final_hidden=torch.zeros(4, 2))
+    base.update(kw)
+    return RequestStep(**base)
+
+
+def test_rejections_are_the_evaluated_children_of_the_accepted_path():
+    assembler = TraceAssembler()
+    prefill = RequestStep(request_id="r", tags={"domain": "sql"}, context_len=0, pending_token=-1, draft_tokens=[], draft_parents=[],
+                          accepted_nodes=[], emitted_tokens=[9], bonus=False, context_ids=[0, 1, 2, 3, 4],
+                          hidden=torch.zeros(3, 5, 2), final_hidden=torch.zeros(5, 2))
+    assert assembler.add(StepRecord(0, 0.0, 0, [prefill], kind="prefill", taps=(0, 1, 2))) == []
+    done = assembler.add(StepRecord(1, 0.0, 3, [_decode_entry(finish_reason="length")], taps=(0, 1, 2)))
+    (trace,) = done
+    assert trace.domain == "sql" and trace.tokens.tolist() == [0, 1, 2, 3, 4, 9, 1, 7]
+    # node 1 (child of the accepted node 0) was evaluated and rejected: r = 1 - min(1, 0.25 / 0.5) = 0.5 at depth 1, root 4
+    assert trace.reject_root.tolist() == [4] and trace.reject_depth.tolist() == [1] and trace.reject_token.tolist() == [2]
+    assert trace.reject_weight.tolist() == [0.5]
+    # node 2 hangs off the rejected node: a branch (with node 1), never a rejection
+    assert trace.branch_token.tolist() == [2, 3] and trace.branch_parent.tolist() == [-1, 0] and trace.branch_pos.tolist() == [6, 7]
+    assert trace.step_version.tolist() == [3] and trace.step_accepted.tolist() == [1]
+    # committed features: 5 prompt positions + root + the accepted node, cut to L - 1 = 7
+    assert trace.features.shape == (7, 6)
+
+
+def test_collector_never_blocks_the_engine():
+    release = threading.Event()
+    collector = TraceCollector(lambda trace: release.wait(), max_queue=2)
+    record = StepRecord(0, 0.0, 0, [_decode_entry(request_id="x")])
+    start = time.perf_counter()
+    for _ in range(50):
+        collector(record)
+    assert time.perf_counter() - start < 0.5
+    assert collector.dropped_records >= 47
+    release.set()
+    collector.close()

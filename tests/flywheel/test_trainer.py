@@ -1,0 +1,114 @@
+"""The online trainer: loss terms switch, training helps, checkpoints resume, a crash leaves serving intact."""
+import random
+
+import pytest
+import torch
+
+from tandem.errors import InvalidParameterError, TandemError
+from tandem.flywheel.buffer import TraceBuffer
+from tandem.flywheel.trainer import FlywheelConfig, OnlineTrainer, flywheel_loss, target_lm_rows, trainer_copy, wait_for
+from tandem.flywheel.weights import HotSwapper, WeightStore
+
+from flywheel_helpers import GREEDY, eagle_engine, make_prompts, plain_outputs, served_traces
+
+
+@pytest.fixture(scope="module")
+def traces(target):
+    return served_traces(target, n=6, seed=1)
+
+
+def make_trainer(target, traces, **cfg):
+    head = eagle_engine(target).drafter.head
+    buffer = TraceBuffer()
+    for trace in traces:
+        buffer.put(trace)
+    return OnlineTrainer(trainer_copy(head), target_lm_rows(target, head), buffer, WeightStore(), FlywheelConfig(**cfg))
+
+
+def test_loss_terms_switch_on_and_off(target, traces):
+    trainer = make_trainer(target, traces)
+    gen = torch.Generator().manual_seed(0)
+    _, parts = flywheel_loss(trainer.head, trainer.target_rows, traces, trainer.cfg, gen)
+    assert {"imitation", "discard", "branch"} <= set(parts) and parts["rejections"] > 0
+    _, parts = flywheel_loss(trainer.head, trainer.target_rows, traces, FlywheelConfig(discard_weight=0.0, branch_weight=0.0), gen)
+    assert set(parts) == {"imitation", "rejections"}
+    _, parts = flywheel_loss(trainer.head, trainer.target_rows, traces, FlywheelConfig(imitation=False, branch_weight=0.0), gen)
+    assert set(parts) == {"discard", "rejections"}
+    with pytest.raises(InvalidParameterError):
+        FlywheelConfig(imitation=False, discard_weight=0.0, branch_weight=0.0)
+
+
+def test_discard_term_lowers_the_rejected_tokens_probability(target, traces):
+    trainer = make_trainer(target, traces, imitation=False, branch_weight=0.0, discard_weight=1.0, lr=3e-3, publish_every=1000)
+    gen = torch.Generator().manual_seed(0)
+    before, _ = flywheel_loss(trainer.head, trainer.target_rows, traces, trainer.cfg, gen)
+    for _ in range(10):
+        trainer.train_step()
+    after, _ = flywheel_loss(trainer.head, trainer.target_rows, traces, trainer.cfg, torch.Generator().manual_seed(0))
+    assert float(after.detach()) < float(before.detach())
+
+
+def test_training_lowers_the_loss_and_publishes(target, traces):
+    trainer = make_trainer(target, traces, lr=3e-3, publish_every=5, warmup=1)
+    gen = lambda: torch.Generator().manual_seed(0)  # noqa: E731
+    before, _ = flywheel_loss(trainer.head, trainer.target_rows, traces, trainer.cfg, gen())
+    for _ in range(15):
+        trainer.train_step()
+    after, _ = flywheel_loss(trainer.head, trainer.target_rows, traces, trainer.cfg, gen())
+    assert float(after.detach()) < float(before.detach())
+    assert trainer.published == 3 and trainer.store.latest().version == 3
+
+
+def test_waits_for_traces():
+    trainer = OnlineTrainer.__new__(OnlineTrainer)
+    trainer.buffer, trainer.cfg = TraceBuffer(), FlywheelConfig(min_traces=2)
+    assert OnlineTrainer.train_step(trainer) is None
+
+
+def test_checkpoint_resumes_optimizer_state(target, traces, tmp_path):
+    trainer = make_trainer(target, traces, publish_every=100)
+    for _ in range(3):
+        trainer.train_step()
+    trainer.save_checkpoint(tmp_path / "ckpt")
+    resumed = OnlineTrainer.resume(tmp_path / "ckpt", target, trainer.buffer, WeightStore(), trainer.cfg)
+    assert resumed.steps == 3
+    for a, b in zip(trainer.head.parameters(), resumed.head.parameters()):
+        assert torch.equal(a, b)
+    for a, b in zip(trainer.optimizer.state.values(), resumed.optimizer.state.values()):
+        assert torch.equal(a["exp_avg"], b["exp_avg"]) and torch.equal(a["exp_avg_sq"], b["exp_avg_sq"])
+    # both take the same next step
+    trainer.rng, resumed.rng = random.Random(5), random.Random(5)
+    trainer.generator.manual_seed(5)
+    resumed.generator.manual_seed(5)
+    trainer.train_step()
+    resumed.train_step()
+    for a, b in zip(trainer.head.parameters(), resumed.head.parameters()):
+        torch.testing.assert_close(a, b)
+    (tmp_path / "ckpt" / "optimizer.safetensors").write_bytes(b"garbage")
+    with pytest.raises(TandemError):
+        OnlineTrainer.resume(tmp_path / "ckpt", target, trainer.buffer, WeightStore(), trainer.cfg)
+
+
+def test_trainer_crash_leaves_serving_on_the_last_good_weights(target, traces):
+    engine = eagle_engine(target)
+    store = WeightStore()
+    swapper = HotSwapper(engine.drafter, store, background=False).attach(engine)
+    trainer = make_trainer(target, traces, publish_every=1)
+    trainer.train_step()  # publishes version 1
+    calls = []
+
+    def broken_sample(*args, **kwargs):
+        calls.append(1)
+        raise RuntimeError("trainer died")
+
+    trainer.store = store
+    trainer.publish()
+    trainer.buffer.sample = broken_sample
+    trainer.start()
+    assert wait_for(lambda: not trainer.alive, timeout=10)
+    assert isinstance(trainer.error, RuntimeError) and calls
+    prompts = make_prompts(3, seed=4)
+    outputs = [r.output_ids for r in engine.run(prompts, [GREEDY] * 3)]
+    assert outputs == plain_outputs(target, prompts, [GREEDY] * 3)
+    assert engine.drafter.version == trainer.published  # the last published weights serve on
+    assert swapper.stats.swaps == 1

@@ -1,0 +1,133 @@
+"""Versioned weights: validation refuses bad versions, swaps are in place and between steps, collapse rolls back."""
+import time
+
+import pytest
+import torch
+
+from tandem.flywheel.weights import HotSwapper, WeightRefused, WeightStore, load_version, save_version, validate
+
+from flywheel_helpers import GREEDY, eagle_engine, make_prompts, plain_outputs
+
+
+def perturbed(head, scale=0.01, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return {k: (v + scale * torch.randn(v.shape, generator=gen)) if v.is_floating_point() else v.clone() for k, v in head.state_dict().items()}
+
+
+def test_swap_copies_in_place_and_bumps_the_version(target):
+    engine = eagle_engine(target)
+    head = engine.drafter.head
+    pointers = {k: v.data_ptr() for k, v in head.state_dict().items()}
+    store = WeightStore()
+    swapper = HotSwapper(engine.drafter, store, background=False)
+    published = store.publish(perturbed(head))
+    swapper()
+    assert engine.drafter.version == published.version == 1 and swapper.stats.swaps == 1
+    for name, tensor in head.state_dict().items():
+        assert tensor.data_ptr() == pointers[name]  # no re-allocation
+        assert torch.equal(tensor, published.tensors[name])
+
+
+@pytest.mark.parametrize("corrupt", ["nan", "inf", "shape", "checksum", "vocab"])
+def test_bad_versions_are_refused(target, corrupt):
+    engine = eagle_engine(target)
+    head = engine.drafter.head
+    before = {k: v.clone() for k, v in head.state_dict().items()}
+    store = WeightStore()
+    tensors = perturbed(head)
+    if corrupt == "nan":
+        tensors["fc.weight"][0, 0] = float("nan")
+    elif corrupt == "inf":
+        tensors["lm_head.weight"][3, 1] = float("inf")
+    elif corrupt == "shape":
+        tensors["fc.weight"] = tensors["fc.weight"][:-1]
+    elif corrupt == "vocab":
+        tensors["draft_to_target"] = tensors["draft_to_target"].flip(0)
+    version = store.publish(tensors)
+    if corrupt == "checksum":
+        version.tensors["fc.weight"].add_(1.0)  # changed after publishing
+    with pytest.raises(WeightRefused):
+        validate(version, head.state_dict())
+    swapper = HotSwapper(engine.drafter, store, background=True)
+    for _ in range(500):  # background validation: adopted or refused a few calls later
+        swapper()
+        if swapper.stats.refused:
+            break
+        time.sleep(0.01)
+    assert swapper.stats.refused == 1 and swapper.stats.swaps == 0 and engine.drafter.version == 0
+    for name, tensor in head.state_dict().items():
+        assert torch.equal(tensor, before[name])
+    swapper.close()
+
+
+def test_versions_on_disk_round_trip_and_corruption_is_refused(target, tmp_path):
+    head = eagle_engine(target).drafter.head
+    store = WeightStore(directory=tmp_path)
+    version = store.publish(perturbed(head))
+    path = next(tmp_path.glob("drafter-v*.safetensors"))
+    loaded = load_version(path)
+    assert loaded.version == version.version and loaded.checksum == version.checksum
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(WeightRefused):
+        load_version(path)
+    assert save_version(version, tmp_path).exists()
+
+
+def test_acceptance_collapse_rolls_back_within_the_window(target):
+    engine = eagle_engine(target)
+    head = engine.drafter.head
+    good = {k: v.clone() for k, v in head.state_dict().items()}
+    store = WeightStore()
+    swapper = HotSwapper(engine.drafter, store, collapse_ratio=0.5, window=8, background=False)
+    swapper.observe_lengths(0, [4] * 8)  # version 0 serves 4 tokens per step
+    store.publish(perturbed(head, scale=0.5))
+    swapper()
+    assert engine.drafter.version == 1
+    swapper.observe_lengths(1, [1] * 7)
+    assert swapper.stats.alarms == 0  # the window is not full yet
+    swapper.observe_lengths(1, [1])
+    assert swapper.stats.alarms == 1
+    swapper()  # the next between-steps call rolls back
+    assert swapper.stats.rollbacks == 1 and engine.drafter.version == 0
+    for name, tensor in head.state_dict().items():
+        assert torch.equal(tensor, good[name])
+    swapper()  # the collapsed version is never re-adopted
+    assert engine.drafter.version == 0
+
+
+def test_healthy_version_is_kept(target):
+    engine = eagle_engine(target)
+    store = WeightStore()
+    swapper = HotSwapper(engine.drafter, store, window=4, background=False)
+    swapper.observe_lengths(0, [2] * 4)
+    store.publish(perturbed(engine.drafter.head))
+    swapper()
+    swapper.observe_lengths(1, [2, 3, 2, 2])
+    swapper()
+    assert swapper.stats.rollbacks == 0 and engine.drafter.version == 1
+
+
+def test_swaps_between_steps_keep_serving_lossless(target):
+    """Publish new weights while requests run: they are adopted between steps, each step under one
+    version, and greedy output stays identical to plain decoding."""
+    prompts = make_prompts(4, seed=3)
+    engine = eagle_engine(target)
+    store = WeightStore()
+    swapper = HotSwapper(engine.drafter, store, window=4).attach(engine)
+    versions_seen = []
+    engine.observers.append(lambda record: versions_seen.append(record.drafter_version))
+    for prompt in prompts:
+        engine.add_request(prompt, GREEDY)
+    requests = list(engine.waiting)
+    step = 0
+    while engine.has_unfinished():
+        if step % 3 == 0:
+            store.publish(perturbed(engine.drafter.head, seed=step))
+        engine.step()
+        step += 1
+    swapper.close()
+    assert swapper.stats.swaps >= 2
+    assert sorted(versions_seen) == versions_seen  # versions only move forward, step by step
+    assert [r.output_ids for r in requests] == plain_outputs(target, prompts, [GREEDY] * 4)
