@@ -244,16 +244,19 @@ def _train_command(sub) -> None:
 
 
 def _demo_command(sub) -> None:
-    p = sub.add_parser("demo", help="the main job on the embedded default model")
+    p = sub.add_parser("demo", help="the main job: the flywheel on the embedded default model")
     p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--requests", type=int, default=40)
+    p.add_argument("--block", type=int, default=8, help="requests per domain block")
+    p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--out", default="out", help="directory for the plot")
     p.set_defaults(func=_demo)
 
 
 def _demo(args) -> int:
     from tandem.demo import run_demo
 
-    run_demo(args.model, args.max_tokens)
+    run_demo(args.model, args.requests, args.block, args.max_tokens, args.out)
     return 0
 
 

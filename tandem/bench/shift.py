@@ -96,9 +96,10 @@ def build_stream(cfg: ShiftConfig, tokenizer) -> tuple[list[Prompt], dict[str, l
     """(stream prompts, their token ids by key, static-head training ids by key). The static head's
     prompts (first domain, train split) never appear in the stream."""
     first = cfg.domains[0]
-    static_pool = load_prompts(cfg.prompts, domains=[first], split="train" if cfg.prompts == "builtin" else "all", seed=cfg.seed)
-    static_ids = _keyed_ids(static_pool, tokenizer, cfg.max_prompt_tokens)
-    static_ids = dict(list(static_ids.items())[: cfg.static_prompts])
+    static_ids: dict[str, list[int]] = {}
+    if cfg.static_prompts:
+        static_pool = load_prompts(cfg.prompts, domains=[first], split="train" if cfg.prompts == "builtin" else "all", seed=cfg.seed)
+        static_ids = dict(list(_keyed_ids(static_pool[: 2 * cfg.static_prompts], tokenizer, cfg.max_prompt_tokens).items())[: cfg.static_prompts])
     pool = [p for p in load_prompts(cfg.prompts, domains=cfg.domains, seed=cfg.seed) if _key(p) not in static_ids]
     if cfg.prompts == "builtin":
         pool = [p for p in pool if p.domain != first or prompt_split(p) == "test"]

@@ -17,7 +17,8 @@ from tandem.engine.engine import Engine
 from tandem.flywheel.loop import Flywheel, FlywheelOptions
 
 
-def live_mode(mode: str, target, stream, stream_ids: dict[str, list[int]], heads: dict, cfg) -> tuple[list[dict], dict]:
+def live_mode(mode: str, target, stream, stream_ids: dict[str, list[int]], heads: dict, cfg, on_finish=None) -> tuple[list[dict], dict]:
+    """Serve the stream under `mode`; on_finish(row, flywheel) is called as each request finishes."""
     from tandem.bench.shift import MODES, _key, _serving, flywheel_config
 
     init, switches = MODES[mode]
@@ -31,7 +32,7 @@ def live_mode(mode: str, target, stream, stream_ids: dict[str, list[int]], heads
     rows: list[dict] = []
     pending = list(enumerate(stream))[::-1]
     by_id: dict[str, tuple[int, object]] = {}
-    with tqdm(total=len(stream), desc=f"{mode} (live)", unit="req", disable=None) as bar:
+    with tqdm(total=len(stream), desc=f"{mode} (live)", unit="req", disable=True if on_finish else None) as bar:
         while pending or engine.has_unfinished():
             while pending and len(engine.waiting) + len(engine.running) < cfg.live_batch:
                 i, prompt = pending.pop()
@@ -44,6 +45,8 @@ def live_mode(mode: str, target, stream, stream_ids: dict[str, list[int]], heads
                     metrics = requests[out.request_id].metrics if out.request_id in requests else None
                     rows.append(_row(i, prompt.domain, metrics, drafter.version))
                     bar.update(1)
+                    if on_finish is not None:
+                        on_finish(rows[-1], flywheel)
     flywheel.close()
     rows.sort(key=lambda r: r["i"])
     return rows, flywheel.metrics()

@@ -37,7 +37,7 @@ DRAFTERS = ("eagle", "mtp")
 class TrainConfig:
     drafter: str = "eagle"  # eagle | mtp
     model: str = "smollm2-135m"  # zoo name or model directory
-    data: str = "builtin"  # builtin (train split) or a JSONL file of {domain, prompt}
+    data: str = "builtin"  # builtin (train split), a JSONL file of {domain, prompt}, or a directory of traces-*.parquet
     domains: tuple[str, ...] = ()  # empty = every domain of the data
     max_prompts: int = 64  # prompts in all (train + held-out)
     max_tokens: int = 96  # greedy continuation length per prompt
@@ -105,6 +105,18 @@ def target_example(target: Transformer, tokens: list[int], prompt_len: int, taps
 def build_examples(target: Transformer, prompts: list[list[int]], max_tokens: int, taps: tuple[int, ...]) -> list[Example]:
     continuations = greedy_continuations(target, prompts, max_tokens)
     return [target_example(target, p + c, len(p), taps) for p, c in tqdm(list(zip(prompts, continuations)), desc="target features", disable=None)]
+
+
+def examples_from_traces(directory: Path, limit: int, taps: tuple[int, ...]) -> list[Example]:
+    """Examples from the flywheel's spilled traces (Parquet shards): the served requests' own committed
+    tokens and target states, newest `limit` first-in-order."""
+    from tandem.flywheel.buffer import load_traces
+    from tandem.flywheel.trainer import trace_example
+
+    traces = load_traces(directory, limit=limit, newest=True)
+    if taps and any(tuple(t.taps) != tuple(taps) for t in traces):
+        raise InvalidParameterError(f"traces in {directory} were recorded with taps {traces[0].taps}; this head needs {taps}")
+    return [trace_example(t) for t in traces if len(t.features) >= 2]
 
 
 def load_prompt_ids(cfg: TrainConfig, tokenizer) -> list[list[int]]:
@@ -321,9 +333,11 @@ def train_offline(cfg: TrainConfig) -> dict:
     model_dir = resolve_model(cfg.model)
     target = load_transformer(model_dir)
     target.pack()
-    prompts = load_prompt_ids(cfg, load_tokenizer(model_dir))
     taps = EagleConfig.for_target(target.cfg).taps if cfg.drafter == "eagle" else ()
-    examples = build_examples(target, prompts, cfg.max_tokens, taps)
+    if Path(cfg.data).expanduser().is_dir():
+        examples = examples_from_traces(Path(cfg.data).expanduser(), cfg.max_prompts, taps)
+    else:
+        examples = build_examples(target, load_prompt_ids(cfg, load_tokenizer(model_dir)), cfg.max_tokens, taps)
     data_seconds = time.perf_counter() - start
     module, report = train_head(cfg, target, examples)
     if cfg.out:
@@ -336,7 +350,7 @@ def add_train_command(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("train", help="train an EAGLE or MTP drafter head offline on the target's own outputs")
     p.add_argument("--drafter", choices=DRAFTERS, default="eagle")
     p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--data", default="builtin", help="builtin (train split) or a JSONL file of {domain, prompt}")
+    p.add_argument("--data", default="builtin", help="builtin (train split), a JSONL file of {domain, prompt}, or a directory of flywheel traces (Parquet)")
     p.add_argument("--domains", default="", help="comma list, e.g. code,sql (default: all)")
     p.add_argument("--max-prompts", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=96, help="greedy continuation tokens per prompt")

@@ -112,3 +112,15 @@ def test_trainer_crash_leaves_serving_on_the_last_good_weights(target, traces):
     assert outputs == plain_outputs(target, prompts, [GREEDY] * 3)
     assert engine.drafter.version == trainer.published  # the last published weights serve on
     assert swapper.stats.swaps == 1
+
+
+def test_offline_training_from_spilled_traces(target, traces, tiny_llama, tmp_path):
+    from tandem.training.offline import TrainConfig, train_offline
+
+    buffer = TraceBuffer(spill_dir=tmp_path / "traces")
+    for trace in traces:
+        buffer.put(trace)
+    buffer.close()
+    report = train_offline(TrainConfig(model=tiny_llama, data=str(tmp_path / "traces"), steps=3, draft_vocab=200, out=str(tmp_path / "head")))
+    assert report["train_sequences"] + report["heldout_sequences"] == len(traces) and report["steps"] == 3
+    assert (tmp_path / "head" / "model.safetensors").exists()

@@ -1,0 +1,63 @@
+"""bench shift: the stream, the recovery measure, the summary and plot; a small real replay run (slow)."""
+import json
+
+import pytest
+
+from tandem.bench.shift import MODES, ShiftConfig, recovery, rolling, summarize
+from tandem.errors import InvalidParameterError
+
+
+def rows(values, block, domains=("code", "sql")):
+    return [{"i": i, "domain": domains[(i // block) % len(domains)], "acceptance_length": v, "tokens_per_s": 10.0 * v, "version": 0}
+            for i, v in enumerate(values)]
+
+
+def test_rolling_mean():
+    assert rolling([1, 2, 3, 4], 2) == [1.0, 1.5, 2.5, 3.5]
+
+
+def test_recovery_counts_requests_until_the_rolling_mean_is_back():
+    # block 1 at 2.0; after the shift 1.0, 1.0, then 2.0s: rolling-2 reaches 0.9 * 2.0 = 1.8 at the 4th request
+    values = [2.0] * 6 + [1.0, 1.0, 2.0, 2.0, 2.0, 2.0]
+    (shift,) = recovery(rows(values, 6), block=6, window=2)
+    assert shift == {"at": 6, "domain": "sql", "previous_level": 2.0, "requests": 4}
+    (never,) = recovery(rows([2.0] * 6 + [1.0] * 6, 6), block=6, window=2)
+    assert never["requests"] is None
+
+
+def test_summary_ratios_against_static():
+    cfg = ShiftConfig(requests=12, block=6, domains=("code", "sql"), window=2, modes=("static", "online"))
+    summary = summarize({"static": rows([1.0] * 12, 6), "online": rows([1.5] * 12, 6)}, cfg)
+    assert summary["online"]["ratio_to_static"] == 1.5 and summary["static"]["ratio_to_static"] == 1.0
+    assert summary["online"]["per_domain"] == {"code": 1.5, "sql": 1.5}
+    assert summary["online"]["recovered_shifts"] == "1/1"
+
+
+def test_plot_is_written(tmp_path):
+    from tandem.bench.shift_plot import plot_shift
+
+    cfg = ShiftConfig(requests=12, block=6, domains=("code", "sql"), window=2)
+    path = plot_shift({"static": rows([1.0] * 12, 6), "online": rows([1.2] * 12, 6)}, cfg, tmp_path / "p.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bad_configs_are_refused():
+    with pytest.raises(InvalidParameterError):
+        ShiftConfig(modes=("static", "telepathy"))
+    with pytest.raises(InvalidParameterError):
+        ShiftConfig(drafter="ngram")
+    assert {"static", "online", "online_scratch", "online_no_discard"} <= set(MODES)
+
+
+@pytest.mark.slow
+def test_small_replay_run_on_smollm2(tmp_path):
+    from tandem.cli import main
+
+    out = tmp_path / "shift.json"
+    assert main(["bench", "shift", "--replay", "--requests", "12", "--block", "4", "--domains", "code,sql,chat", "--static-prompts", "4",
+                 "--static-steps", "3", "--max-tokens", "16", "--modes", "static,online,online_scratch", "--train-steps-per-request", "1",
+                 "--publish-every", "2", "--json", str(out), "--plot", str(tmp_path / "shift.png")]) == 0
+    report = json.loads(out.read_text())
+    assert set(report["summary"]) == {"static", "online", "online_scratch"}
+    assert len(report["requests"]["online"]) == 12 and report["summary"]["online"]["swaps"]["swaps"] >= 1
+    assert (tmp_path / "shift.png").exists()
