@@ -13,7 +13,7 @@ a request's prefill and decode records into one `SequenceTrace` when the request
 - branches (optional): the target's hidden states at every drafted node off the accepted path (rejected
   ones and their descendants), so a trainer can imitate the target on the branches the drafter explored;
 - per step: root position, drafted/accepted counts, drafter version; top-k of the target's distribution
-  at each verified position.
+  at each verified position; every drafted node (token, parent, accepted, q(x), p(x)).
 
 `TraceCollector` is the engine observer: it only enqueues the record (the hot path never waits) and a
 daemon thread assembles traces and hands them to a sink (the buffer).
@@ -29,10 +29,19 @@ from typing import Callable
 import torch
 
 from tandem.errors import InvalidParameterError
+from tandem.ops.losses import rejection_probability
 from tandem.types import RequestStep, StepRecord
 
 TRACE_SCHEMA = 1
 STORE_DTYPE = torch.float16  # hidden states are stored at half width (training casts them back to fp32)
+
+
+def _no_long() -> torch.Tensor:
+    return torch.zeros(0, dtype=torch.long)
+
+
+def _no_float() -> torch.Tensor:
+    return torch.zeros(0, dtype=torch.float32)
 
 
 @dataclass
@@ -59,6 +68,13 @@ class SequenceTrace:
     branch_parent: torch.Tensor  # [Eb] long: index of a branch parent, -1 = the parent is committed (at branch_pos)
     branch_features: torch.Tensor  # [Eb, taps * d] fp16: the target's tapped hidden states at the node
     branch_final: torch.Tensor  # [Eb, d] fp16
+    # every drafted node of every step (the raw proposal; rejections and branches above are views of it)
+    node_step: torch.Tensor = field(default_factory=_no_long)  # [Nn] long: index of the decode step
+    node_token: torch.Tensor = field(default_factory=_no_long)  # [Nn] long
+    node_parent: torch.Tensor = field(default_factory=_no_long)  # [Nn] long: parent within the step, -1 = the root
+    node_accepted: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.bool))  # [Nn]
+    node_draft_prob: torch.Tensor = field(default_factory=_no_float)  # [Nn] q(x) the drafter drew it with (1 = deterministic)
+    node_target_prob: torch.Tensor = field(default_factory=_no_float)  # [Nn] p(x) the target's sampling prob given its parent
     schema_version: int = TRACE_SCHEMA
 
     @property
@@ -95,6 +111,7 @@ class _Partial:
     branches: list[tuple[int, int, int]] = field(default_factory=list)
     branch_features: list[torch.Tensor] = field(default_factory=list)
     branch_final: list[torch.Tensor] = field(default_factory=list)
+    nodes: list[tuple[int, int, int, bool, float, float]] = field(default_factory=list)
 
 
 class TraceAssembler:
@@ -143,9 +160,10 @@ class TraceAssembler:
         partial.final.append(entry.final_hidden[rows].to(STORE_DTYPE))
         partial.tokens.extend(entry.emitted_tokens)
         for j, parent in enumerate(entry.draft_parents):
+            p, q = float(entry.node_target_probs[j]), float(entry.node_draft_probs[j])
+            partial.nodes.append((len(partial.steps), entry.draft_tokens[j], parent, j in on_path, q, p))
             if parent in on_path and j not in on_path:
-                p, q = float(entry.node_target_probs[j]), float(entry.node_draft_probs[j])
-                partial.rejects.append((n - 1, depth[j], entry.draft_tokens[j], 1.0 - min(1.0, p / max(q, 1e-12))))
+                partial.rejects.append((n - 1, depth[j], entry.draft_tokens[j], float(rejection_probability(torch.tensor(p), torch.tensor(q)))))
         partial.steps.append((n, len(entry.draft_tokens), len(entry.accepted_nodes), version))
         if entry.target_topk_ids is not None:
             partial.topk_ids.append(entry.target_topk_ids)
@@ -182,6 +200,10 @@ class TraceAssembler:
             branch_token=long(p.branches, 0), branch_pos=long(p.branches, 1), branch_parent=long(p.branches, 2),
             branch_features=_cat(p.branch_features, torch.zeros(0, width, dtype=STORE_DTYPE)),
             branch_final=_cat(p.branch_final, torch.zeros(0, d, dtype=STORE_DTYPE)),
+            node_step=long(p.nodes, 0), node_token=long(p.nodes, 1), node_parent=long(p.nodes, 2),
+            node_accepted=torch.tensor([x[3] for x in p.nodes], dtype=torch.bool),
+            node_draft_prob=torch.tensor([x[4] for x in p.nodes], dtype=torch.float32),
+            node_target_prob=torch.tensor([x[5] for x in p.nodes], dtype=torch.float32),
         )
 
 

@@ -65,6 +65,8 @@ def test_rejections_are_the_evaluated_children_of_the_accepted_path():
     # node 2 hangs off the rejected node: a branch (with node 1), never a rejection
     assert trace.branch_token.tolist() == [2, 3] and trace.branch_parent.tolist() == [-1, 0] and trace.branch_pos.tolist() == [6, 7]
     assert trace.step_version.tolist() == [3] and trace.step_accepted.tolist() == [1]
+    assert trace.node_token.tolist() == [1, 2, 3] and trace.node_parent.tolist() == [-1, 0, 1] and trace.node_step.tolist() == [0, 0, 0]
+    assert trace.node_accepted.tolist() == [True, False, False] and trace.node_draft_prob.tolist() == [1.0, 0.5, 1.0]
     # committed features: 5 prompt positions + root + the accepted node, cut to L - 1 = 7
     assert trace.features.shape == (7, 6)
 
