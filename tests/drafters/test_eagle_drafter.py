@@ -8,31 +8,16 @@ from tandem.drafters.eagle import EagleDrafter, TreeOptions, sibling_ranks
 from tandem.engine.engine import Engine
 from tandem.errors import InvalidParameterError
 from tandem.models.eagle import EagleConfig, save_eagle
-from tandem.models.loader import load_transformer
 from tandem.models.tiny import make_tiny_model
 from tandem.training.offline import TrainConfig, build_examples, train_head
 
-GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+from tiny_helpers import GREEDY, load_packed, make_prompts, plain_outputs
+
 STATIC = [-1, -1, 0, 0, 1, 2, 2, 4]
 
 
-def prompts(n=4, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, 256, (int(length),), generator=gen).tolist() for length in torch.randint(4, 20, (n,), generator=gen)]
-
-
-def load(path):
-    model = load_transformer(path)
-    model.pack()
-    return model
-
-
-def plain(path, prompt_ids, params):
-    return [r.output_ids for r in Engine(load(path), EngineConfig(max_batch_size=4)).run(prompt_ids, params)]
-
-
 def spec_engine(path, name, batch=4, **kw):
-    target = load(path)
+    target = load_packed(path)
     drafter = build_drafter(name, target=target, num_draft_tokens=4, max_batch=batch, max_len=256, **kw)
     return Engine(target, EngineConfig(max_batch_size=batch, max_model_len=256), drafter=drafter)
 
@@ -40,27 +25,27 @@ def spec_engine(path, name, batch=4, **kw):
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 @pytest.mark.parametrize("name,kw", [("eagle", {}), ("eagle_tree", {}), ("eagle", {"tree_parents": STATIC})])
 def test_greedy_identical(tiny_dirs, arch, name, kw):
-    ps = prompts()
+    ps = make_prompts()
     engine = spec_engine(tiny_dirs[arch], name, **kw)
-    assert [r.output_ids for r in engine.run(ps, [GREEDY] * 4)] == plain(tiny_dirs[arch], ps, [GREEDY] * 4)
+    assert [r.output_ids for r in engine.run(ps, [GREEDY] * 4)] == plain_outputs(tiny_dirs[arch], ps, [GREEDY] * 4)
     assert engine.stats.drafted_tokens > 0
 
 
 @pytest.mark.parametrize("name", ["eagle", "eagle_tree"])
 def test_greedy_identical_when_rows_move(tiny_llama, name):
     """Requests of different lengths through 2 rows: rows are refilled and moved (draft state must follow)."""
-    ps = prompts(5, seed=1)
+    ps = make_prompts(5, seed=1)
     params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in (9, 30, 3, 17, 22)]
     engine = spec_engine(tiny_llama, name, batch=2, draft_vocab_size=200)
-    assert [r.output_ids for r in engine.run(ps, params)] == plain(tiny_llama, ps, params)
+    assert [r.output_ids for r in engine.run(ps, params)] == plain_outputs(tiny_llama, ps, params)
 
 
 def test_mixed_batch_keeps_greedy_rows_identical(tiny_llama):
     """A sampled request in the batch turns trees into chains; greedy rows still match plain decoding."""
-    ps = prompts()
+    ps = make_prompts()
     params = [GREEDY, SamplingParams(max_tokens=24, temperature=0.9, seed=3, ignore_eos=True), GREEDY, GREEDY]
     got = [r.output_ids for r in spec_engine(tiny_llama, "eagle_tree").run(ps, params)]
-    want = plain(tiny_llama, ps, params)
+    want = plain_outputs(tiny_llama, ps, params)
     assert [got[i] for i in (0, 2, 3)] == [want[i] for i in (0, 2, 3)]
 
 
@@ -83,7 +68,7 @@ def catch_up(drafter, target, prompt, row=0):
 
 def test_batched_catch_up_drafts_what_each_request_drafts_alone(tiny_llama):
     """Rows with queues of different lengths (one longer than PAD_LIMIT) share one padded forward."""
-    target = load(tiny_llama)
+    target = load_packed(tiny_llama)
     gen = torch.Generator().manual_seed(4)
     short, long = torch.randint(0, 256, (5,), generator=gen).tolist(), torch.randint(0, 256, (23,), generator=gen).tolist()
     make = lambda batch: build_drafter("eagle", target=target, num_draft_tokens=4, max_batch=batch, max_len=64)  # noqa: E731
@@ -95,19 +80,19 @@ def test_batched_catch_up_drafts_what_each_request_drafts_alone(tiny_llama):
 
 def test_static_tree_first_children_path_is_the_greedy_chain(tiny_llama):
     """Siblings share the draft cache but must be invisible to each other: the rank-0 path equals the chain."""
-    target = load(tiny_llama)
+    target = load_packed(tiny_llama)
     tree = build_drafter("eagle", target=target, num_draft_tokens=4, max_batch=1, max_len=64, tree_parents=[-1, -1, 0, 0, 2, 2, 4, 4])
     chain = build_drafter("eagle", target=target, num_draft_tokens=4, max_batch=1, max_len=64)
-    prompt = prompts(1)[0]
+    prompt = make_prompts(1)[0]
     tree_draft = tree.propose([catch_up(tree, target, prompt)], [8])[0]
     chain_draft = chain.propose([catch_up(chain, target, prompt)], [4])[0]
     assert tree_draft.tokens[[0, 2, 4, 6]].tolist() == chain_draft.tokens.tolist()
 
 
 def test_dynamic_tree_shape(tiny_llama):
-    target = load(tiny_llama)
+    target = load_packed(tiny_llama)
     drafter = build_drafter("eagle_tree", target=target, num_draft_tokens=4, max_batch=1, max_len=64, max_nodes=10, tree_topk=3)
-    request = catch_up(drafter, target, prompts(1)[0])
+    request = catch_up(drafter, target, make_prompts(1)[0])
     draft = drafter.propose([request], [50])[0]
     assert len(draft) == 10 and draft.draft_probs is None
     assert all(-1 <= p < i for i, p in enumerate(draft.parents.tolist()))  # topological
@@ -117,9 +102,9 @@ def test_dynamic_tree_shape(tiny_llama):
 
 
 def test_budgets_cap_the_tree(tiny_llama):
-    target = load(tiny_llama)
+    target = load_packed(tiny_llama)
     drafter = build_drafter("eagle_tree", target=target, num_draft_tokens=4, max_batch=1, max_len=64)
-    assert len(drafter.propose([catch_up(drafter, target, prompts(1)[0])], [2])[0]) == 2
+    assert len(drafter.propose([catch_up(drafter, target, make_prompts(1)[0])], [2])[0]) == 2
 
 
 def test_options_validate():
@@ -131,9 +116,9 @@ def test_options_validate():
 
 
 def test_sampled_drafts_report_rows_inside_the_draft_vocabulary(tiny_llama):
-    target = load(tiny_llama)
+    target = load_packed(tiny_llama)
     drafter = build_drafter("eagle", target=target, num_draft_tokens=3, max_batch=1, max_len=64, draft_vocab_size=100)
-    request = catch_up(drafter, target, prompts(1)[0])
+    request = catch_up(drafter, target, make_prompts(1)[0])
     request.params = SamplingParams(temperature=0.8, top_p=0.95)
     draft = drafter.propose([request], [3])[0]
     assert draft.draft_probs.shape == (3, target.cfg.vocab_size)
@@ -145,7 +130,7 @@ def test_sampled_drafts_report_rows_inside_the_draft_vocabulary(tiny_llama):
 
 
 def test_wrong_number_of_hidden_states_is_refused(tiny_llama):
-    target = load(tiny_llama)
+    target = load_packed(tiny_llama)
     drafter = build_drafter("eagle", target=target, max_batch=1, max_len=64)
     out = target(torch.tensor([[1, 2, 3]]), taps=(0,))
     with pytest.raises(InvalidParameterError, match="taps"):
@@ -199,7 +184,7 @@ def test_sampled_output_has_target_distribution_with_a_reduced_vocabulary(tmp_pa
     counts: dict[tuple, int] = {}
     for r in runs:
         counts[tuple(r.output_ids)] = counts.get(tuple(r.output_ids), 0) + 1
-    assert chi_square_p_value(counts, exact_distribution(load(path)), samples) > 1e-4
+    assert chi_square_p_value(counts, exact_distribution(load_packed(path)), samples) > 1e-4
 
 
 def acceptance(target, drafter, ps):
@@ -211,8 +196,8 @@ def acceptance(target, drafter, ps):
 def test_training_improves_acceptance(tiny_llama, tmp_path):
     """~50 steps on the target's own continuations of 4 prompts beat the untrained head on them."""
     torch.manual_seed(0)
-    target = load(tiny_llama)
-    ps = prompts(4, seed=5)
+    target = load_packed(tiny_llama)
+    ps = make_prompts(4, seed=5)
     examples = build_examples(target, ps, 24, EagleConfig.for_target(target.cfg).taps)
     cfg = TrainConfig(drafter="eagle", steps=50, batch_size=4, lr=3e-2, holdout=0.0, draft_vocab=target.cfg.vocab_size, unroll=3)
     head, report = train_head(cfg, target, examples)

@@ -6,30 +6,14 @@ from tandem.config import EngineConfig, SamplingParams
 from tandem.drafters import build_drafter
 from tandem.engine.engine import Engine
 from tandem.errors import InvalidParameterError
-from tandem.models.loader import load_transformer
 from tandem.models.mtp import save_mtp
 from tandem.training.offline import TrainConfig, build_examples, train_head
 
-GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-
-
-def prompts(n=4, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, 256, (int(length),), generator=gen).tolist() for length in torch.randint(4, 20, (n,), generator=gen)]
-
-
-def load(path):
-    model = load_transformer(path)
-    model.pack()
-    return model
-
-
-def plain(path, prompt_ids, params):
-    return [r.output_ids for r in Engine(load(path), EngineConfig(max_batch_size=4)).run(prompt_ids, params)]
+from tiny_helpers import GREEDY, load_packed, make_prompts, plain_outputs
 
 
 def run(path, prompt_ids, params, batch=4, **kw):
-    target = load(path)
+    target = load_packed(path)
     drafter = build_drafter("mtp", target=target, num_draft_tokens=4, max_batch=batch, max_len=256, **kw)
     engine = Engine(target, EngineConfig(max_batch_size=batch, max_model_len=256), drafter=drafter)
     return [r.output_ids for r in engine.run(prompt_ids, params)], engine
@@ -38,23 +22,23 @@ def run(path, prompt_ids, params, batch=4, **kw):
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 @pytest.mark.parametrize("kw", [{}, {"tree_parents": [-1, -1, 0, 0, 1, 2]}])
 def test_greedy_identical(tiny_dirs, arch, kw):
-    ps = prompts()
+    ps = make_prompts()
     got, engine = run(tiny_dirs[arch], ps, [GREEDY] * 4, **kw)
-    assert got == plain(tiny_dirs[arch], ps, [GREEDY] * 4)
+    assert got == plain_outputs(tiny_dirs[arch], ps, [GREEDY] * 4)
     assert engine.stats.drafted_tokens > 0
 
 
 def test_greedy_identical_when_rows_move_and_batches_mix(tiny_llama):
-    ps = prompts(5, seed=1)
+    ps = make_prompts(5, seed=1)
     params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in (9, 30, 3, 17, 22)]
     params[1] = SamplingParams(max_tokens=30, temperature=0.8, seed=1, ignore_eos=True)
     got, _ = run(tiny_llama, ps, params, batch=2, draft_vocab_size=100)
-    want = plain(tiny_llama, ps, params)
+    want = plain_outputs(tiny_llama, ps, params)
     assert [got[i] for i in (0, 2, 3, 4)] == [want[i] for i in (0, 2, 3, 4)]
 
 
 def test_sampled_drafts_report_their_rows(tiny_llama):
-    target = load(tiny_llama)
+    target = load_packed(tiny_llama)
     drafter = build_drafter("mtp", target=target, num_draft_tokens=3, draft_vocab_size=50)
 
     class Req:
@@ -71,14 +55,14 @@ def test_sampled_drafts_report_their_rows(tiny_llama):
 
 def test_tree_deeper_than_the_heads_is_refused(tiny_llama):
     with pytest.raises(InvalidParameterError):
-        build_drafter("mtp", target=load(tiny_llama), num_draft_tokens=2, tree_parents=[-1, 0, 1])
+        build_drafter("mtp", target=load_packed(tiny_llama), num_draft_tokens=2, tree_parents=[-1, 0, 1])
 
 
 def test_training_improves_acceptance(tiny_llama, tmp_path):
     """~50 steps on the target's own continuations of 4 prompts beat the untrained heads on them."""
     torch.manual_seed(0)
-    target = load(tiny_llama)
-    ps = prompts(4, seed=5)
+    target = load_packed(tiny_llama)
+    ps = make_prompts(4, seed=5)
     examples = build_examples(target, ps, 24, ())
     cfg = TrainConfig(drafter="mtp", steps=50, batch_size=4, lr=3e-2, holdout=0.0, draft_vocab=target.cfg.vocab_size)
     heads, report = train_head(cfg, target, examples)
