@@ -262,7 +262,7 @@ class TraceCollector:
             finally:
                 self.queue.task_done()
 
-    def flush(self, timeout: float | None = None) -> None:
+    def flush(self) -> None:
         """Wait until every enqueued record was assembled (tests, shutdown)."""
         self.queue.join()
 
