@@ -35,7 +35,7 @@ from torch import nn
 from tandem.errors import InvalidParameterError, ModelLoadError
 from tandem.models.config import ModelConfig
 from tandem.models.kv_cache import AttentionBatch, KVCache, build_attention_batch
-from tandem.models.transformer import MLP, Linear, RMSNorm, Transformer, apply_rope, rope_inv_freq
+from tandem.models.transformer import Linear, MLP, RMSNorm, Transformer, apply_rope, pack_linears, rope_inv_freq, unpack_linears
 
 SCHEMA_VERSION = 1
 CONFIG_FILE = "eagle_config.json"
@@ -237,12 +237,10 @@ class EagleHead(nn.Module):
 
     def pack(self) -> None:
         """Prepack the Linears for CPU inference; call again after the weights changed."""
-        for lin in self.linears():
-            lin.pack(batch_hint=4)
+        pack_linears(self, batch_hint=4)
 
     def unpack(self) -> None:
-        for lin in self.linears():
-            lin.unpack()
+        unpack_linears(self)
 
     def fuse(self, taps: tuple[torch.Tensor, ...] | list[torch.Tensor]) -> torch.Tensor:  # 3 x [..., d_t] -> [..., d]
         return self.fc(torch.cat([t.to(self.fc.weight.dtype) for t in taps], dim=-1))

@@ -23,7 +23,7 @@ from torch import nn
 from tandem.errors import InvalidParameterError, ModelLoadError
 from tandem.models.config import ModelConfig
 from tandem.models.eagle import check_target, load_head, save_head_files, target_identity
-from tandem.models.transformer import Linear, Transformer
+from tandem.models.transformer import Linear, Transformer, pack_linears, unpack_linears
 
 SCHEMA_VERSION = 1
 CONFIG_FILE = "mtp_config.json"
@@ -72,12 +72,11 @@ class MtpHeads(nn.Module):
         return [m for m in self.modules() if isinstance(m, Linear)]
 
     def pack(self) -> None:
-        for lin in self.linears():
-            lin.pack(batch_hint=4)
+        """Prepack the Linears for CPU inference; call again after the weights changed."""
+        pack_linears(self, batch_hint=4)
 
     def unpack(self) -> None:
-        for lin in self.linears():
-            lin.unpack()
+        unpack_linears(self)
 
     def forward(self, final_hidden: torch.Tensor) -> torch.Tensor:  # [..., d] -> [..., K, Vd]
         h = final_hidden.to(self.lm_head.weight.dtype)

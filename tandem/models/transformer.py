@@ -44,6 +44,19 @@ class Linear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
+def pack_linears(module: nn.Module, batch_hint: int) -> None:
+    """Prepack every Linear of `module` for CPU inference; call again after any weight change."""
+    for lin in module.modules():
+        if isinstance(lin, Linear):
+            lin.pack(batch_hint)
+
+
+def unpack_linears(module: nn.Module) -> None:
+    for lin in module.modules():
+        if isinstance(lin, Linear):
+            lin.unpack()
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -187,12 +200,10 @@ class Transformer(nn.Module):
 
     def pack(self, batch_hint: int = 8) -> None:
         """Prepack every Linear for CPU inference; call again after any weight change."""
-        for lin in self.linears():
-            lin.pack(batch_hint)
+        pack_linears(self, batch_hint)
 
     def unpack(self) -> None:
-        for lin in self.linears():
-            lin.unpack()
+        unpack_linears(self)
 
     def forward(
         self,
