@@ -18,6 +18,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()  # stop strings (text not included in the output)
     stop_token_ids: tuple[int, ...] = ()  # extra token ids that end the request (included)
     ignore_eos: bool = False  # keep generating past the model's EOS token
+    logprobs: bool = False  # record each output token's log-prob (sampled distribution and untempered policy)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -31,6 +32,7 @@ class SamplingParams:
         _check(self.seed is None or isinstance(self.seed, int), f"seed must be an int or None, got {self.seed!r}")
         _check(all(isinstance(s, str) and s for s in self.stop), f"stop must be non-empty strings, got {self.stop!r}")
         _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), f"stop_token_ids must be ints >= 0, got {self.stop_token_ids!r}")
+        _check(isinstance(self.logprobs, bool), f"logprobs must be a bool, got {self.logprobs!r}")
 
     @property
     def greedy(self) -> bool:
