@@ -240,7 +240,17 @@ def _prompts_fetch(args) -> int:
 def _train_command(sub) -> None:
     from tandem.training.offline import add_train_command
 
-    add_train_command(sub)
+    add_train_command(sub).set_defaults(func=_train)
+
+
+def _train(args) -> int:
+    from tandem.training.offline import run_train
+
+    if Path(args.data).expanduser().is_dir():  # a directory of flywheel trace shards
+        from tandem.flywheel.trace_training import train_from_traces
+
+        return run_train(args, train_from_traces)
+    return run_train(args)
 
 
 def _demo_command(sub) -> None:

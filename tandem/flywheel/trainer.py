@@ -39,7 +39,7 @@ from tandem.flywheel.traces import SequenceTrace
 from tandem.flywheel.weights import WeightStore
 from tandem.models.eagle import EagleHead, load_eagle, save_eagle, target_to_draft
 from tandem.ops.losses import discard_loss, soft_cross_entropy
-from tandem.training.offline import Example, _stats, eagle_logits
+from tandem.training.offline import Example, eagle_logits, step_stats
 
 OPTIMIZER_FILE = "optimizer.safetensors"
 STATE_FILE = "trainer.json"
@@ -107,7 +107,7 @@ def flywheel_loss(head: EagleHead, target_rows: torch.Tensor, traces: list[Seque
         logits, step_roots = eagle_logits(head, [example], cfg.unroll, chains, roots)
         parts = {}
         if cfg.imitation:
-            parts["imitation"] = _stats([example], target_rows, logits, step_roots, head.draft_to_target).loss
+            parts["imitation"] = step_stats([example], target_rows, logits, step_roots, head.draft_to_target).loss
         if cfg.discard_weight > 0:
             parts["discard"] = cfg.discard_weight * _discard(logits, step_roots, events)
         if cfg.branch_weight > 0 and len(trace.branch_token):

@@ -107,18 +107,6 @@ def build_examples(target: Transformer, prompts: list[list[int]], max_tokens: in
     return [target_example(target, p + c, len(p), taps) for p, c in tqdm(list(zip(prompts, continuations)), desc="target features", disable=None)]
 
 
-def examples_from_traces(directory: Path, limit: int, taps: tuple[int, ...]) -> list[Example]:
-    """Examples from the flywheel's spilled traces (Parquet shards): the served requests' own committed
-    tokens and target states, newest `limit` first-in-order."""
-    from tandem.flywheel.buffer import load_traces
-    from tandem.flywheel.trainer import trace_example
-
-    traces = load_traces(directory, limit=limit, newest=True)
-    if taps and any(tuple(t.taps) != tuple(taps) for t in traces):
-        raise InvalidParameterError(f"traces in {directory} were recorded with taps {traces[0].taps}; this head needs {taps}")
-    return [trace_example(t) for t in traces if len(t.features) >= 2]
-
-
 def load_prompt_ids(cfg: TrainConfig, tokenizer) -> list[list[int]]:
     from tandem.bench.prompts import load_prompts, render_chat
 
@@ -213,6 +201,9 @@ def _stats(examples: list[Example], target_rows: torch.Tensor, logits: list[torc
         valid[s][:, root] = mask
     continuation = torch.arange(t).unsqueeze(0) >= torch.tensor([e.prompt_len - 1 for e in examples]).unsqueeze(1)
     return StepStats(loss / steps, correct, valid, continuation)
+
+
+step_stats = _stats  # the public name (the online flywheel trainer reuses the loss)
 
 
 def sample_roots(length: int, fraction: float, generator: torch.Generator) -> torch.Tensor | None:  # [R] increasing, or None = all
@@ -323,8 +314,9 @@ def save_head(module, out: str | Path) -> Path:
     return save_eagle(module, out) if isinstance(module, EagleHead) else save_mtp(module, out)
 
 
-def train_offline(cfg: TrainConfig) -> dict:
-    """The whole `tandem train` job: data, head, fit, evaluate, save."""
+def train_offline(cfg: TrainConfig, examples_fn=None) -> dict:
+    """The whole `tandem train` job: data, head, fit, evaluate, save. examples_fn(target, taps) -> [Example]
+    supplies the data instead of the prompts (tandem.flywheel.trace_training: spilled flywheel traces)."""
     from tandem.llm import load_tokenizer
     from tandem.models.loader import load_transformer
     from tandem.models.zoo import resolve_model
@@ -334,8 +326,10 @@ def train_offline(cfg: TrainConfig) -> dict:
     target = load_transformer(model_dir)
     target.pack()
     taps = EagleConfig.for_target(target.cfg).taps if cfg.drafter == "eagle" else ()
-    if Path(cfg.data).expanduser().is_dir():
-        examples = examples_from_traces(Path(cfg.data).expanduser(), cfg.max_prompts, taps)
+    if examples_fn is not None:
+        examples = examples_fn(target, taps)
+    elif Path(cfg.data).expanduser().is_dir():
+        raise InvalidParameterError(f"{cfg.data} is a directory: trace shards train through tandem.flywheel.trace_training")
     else:
         examples = build_examples(target, load_prompt_ids(cfg, load_tokenizer(model_dir)), cfg.max_tokens, taps)
     data_seconds = time.perf_counter() - start
@@ -370,7 +364,8 @@ def add_train_command(subparsers) -> argparse.ArgumentParser:
     return p
 
 
-def run_train(args) -> int:
+def run_train(args, train=train_offline) -> int:
+    """`tandem train`: args -> TrainConfig -> train(cfg) (train_offline, or the flywheel's train_from_traces)."""
     if args.threads:
         torch.set_num_threads(args.threads)
     cfg = TrainConfig(
@@ -379,7 +374,7 @@ def run_train(args) -> int:
         draft_vocab=args.draft_vocab, unroll=args.unroll, chain_fraction=args.chain_fraction, mtp_heads=args.mtp_heads, batch_size=args.batch_size,
         lr=args.lr, seed=args.seed, out=args.out,
     )
-    text = json.dumps(train_offline(cfg), indent=2)
+    text = json.dumps(train(cfg), indent=2)
     if args.json_out:
         Path(args.json_out).write_text(text + "\n")
     print(text)

@@ -1,4 +1,5 @@
 """The online trainer: loss terms switch, training helps, checkpoints resume, a crash leaves serving intact."""
+import json
 import random
 
 import pytest
@@ -115,12 +116,26 @@ def test_trainer_crash_leaves_serving_on_the_last_good_weights(target, traces):
 
 
 def test_offline_training_from_spilled_traces(target, traces, tiny_llama, tmp_path):
-    from tandem.training.offline import TrainConfig, train_offline
+    from tandem.flywheel.trace_training import train_from_traces
+    from tandem.training.offline import TrainConfig
 
     buffer = TraceBuffer(spill_dir=tmp_path / "traces")
     for trace in traces:
         buffer.put(trace)
     buffer.close()
-    report = train_offline(TrainConfig(model=tiny_llama, data=str(tmp_path / "traces"), steps=3, draft_vocab=200, out=str(tmp_path / "head")))
+    report = train_from_traces(TrainConfig(model=tiny_llama, data=str(tmp_path / "traces"), steps=3, draft_vocab=200, out=str(tmp_path / "head")))
     assert report["train_sequences"] + report["heldout_sequences"] == len(traces) and report["steps"] == 3
     assert (tmp_path / "head" / "model.safetensors").exists()
+
+
+def test_train_cli_dispatches_a_trace_directory(traces, tiny_llama, tmp_path):
+    from tandem.cli import main
+
+    buffer = TraceBuffer(spill_dir=tmp_path / "traces")
+    for trace in traces:
+        buffer.put(trace)
+    buffer.close()
+    args = ["train", "--model", tiny_llama, "--data", str(tmp_path / "traces"), "--steps", "2", "--draft-vocab", "200"]
+    assert main(args + ["--out", str(tmp_path / "head"), "--json", str(tmp_path / "report.json")]) == 0
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["train_sequences"] + report["heldout_sequences"] == len(traces) and report["steps"] == 2
