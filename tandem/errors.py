@@ -26,3 +26,8 @@ class InvalidParameterError(TandemError, ValueError):
 
 class PromptTooLongError(TandemError, ValueError):
     """A prompt (plus max_tokens) does not fit in the model's context or the KV cache."""
+
+
+class PolicyUpdateError(InvalidParameterError):
+    """New target (policy) weights were refused: unknown name, wrong shape or dtype, non-finite values,
+    or requests still running on the old weights. Nothing was changed."""

@@ -31,6 +31,10 @@ class ModelDrafter(DrafterBase):
     def on_prefill(self, request, target_out) -> None:
         self.cache.reset(request.row)
 
+    def reset_cache(self) -> None:
+        for row in range(self.cache.max_batch):
+            self.cache.reset(row)
+
     def move_row(self, src_row: int, dst_row: int) -> None:
         self.cache.move_row(src_row, dst_row)
 

@@ -19,11 +19,12 @@ import torch
 from tandem.config import EngineConfig, SamplingParams
 from tandem.engine.request import FinishReason, Request
 from tandem.engine.stats import EngineStats, add_position_counts
-from tandem.errors import InvalidParameterError, PromptTooLongError
+from tandem.engine.policy_update import copy_named_, validate_named_tensors
+from tandem.errors import InvalidParameterError, PolicyUpdateError, PromptTooLongError
 from tandem.models.kv_cache import KVCache
 from tandem.models.transformer import Transformer
 from tandem.ops import tree as tree_ops
-from tandem.ops.sampling import draw_uniform, sampling_probs
+from tandem.ops.sampling import draw_uniform, sampling_probs, token_logprobs
 from tandem.ops.verify import verify_greedy, verify_tree
 from tandem.engine.records import build_prefill_record, build_step_record
 from tandem.types import DraftTree, StepRecord
@@ -56,6 +57,7 @@ class Engine:
         drafter_taps = tuple(drafter.taps) if drafter is not None else ()
         self.taps = tuple(sorted(set(config.hidden_taps) | set(drafter_taps)))  # target layers returned by every forward
         self._ids = itertools.count()
+        self.target_version = 0  # policy version of the target's weights (update_target)
 
     # ---- requests -------------------------------------------------------------------------------
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -123,11 +125,13 @@ class Engine:
         self.cache.reset(request.row)
         ids = torch.tensor([request.prompt_ids], device=self.cache.k.device)
         out = self.model(ids, cache=self.cache, rows=slice(request.row, request.row + 1), last_only=True, taps=self.taps)
-        token = self._verify(request, DraftTree.empty(), out.logits[0, -1:])[0].tokens[0]
+        logits = out.logits[0, -1:]
+        result = self._verify(request, DraftTree.empty(), logits)[0]
+        token = result.tokens[0]
         request.metrics.prefill_time_s = time.perf_counter() - start
         request.metrics.first_token_time = time.perf_counter()
         self.stats.prefill_tokens += len(request.prompt_ids)
-        output = self._commit(request, [token])
+        output = self._commit(request, [token], self._logprobs(request, logits, result))
         if self.drafter is not None:
             self.drafter.on_prefill(request, out)
         if self.observers:
@@ -146,10 +150,11 @@ class Engine:
         out = self.model(ids, positions=positions, cache=self.cache, rows=slice(0, len(requests)), tree_mask=mask, taps=self.taps)
         outputs, results = [], []
         for b, (request, draft) in enumerate(zip(requests, drafts)):
-            result, target_probs = self._verify(request, draft, out.logits[b, : len(draft) + 1])
+            logits = out.logits[b, : len(draft) + 1]
+            result, target_probs = self._verify(request, draft, logits)
             self.cache.keep_path(request.row, starts[b], [0] + [1 + i for i in result.accepted_nodes])
             results.append((result, target_probs))
-            outputs.append(self._commit(request, result.tokens))
+            outputs.append(self._commit(request, result.tokens, self._logprobs(request, logits, result)))
         t2 = time.perf_counter()
         self._account(requests, drafts, results, draft_s=t1 - t0, verify_s=t2 - t1)
         self._notify(requests, drafts, results, out, starts)
@@ -199,12 +204,28 @@ class Engine:
         top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
         return sampling_probs(logits.float().cpu(), temperature, top_k, top_p)
 
-    def _commit(self, request: Request, tokens: list[int]) -> StepOutput:
+    def _logprobs(self, request: Request, logits: torch.Tensor, result) -> list[tuple[float, float]] | None:  # logits [N+1, V]
+        """(sampled, policy) log-prob of each emitted token, read from the verify forward at the position it
+        was drawn (the root, then after each accepted node): the same rows plain decoding would read."""
+        if not request.params.logprobs:
+            return None
+        rows = [0] + [1 + j for j in result.accepted_nodes]
+        p, n = request.params, len(rows)
+        sampled, policy = token_logprobs(
+            logits[rows].float().cpu(), torch.tensor(result.tokens), torch.full((n,), float(p.temperature)),
+            torch.full((n,), p.top_k, dtype=torch.long), torch.full((n,), float(p.top_p)),
+        )
+        return list(zip(sampled.tolist(), policy.tolist()))
+
+    def _commit(self, request: Request, tokens: list[int], logprobs: list[tuple[float, float]] | None = None) -> StepOutput:
         """Append emitted tokens, stopping at EOS / a stop token / max_tokens (later tokens are dropped)."""
         new = []
-        for token in tokens:
+        for i, token in enumerate(tokens):
             new.append(token)
             request.output_ids.append(token)
+            if logprobs is not None:
+                request.output_logprobs.append(logprobs[i][0])
+                request.output_policy_logprobs.append(logprobs[i][1])
             if self._is_stop_token(request, token):
                 request.finish_reason = FinishReason.STOP
                 break
@@ -265,6 +286,23 @@ class Engine:
     def _emit(self, record: StepRecord) -> None:
         for observer in self.observers:
             observer(record)
+
+    # ---- policy updates (RL) ------------------------------------------------------------------------
+    def update_target(self, named_tensors: dict[str, torch.Tensor], version: int) -> None:
+        """Copy new target weights in place between steps (no request may be in flight: their KV entries
+        and drafts came from the old weights). Validated first: on any error nothing changes. Then the
+        prepacked weights are rebuilt and every KV row is reset. Drafters re-sync separately (tandem.rl)."""
+        if self.has_unfinished():
+            raise PolicyUpdateError("update_target between rollouts only: requests are still waiting or running")
+        validate_named_tensors(self.model, named_tensors)
+        if named_tensors:
+            self.model.unpack()  # dense parameters back (packing may have dropped them), write, repack
+            copy_named_(self.model, named_tensors)
+            if self.config.pack_weights:
+                self.model.pack()
+        for row in range(self.cache.max_batch):
+            self.cache.reset(row)
+        self.target_version = int(version)
 
     # ---- convenience ----------------------------------------------------------------------------------
     def run(self, prompts: list[list[int]], params: list[SamplingParams], tags: list[dict] | None = None) -> list[Request]:

@@ -75,6 +75,8 @@ class Request:
     finish_reason: FinishReason | None = None
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     tags: dict = field(default_factory=dict)  # e.g. {"domain": "sql"}; carried into StepRecords
+    output_logprobs: list[float] = field(default_factory=list)  # params.logprobs: log-prob under the sampled distribution
+    output_policy_logprobs: list[float] = field(default_factory=list)  # params.logprobs: under the untempered policy
 
     @staticmethod
     def make_generator(seed: int | None) -> torch.Generator:

@@ -56,6 +56,14 @@ def quantized_copy(target: Transformer) -> Transformer:
     return copy.eval().requires_grad_(False)
 
 
+def reshare_(copy: Transformer, target: Transformer) -> None:
+    """Point the copy's non-Linear parameters (embedding, norms) at the target's current tensors again
+    (needed when the target's parameters were replaced rather than written in place)."""
+    target_state = target.state_dict()
+    copy.load_state_dict({name: target_state[name] for name in copy.state_dict()}, assign=True)
+    copy.requires_grad_(False)
+
+
 def requantize_(copy: Transformer, target: Transformer) -> None:
     """Refresh the int8 copy from the target's current weights, in place (same modules, new packed data)."""
     target_linears = {n: m for n, m in target.named_modules() if isinstance(m, Linear)}

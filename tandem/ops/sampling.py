@@ -62,3 +62,18 @@ def draw_uniform(generators: list[torch.Generator | None], count: int = 1) -> to
     """One row of uniforms per request, each from that request's own generator (CPU)."""
     rows = [torch.rand(count, generator=g) for g in generators]
     return torch.stack(rows) if rows else torch.empty(0, count)
+
+
+def token_logprobs(
+    logits: torch.Tensor,  # [N, V] raw logits at the positions the tokens were drawn
+    tokens: torch.Tensor,  # [N] long: the drawn tokens
+    temperature: torch.Tensor,  # [N]
+    top_k: torch.Tensor,  # [N] long
+    top_p: torch.Tensor,  # [N]
+) -> tuple[torch.Tensor, torch.Tensor]:  # sampled [N], policy [N]
+    """Log-prob of each token under the distribution it was sampled from (`sampling_probs`: greedy rows
+    give 0) and under the untempered policy (log_softmax of the raw logits)."""
+    index = tokens.view(-1, 1).to(logits.device)
+    sampled = sampling_probs(logits, temperature, top_k, top_p).gather(-1, index).squeeze(-1).log()
+    policy = torch.log_softmax(logits.float(), dim=-1).gather(-1, index).squeeze(-1)
+    return sampled, policy

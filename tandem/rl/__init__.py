@@ -1,0 +1,1 @@
+"""RL post-training with speculative rollouts: rollout engine, verifiable tasks, GRPO."""
