@@ -31,6 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     _prompts_command(sub)
     _train_command(sub)
     _demo_command(sub)
+    _serve_command(sub)
     return parser
 
 
@@ -268,6 +269,12 @@ def _demo(args) -> int:
 
     run_demo(args.model, args.requests, args.block, args.max_tokens, args.out)
     return 0
+
+
+def _serve_command(sub) -> None:
+    from tandem.server.cli import add_serve_command
+
+    add_serve_command(sub)
 
 
 def _emit(result: dict, path: str | None) -> int:

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible server: `tandem serve` (FastAPI + uvicorn over one engine-loop thread)."""

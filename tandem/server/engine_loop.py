@@ -1,0 +1,225 @@
+"""One thread owns the engine; HTTP handlers talk to it through a thread-safe inbox and per-request sinks.
+
+Requests join (`submit`) and leave (`abort`) between steps only: the loop drains the inbox, runs one
+step (`engine.step` or `flywheel.step`), and hands each request's new tokens to its sink. Sinks are
+called on the engine thread and must not block (the server's sinks do `loop.call_soon_threadsafe`).
+An exception inside a step fails the requests that step was running (their sinks get an error event,
+their cache rows are freed) and the loop carries on with the next step.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from tandem.config import SamplingParams
+from tandem.errors import TandemError
+
+log = logging.getLogger("tandem.server")
+
+
+class QueueFullError(TandemError):
+    """The server holds as many requests as it may (running + queued): retry later."""
+
+
+class LoopStoppedError(TandemError):
+    """The engine loop is not running."""
+
+
+@dataclass
+class Event:
+    """What a sink receives: new tokens of one choice; at the end, its finish reason and usage."""
+
+    index: int  # the choice this event belongs to
+    token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None
+    usage: dict | None = None  # at finish: the request's metrics + drafter versions
+    error: str | None = None  # the step serving this request failed; the request is over
+
+
+@dataclass
+class Submission:
+    request_id: str
+    index: int
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass
+class _Entry:
+    sink: Callable[[Event], None]
+    index: int
+    request: object  # the engine's Request (metrics, output ids)
+    versions: set[int] = field(default_factory=set)
+
+
+class EngineLoop:
+    def __init__(self, engine, step: Callable[[], list] | None = None, max_queue: int = 64, on_finish: Callable[[dict], None] | None = None):
+        self.engine = engine
+        self.step = step or engine.step
+        self.capacity = engine.config.max_batch_size + max_queue  # requests held at once (running + waiting)
+        self.on_finish = on_finish  # called on the engine thread with each finished request's usage
+        self.steps_failed = 0
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._entries: dict[str, _Entry] = {}  # engine thread only
+        self._held = 0  # requests submitted and not yet finished (guarded by _lock)
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # ---- any thread ------------------------------------------------------------------------------------
+    def start(self) -> "EngineLoop":
+        self._thread = threading.Thread(target=self._run, name="tandem-engine", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self._stop.set()
+        self._inbox.put(("wake", None, None))
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def held(self) -> int:
+        return self._held
+
+    def submit(self, submissions: list[Submission], sink: Callable[[Event], None]) -> None:
+        """Queue all submissions (one per choice) or none: QueueFullError when they do not fit."""
+        if not self.alive:
+            raise LoopStoppedError("the engine loop is not running")
+        with self._lock:
+            if self._held + len(submissions) > self.capacity:
+                raise QueueFullError(f"the server is at capacity ({self.capacity} requests running or queued); retry later")
+            self._held += len(submissions)
+        self._inbox.put(("add", submissions, sink))
+
+    def abort(self, request_ids: list[str]) -> None:
+        self._inbox.put(("abort", request_ids, None))
+
+    def _release(self, n: int) -> None:
+        with self._lock:
+            self._held -= n
+
+    # ---- the engine thread -------------------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._drain(block=not self.engine.has_unfinished())
+            if not self.engine.has_unfinished():
+                continue
+            try:
+                outputs = self.step()
+            except Exception as e:  # noqa: BLE001 - any fault fails this step's requests, never the loop
+                self._fail_running(e)
+                continue
+            version = self._version()
+            for out in outputs:
+                self._deliver(out, version)
+        self._fail_all("the server is shutting down")
+
+    def _drain(self, block: bool) -> None:
+        try:
+            item = self._inbox.get(timeout=0.1) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._handle(*item)
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _handle(self, kind: str, payload, sink) -> None:
+        if kind == "add":
+            for i, sub in enumerate(payload):
+                if not self._add(sub, sink):
+                    self._release(len(payload) - i - 1)  # the rest of this submission is not queued either
+                    for other in payload[:i]:
+                        self._abort(other.request_id)
+                    return
+        elif kind == "abort":
+            for request_id in payload:
+                self._abort(request_id)
+
+    def _add(self, sub: Submission, sink) -> bool:
+        try:
+            self.engine.add_request(sub.prompt_ids, sub.params, request_id=sub.request_id)
+        except Exception as e:  # noqa: BLE001 - a request the handler's checks missed; tell its client
+            self._release(1)
+            _send(sink, Event(sub.index, [], True, "error", error=f"request rejected: {e}"))
+            return False
+        self._entries[sub.request_id] = _Entry(sink, sub.index, self.engine.waiting[-1])
+        return True
+
+    def _abort(self, request_id: str) -> None:
+        """Abort a request; its sink still gets a final "abort" event with the usage so far."""
+        entry = self._entries.pop(request_id, None)
+        if entry is None:
+            return
+        self._release(1)
+        self.engine.abort(request_id)
+        _send(entry.sink, Event(entry.index, [], True, "abort", usage=self._usage(entry)))
+
+    def _version(self) -> int:
+        drafter = self.engine.drafter
+        return drafter.version if drafter is not None else 0  # swaps happen before a step, so this is the step's version
+
+    def _deliver(self, out, version: int) -> None:
+        entry = self._entries.get(out.request_id)
+        if entry is None:
+            return
+        entry.versions.add(version)
+        event = Event(entry.index, list(out.new_token_ids), out.finished, out.finish_reason.value if out.finish_reason else None)
+        if out.finished:
+            del self._entries[out.request_id]
+            self._release(1)
+            event.usage = self._usage(entry)
+        _send(entry.sink, event)
+
+    def _usage(self, entry: _Entry) -> dict:
+        usage = entry.request.metrics.as_dict() | {"drafter_versions": sorted(entry.versions)}
+        if self.on_finish is not None:
+            self.on_finish(usage)
+        return usage
+
+    def _fail_running(self, error: Exception) -> None:
+        self.steps_failed += 1
+        log.exception("engine step failed; failing its %d running requests", len(self.engine.running), exc_info=error)
+        message = f"the engine step serving this request failed ({type(error).__name__}: {error}); the request was aborted"
+        for request in list(self.engine.running):
+            entry = self._entries.pop(request.request_id, None)
+            try:
+                self.engine.abort(request.request_id)
+            except Exception:  # noqa: BLE001 - the row is dropped below either way
+                log.exception("abort after a failed step raised")
+            if entry is not None:
+                self._release(1)
+                _send(entry.sink, Event(entry.index, [], True, "error", error=message))
+
+    def _fail_all(self, message: str) -> None:
+        for request_id in list(self._entries):
+            entry = self._entries.pop(request_id)
+            self._release(1)
+            _send(entry.sink, Event(entry.index, [], True, "error", error=message))
+
+
+def _send(sink, event: Event) -> None:
+    try:
+        sink(event)
+    except Exception:  # noqa: BLE001 - a dead client (closed event loop) must not stop the engine loop
+        log.exception("delivering an event failed")
+
+
+def wait_idle(loop: EngineLoop, timeout: float) -> bool:
+    """True once the loop holds no requests (tests, shutdown)."""
+    deadline = time.monotonic() + timeout
+    while loop.held and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return loop.held == 0

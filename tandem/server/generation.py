@@ -1,0 +1,162 @@
+"""The handler side of one HTTP request: submit its choices to the engine loop, detokenize, cut stop strings.
+
+A `Generation` owns one asyncio queue fed by the engine thread (through `call_soon_threadsafe`) and
+yields `Delta`s: new text per choice, then each choice's finish. Text is the decode of all output ids so
+far (as `LLM.generate` does), released only up to where it cannot change: an incomplete UTF-8 tail or a
+possible stop-string prefix is held back. A stop string ends the choice at its first occurrence and
+aborts the engine request; the choice's usage still arrives with the engine's final "abort" event.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from tandem.config import SamplingParams
+from tandem.server.engine_loop import EngineLoop, Event, Submission
+
+REPLACEMENT = "\ufffd"  # what a partial UTF-8 sequence decodes to
+
+
+class EngineFailure(Exception):
+    """The engine step serving this request failed (the loop carried on)."""
+
+
+@dataclass
+class Delta:
+    index: int
+    text: str
+    finish_reason: str | None = None  # set on the choice's last delta
+
+
+@dataclass
+class ChoiceText:
+    """Incremental detokenization of one choice with stop strings."""
+
+    decode: object  # callable: token ids -> text
+    stops: tuple[str, ...]
+    token_ids: list[int] = field(default_factory=list)
+    sent: int = 0  # characters already released
+    text: str = ""
+    done: bool = False  # text is final (stop string, EOS, length)
+    finish_reason: str | None = None
+    cut_tokens: int | None = None  # tokens kept when a stop string cut the text
+
+    def push(self, ids: list[int], finished: bool, reason: str | None) -> str:
+        """Add tokens; returns the newly releasable text (empty when nothing can be released yet)."""
+        if self.done:
+            return ""
+        self.token_ids.extend(ids)
+        full = self.decode(self.token_ids)
+        cut = min((full.find(s) for s in self.stops if s in full), default=-1)
+        if cut >= 0:
+            self.done, self.finish_reason, self.text = True, "stop", full[:cut]
+            self.cut_tokens = self._tokens_for(cut)
+        elif finished:
+            self.done, self.finish_reason, self.text = True, "stop" if reason in ("stop", "abort") else reason, full
+        else:
+            self.text = full
+        end = len(self.text) if self.done else self._safe_end(full)
+        delta = self.text[self.sent:end] if end > self.sent else ""
+        self.sent = max(self.sent, end)
+        return delta
+
+    def _safe_end(self, full: str) -> int:
+        end = len(full) - (max(map(len, self.stops)) - 1 if self.stops else 0)
+        while end > 0 and full[end - 1] == REPLACEMENT:
+            end -= 1
+        return max(end, 0)
+
+    def _tokens_for(self, cut: int) -> int:
+        """The shortest token prefix whose text reaches the stop string (what LLM.generate returns)."""
+        for n in range(len(self.token_ids) + 1):
+            if len(self.decode(self.token_ids[:n])) >= cut:
+                return n
+        return len(self.token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.cut_tokens if self.cut_tokens is not None else len(self.token_ids)
+
+
+class Generation:
+    """The choices of one HTTP request in flight: `async for delta in generation` until all finish."""
+
+    def __init__(self, loop: EngineLoop, decode, prompts: list[list[int]], params: list[SamplingParams], prefix: str):
+        self.id = f"{prefix}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.start = time.perf_counter()
+        self.first_token_s: float | None = None
+        self.prompt_tokens = sum(len(p) for p in prompts)  # each prompt once, however many choices it has
+        self._loop = loop
+        self._queue: asyncio.Queue[Event] = asyncio.Queue()
+        self._ids = [f"{self.id}-{i}" for i in range(len(params))]
+        self.choices = [ChoiceText(decode, p.stop) for p in params]
+        self.usages: list[dict | None] = [None] * len(params)
+        self._engine_done = [False] * len(params)
+        aio = asyncio.get_running_loop()
+        per_prompt = len(params) // len(prompts)
+        subs = [Submission(rid, i, prompts[i // per_prompt], p) for i, (rid, p) in enumerate(zip(self._ids, params))]
+        loop.submit(subs, lambda event: aio.call_soon_threadsafe(self._queue.put_nowait, event))  # QueueFullError: nothing queued
+
+    @property
+    def finished(self) -> bool:
+        return all(self._engine_done)
+
+    async def next_event(self, timeout: float) -> Event | None:
+        try:
+            return await asyncio.wait_for(self._queue.get(), timeout)
+        except asyncio.TimeoutError:
+            return None
+
+    def apply(self, event: Event) -> Delta | None:
+        """Fold one engine event in; returns the text to release for its choice (None: nothing new)."""
+        i = event.index
+        if event.error is not None:
+            self._engine_done[i] = True
+            self.abort()
+            raise EngineFailure(event.error)
+        if self.first_token_s is None and event.token_ids:
+            self.first_token_s = time.perf_counter() - self.start
+        choice = self.choices[i]
+        was_done = choice.done
+        text = choice.push(event.token_ids, event.finished, event.finish_reason)
+        if event.finished:
+            self._engine_done[i] = True
+            self.usages[i] = event.usage
+        elif choice.done:
+            self._loop.abort([self._ids[i]])  # a stop string ended it: free the row now
+        if choice.done and not was_done:
+            return Delta(i, text, choice.finish_reason)
+        return Delta(i, text) if text else None
+
+    def abort(self) -> None:
+        """Abort every choice the engine still runs (client gone, or a sibling failed)."""
+        live = [rid for rid, done in zip(self._ids, self._engine_done) if not done]
+        if live:
+            self._loop.abort(live)
+
+    def usage(self) -> dict:
+        completion = sum(c.num_tokens for c in self.choices)
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion, "total_tokens": self.prompt_tokens + completion,
+                "spec_decode": spec_usage([u for u in self.usages if u is not None])}
+
+
+def spec_usage(usages: list[dict]) -> dict:
+    """The speculative numbers of a response, summed over its choices (extension field of `usage`)."""
+    total = {k: sum(u[k] for u in usages) for k in ("drafts", "drafted_tokens", "accepted_tokens", "steps", "output_tokens")}
+    per_pos: list[int] = []
+    for u in usages:
+        for i, count in enumerate(u["accepted_per_position"]):
+            per_pos.extend([0] * (i + 1 - len(per_pos)))
+            per_pos[i] += count
+    steps = total.pop("steps")
+    emitted = total.pop("output_tokens") - len(usages)  # tokens emitted by verify steps (the first comes from prefill)
+    return total | {
+        "verify_steps": steps,
+        "acceptance_length": round(emitted / steps, 4) if steps else 0.0,
+        "acceptance_rate": round(total["accepted_tokens"] / total["drafted_tokens"], 4) if total["drafted_tokens"] else 0.0,
+        "accepted_per_position": per_pos,
+        "drafter_versions": sorted({v for u in usages for v in u["drafter_versions"]}),
+    }

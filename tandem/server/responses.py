@@ -1,0 +1,82 @@
+"""OpenAI response bodies: full completions / chat completions and their server-sent-event chunks."""
+from __future__ import annotations
+
+import json
+import time
+
+from tandem.server.generation import Delta, EngineFailure, Generation
+from tandem.server.schemas import error_body
+
+
+def sse(payload: dict | str) -> str:
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
+
+
+def _head(generation: Generation, runtime, chat: bool, chunk: bool = False) -> dict:
+    kind = ("chat.completion.chunk" if chunk else "chat.completion") if chat else "text_completion"
+    return {"id": generation.id, "object": kind, "created": generation.created, "model": runtime.config.model_name}
+
+
+def full(runtime, generation: Generation, chat: bool) -> dict:
+    choices = []
+    for i, choice in enumerate(generation.choices):
+        if chat:
+            choices.append({"index": i, "message": {"role": "assistant", "content": choice.text}, "logprobs": None, "finish_reason": choice.finish_reason})
+        else:
+            choices.append({"index": i, "text": choice.text, "logprobs": None, "finish_reason": choice.finish_reason})
+    return _head(generation, runtime, chat) | {"choices": choices, "usage": generation.usage()}
+
+
+def _chunk(runtime, generation: Generation, chat: bool, delta: Delta, first: bool) -> dict:
+    if chat:
+        content = {"role": "assistant", "content": delta.text} if first else {"content": delta.text}
+        if delta.finish_reason is not None and not delta.text and not first:
+            content = {}
+        choice = {"index": delta.index, "delta": content, "logprobs": None, "finish_reason": delta.finish_reason}
+    else:
+        choice = {"index": delta.index, "text": delta.text, "logprobs": None, "finish_reason": delta.finish_reason}
+    return _head(generation, runtime, chat, chunk=True) | {"choices": [choice]}
+
+
+async def stream(runtime, request, generation: Generation, chat: bool, include_usage: bool):
+    """SSE chunks until every choice finished, then (optionally) a usage chunk and `[DONE]`.
+
+    A disconnect cancels this generator (Starlette watches the connection): `finally` aborts the engine
+    requests, which frees their cache rows.
+    """
+    started: set[int] = set()
+    try:
+        if chat:  # the role comes first, as OpenAI sends it
+            for i in range(len(generation.choices)):
+                started.add(i)
+                yield sse(_chunk(runtime, generation, chat, Delta(i, ""), first=True))
+        while not generation.finished:
+            event = await generation.next_event(timeout=0.5)
+            if event is None:
+                if await request.is_disconnected():
+                    return
+                continue
+            delta = generation.apply(event)
+            if delta is not None:
+                yield sse(_chunk(runtime, generation, chat, delta, first=False))
+        observe(runtime, generation)
+        if include_usage:
+            yield sse(_head(generation, runtime, chat, chunk=True) | {"choices": [], "usage": generation.usage()})
+        yield sse("[DONE]")
+    except EngineFailure as e:
+        runtime.metrics.request_errors.labels("engine_step").inc()
+        yield sse(error_body(str(e), "server_error", code="engine_step_failed"))
+        yield sse("[DONE]")
+    finally:
+        if not generation.finished:
+            generation.abort()
+
+
+def observe(runtime, generation: Generation) -> None:
+    """Record a completed request's latency, time to first token and finish reasons."""
+    m = runtime.metrics
+    m.e2e_latency.observe(time.perf_counter() - generation.start)
+    if generation.first_token_s is not None:
+        m.ttft.observe(generation.first_token_s)
+    for choice in generation.choices:
+        m.request_success.labels(choice.finish_reason or "abort").inc()

@@ -1,0 +1,127 @@
+"""Server composition: load the model, build the engine (+ drafter, + flywheel), start the engine loop.
+
+This is the only place that wires engine, flywheel and HTTP together (the engine and the trainer never
+import each other). `Runtime.close()` stops the loop, then checkpoints the flywheel.
+"""
+from __future__ import annotations
+
+import tempfile
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from tandem.config import SamplingParams
+from tandem.engine.engine import Engine
+from tandem.errors import InvalidParameterError
+from tandem.server.admin import DrafterControl
+from tandem.server.engine_loop import EngineLoop
+from tandem.server.metrics import ServerMetrics
+
+DEFAULT_MAX_BODY = 1 << 20
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """What `tandem serve` runs."""
+
+    model: str = "smollm2-135m"  # zoo name or local HF-format directory
+    served_model_name: str | None = None  # the `model` clients send; None = the model argument
+    drafter: str | None = None  # ngram | draft_model | self_draft | eagle | mtp; None = plain decoding
+    drafter_path: str | None = None  # eagle/mtp: a trained head directory
+    num_draft_tokens: int = 4
+    draft_vocab_size: int | None = None  # eagle day-0 head: draft vocabulary size (None = the drafter's default)
+    online: bool = False  # the flywheel: collect traces, train the eagle head, hot-swap validated versions
+    state_dir: str | None = None  # flywheel checkpoints, spilled traces, drafter versions (None = a temp dir)
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None  # Bearer key required on /v1 when set
+    admin_key: str | None = None  # /admin routes exist only when set, and always require it
+    max_batch_size: int = 8
+    max_queue: int = 64  # requests accepted beyond the running batch; more get 429
+    max_model_len: int | None = None  # KV cache per request (None = LLM's default)
+    max_body_bytes: int = DEFAULT_MAX_BODY
+    threads: int | None = None
+    trainer_threads: int = 1
+    publish_every: int | None = None  # online: trainer steps per published version (None = the flywheel default)
+
+    def __post_init__(self) -> None:
+        if self.online and self.drafter != "eagle":
+            raise InvalidParameterError("--online trains an EAGLE head: use --drafter eagle")
+        if not (1 <= self.port <= 65535 or self.port == 0):
+            raise InvalidParameterError(f"port must be in [1, 65535], got {self.port}")
+        if self.max_queue < 0 or self.max_batch_size < 1 or self.max_body_bytes < 1024:
+            raise InvalidParameterError("max_queue must be >= 0, max_batch_size >= 1, max_body_bytes >= 1024")
+        for name in ("api_key", "admin_key"):
+            key = getattr(self, name)
+            if key is not None and len(key) < 8:
+                raise InvalidParameterError(f"{name} must be at least 8 characters")
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model
+
+
+class Runtime:
+    """The served model: tokenizer + engine + loop (+ flywheel), and the metrics over them."""
+
+    def __init__(self, config: ServerConfig):
+        from tandem.llm import LLM
+
+        self.config = config
+        self.state_dir = Path(config.state_dir or tempfile.mkdtemp(prefix="tandem-serve-"))
+        self.llm = LLM(config.model, max_batch_size=config.max_batch_size, max_model_len=config.max_model_len, num_threads=config.threads)
+        self.tokenizer = self.llm.tokenizer
+        self.engine = self._engine()
+        self.flywheel = self._flywheel() if config.online else None
+        self.control = DrafterControl.build(self.engine, self.flywheel, self.state_dir / "versions")
+        step = self.flywheel.step if self.flywheel is not None else None
+        self.loop = EngineLoop(self.engine, step, config.max_queue)
+        self.metrics = ServerMetrics(self.engine, self.loop, self.control.swapper if self.control else None, self.flywheel)
+        self.loop.on_finish = self.metrics.on_finish
+        if self.flywheel is not None:
+            self.flywheel.start()
+        self.loop.start()
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    def _engine(self) -> Engine:
+        c, llm = self.config, self.llm
+        drafter = None
+        if c.drafter:
+            from tandem.drafters import build_drafter
+
+            extra = {"draft_vocab_size": c.draft_vocab_size} if c.draft_vocab_size else {}
+            drafter = build_drafter(c.drafter, target=llm.target, num_draft_tokens=c.num_draft_tokens, drafter_path=c.drafter_path,
+                                    device=llm.device, max_batch=llm.config.max_batch_size, max_len=llm.config.max_model_len, **extra)
+        engine_config = replace(llm.config, record_steps=c.online)
+        llm.engine = Engine(llm.target, engine_config, drafter=drafter)
+        return llm.engine
+
+    def _flywheel(self):
+        from tandem.flywheel.loop import Flywheel, FlywheelOptions
+        from tandem.flywheel.trainer import FlywheelConfig
+
+        loss = FlywheelConfig() if self.config.publish_every is None else FlywheelConfig(publish_every=self.config.publish_every)
+        options = FlywheelOptions(loss=loss, spill_dir=str(self.state_dir / "traces"), checkpoint_dir=str(self.state_dir / "checkpoint"),
+                                  trainer_threads=self.config.trainer_threads)
+        return Flywheel(self.engine, self.llm.target, options)
+
+    def encode_prompt(self, prompt: str | list[int]) -> list[int]:
+        return self.tokenizer.encode(prompt, add_special_tokens=False) if isinstance(prompt, str) else list(prompt)
+
+    def chat_prompt(self, messages: list[dict]) -> list[int]:
+        return self.llm.apply_chat_template(messages)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        self.engine.validate(prompt_ids, params)  # reads only model config and limits: safe off the engine thread
+
+    def close(self) -> None:
+        self.loop.stop()
+        if self.control is not None:
+            self.control.close()
+        if self.flywheel is not None:
+            self.flywheel.close()  # checkpoints the trainer

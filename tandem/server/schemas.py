@@ -1,0 +1,113 @@
+"""Request bodies of the OpenAI-compatible API (pydantic, strict types) and the OpenAI error body.
+
+Validation here is the first gate: anything that parses is a well-typed, in-range request; the engine's
+own `validate` (context length, token ids) is the second. Unknown fields are ignored (clients send
+extras such as `user`), but fields we cannot honour (`logprobs`, penalties, `echo`, `suffix`) are refused
+with a 400 rather than silently dropped.
+"""
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+MAX_N = 8
+MAX_STOP = 4
+
+Prompt = str | Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)] | Annotated[list[str], Field(min_length=1, max_length=16)]
+Stop = str | Annotated[list[str], Field(max_length=MAX_STOP)] | None
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    include_usage: bool = False
+
+
+class _Sampling(BaseModel):
+    """Fields shared by completions and chat completions (OpenAI names; top_k and ignore_eos as in vLLM)."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+    model: str
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[int, Field(ge=-1)] | None = None  # -1 or 0 = off
+    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
+    stop: Stop = None
+    seed: Annotated[int, Field(ge=0, lt=2**63)] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    presence_penalty: Annotated[float, Field(ge=0.0, le=0.0)] | None = None  # only the neutral value is supported
+    frequency_penalty: Annotated[float, Field(ge=0.0, le=0.0)] | None = None
+
+    @model_validator(mode="after")
+    def _stops_non_empty(self):
+        stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        if any(not s for s in stops):
+            raise ValueError("stop strings must be non-empty")
+        return self
+
+    def stop_list(self) -> tuple[str, ...]:
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+
+
+class CompletionRequest(_Sampling):
+    prompt: Prompt
+    logprobs: int | None = None  # refused: the engine does not expose per-token logprobs
+    echo: bool = False
+    best_of: Annotated[int, Field(ge=1, le=1)] | None = None
+
+    @model_validator(mode="after")
+    def _unsupported(self):
+        if self.logprobs is not None:
+            raise ValueError("logprobs are not supported by this server")
+        if self.echo:
+            raise ValueError("echo is not supported by this server")
+        return self
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | Annotated[list[TextPart], Field(min_length=1)]
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    logprobs: bool | None = None  # refused when true: the engine does not expose per-token logprobs
+    top_logprobs: int | None = None
+
+    @model_validator(mode="after")
+    def _unsupported(self):
+        if self.logprobs or self.top_logprobs:
+            raise ValueError("logprobs are not supported by this server")
+        return self
+
+
+class AdoptRequest(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+    version: Annotated[int, Field(ge=0)]
+
+
+def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None, code: str | int | None = None) -> dict:
+    """The OpenAI error object."""
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+class ApiError(Exception):
+    """Raised by handlers; answered with `status` and the OpenAI error body."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.body = status, error_body(message, type_, param, code)
