@@ -1,0 +1,106 @@
+"""Checkpoint / resume of a GRPO run: safetensors for every tensor, JSON for the rest (never pickle).
+
+Layout: policy.safetensors (learner parameters), optimizer.safetensors (AdamW moments and step per
+parameter, keyed "<param>::<field>"), optional eagle/ (head via save_eagle) + eagle_optimizer.safetensors,
+state.json (step, versions, history, evals, learning rate). Written into a temporary directory that is
+renamed into place, so a crash never leaves a half-written checkpoint.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+
+from tandem.errors import TandemError
+
+STATE_FILE = "state.json"
+SCHEMA_VERSION = 1
+GENERATOR_KEY = "__generator__"
+
+
+def optimizer_tensors(optimizer: torch.optim.Optimizer, named_params: dict[str, torch.nn.Parameter]) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, param in named_params.items():
+        for key, value in optimizer.state.get(param, {}).items():
+            out[f"{name}::{key}"] = (value if torch.is_tensor(value) else torch.tensor(value)).detach().contiguous().clone()
+    return out
+
+
+def load_optimizer_tensors(optimizer: torch.optim.Optimizer, named_params: dict[str, torch.nn.Parameter], tensors: dict[str, torch.Tensor]) -> None:
+    for name, param in named_params.items():
+        state = {key.split("::", 1)[1]: value for key, value in tensors.items() if key.split("::", 1)[0] == name}
+        if state:
+            optimizer.state[param] = state
+
+
+def _trainable(module: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    return {n: p for n, p in module.named_parameters() if p.requires_grad}
+
+
+def save_checkpoint(trainer, path: str | Path) -> Path:
+    from safetensors.torch import save_file
+
+    from tandem.models.eagle import save_eagle
+
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    learner = trainer.learner
+    save_file({n: t.contiguous() for n, t in learner.named_tensors().items()}, str(tmp / "policy.safetensors"))
+    save_file(optimizer_tensors(learner.optimizer, _trainable(learner.model)), str(tmp / "optimizer.safetensors"))
+    state = {
+        "schema_version": SCHEMA_VERSION, "step": trainer.step_index, "policy_version": learner.version,
+        "lr": learner.optimizer.param_groups[0]["lr"], "history": trainer.history, "evals": trainer.evals,
+    }
+    if trainer.online is not None:
+        online = trainer.online
+        save_eagle(online.head, tmp / "eagle")
+        extra = {GENERATOR_KEY: online.generator.get_state()}  # the chain-root sampler: resume draws the same roots
+        save_file(optimizer_tensors(online.optimizer, _trainable(online.head)) | extra, str(tmp / "eagle_optimizer.safetensors"))
+        state |= {"eagle_trained_version": online.trained_version, "eagle_steps": online.steps}
+    (tmp / STATE_FILE).write_text(json.dumps(state, indent=1) + "\n")
+    old = path.with_name(path.name + ".old")
+    if path.exists():
+        path.rename(old)
+    tmp.rename(path)
+    shutil.rmtree(old, ignore_errors=True)
+    return path
+
+
+def load_checkpoint(trainer, path: str | Path) -> None:
+    """Restore learner, optimizer, EAGLE head and loop state, then push the policy to the rollout engines."""
+    from safetensors.torch import load_file
+
+    from tandem.models.eagle import load_eagle
+
+    path = Path(path)
+    try:
+        state = json.loads((path / STATE_FILE).read_text())
+        policy = load_file(str(path / "policy.safetensors"))
+        moments = load_file(str(path / "optimizer.safetensors"))
+    except (OSError, ValueError, RuntimeError) as e:
+        raise TandemError(f"cannot read a GRPO checkpoint from {path}: {e}") from e
+    if state.get("schema_version") != SCHEMA_VERSION:
+        raise TandemError(f"{path / STATE_FILE} has schema version {state.get('schema_version')}, expected {SCHEMA_VERSION}")
+    learner = trainer.learner
+    params = dict(learner.model.named_parameters())
+    if set(policy) != set(params):
+        raise TandemError(f"{path}: the checkpoint's parameters do not match the policy")
+    with torch.no_grad():
+        for name, tensor in policy.items():
+            params[name].copy_(tensor)
+    load_optimizer_tensors(learner.optimizer, _trainable(learner.model), moments)
+    learner.version = int(state["policy_version"])
+    trainer.step_index, trainer.history, trainer.evals = int(state["step"]), list(state["history"]), list(state["evals"])
+    if trainer.online is not None and (path / "eagle").exists():
+        online = trainer.online
+        with torch.no_grad():
+            online.head.load_state_dict(load_eagle(path / "eagle", learner.model).state_dict())
+        tensors = load_file(str(path / "eagle_optimizer.safetensors"))
+        online.generator.set_state(tensors.pop(GENERATOR_KEY))
+        load_optimizer_tensors(online.optimizer, _trainable(online.head), tensors)
+        online.trained_version, online.steps = int(state["eagle_trained_version"]), int(state["eagle_steps"])
+    trainer.sync()
