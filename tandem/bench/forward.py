@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from tandem.bench.machine import machine_info, memory_bandwidth_gbps
+from tandem.bench.machine import machine_info, memory_bandwidth_gbps, resident_mb
 from tandem.models.kv_cache import KVCache
 from tandem.models.transformer import Transformer
 
@@ -24,9 +24,15 @@ COST_KS = (1, 2, 3, 4, 5, 8, 16)
 
 def weight_bytes_per_token(model: Transformer) -> int:
     """Bytes a decode step must stream: every matmul weight; the embedding reads one row per token."""
-    total = sum(lin.weight.numel() * lin.weight.element_size() for lin in model.linears())
     embed = model.embed.weight
+    total = sum(lin.in_features * lin.out_features for lin in model.linears()) * embed.element_size()
     return total + embed.shape[1] * embed.element_size()
+
+
+def weight_bytes_total(model: Transformer) -> int:
+    """Bytes of one copy of every weight (dense or packed-only; a tied head counted once)."""
+    elements = sum(p.numel() for p in model.parameters()) + sum(lin.in_features * lin.out_features for lin in model.linears() if lin.dense_dropped)
+    return elements * model.embed.weight.element_size()
 
 
 def forward_cost_ms(model: Transformer, ks=COST_KS, context: int = 64, reps: int = 15) -> dict[int, float]:
@@ -97,7 +103,9 @@ def ar_comparison(llm, hf, prompts: list[str], max_tokens: int, rounds: int = 2)
 def run_forward_bench(model: str, max_tokens: int = 64, with_hf: bool = True, pack: bool = True) -> dict:
     from tandem.llm import LLM
 
+    rss_before = resident_mb()
     llm = LLM(model=model, pack_weights=pack)
+    rss_model = resident_mb() - rss_before  # target + packed weights (+ the tokenizer)
     hf = load_hf(llm.model_dir) if with_hf else None
     prompts = list(BENCH_PROMPTS)
     bandwidth = memory_bandwidth_gbps()
@@ -110,7 +118,8 @@ def run_forward_bench(model: str, max_tokens: int = 64, with_hf: bool = True, pa
         "model": model, "max_tokens": max_tokens, "packed_weights": pack, "machine": machine_info(),
         "ar_tokens_per_s": round(ours, 2), "roofline_tokens_per_s": round(roofline, 2),
         "fraction_of_roofline": round(ours / roofline, 3), "memory_bandwidth_gbps": round(bandwidth, 2),
-        "weight_bytes_per_token": weight_bytes, "forward_ms_per_token": round(cost[1], 2),
+        "weight_bytes_per_token": weight_bytes, "resident_model_mb": round(rss_model),
+        "resident_over_weights": round(rss_model * 2**20 / weight_bytes_total(llm.target), 2), "forward_ms_per_token": round(cost[1], 2),
         "forward_fraction_of_roofline": round(weight_bytes / bandwidth / 1e9 * 1000 / cost[1], 3),
         "cost_ms": {k: round(v, 3) for k, v in cost.items()},
         "cost_ratio": {k: round(v / cost[1], 3) for k, v in cost.items()},

@@ -39,3 +39,11 @@ def memory_bandwidth_gbps(size_mb: int = 512, reps: int = 5) -> float:
         torch.mv(x, v)
         best = min(best, time.perf_counter() - t)
     return x.numel() * 4 / best / 1e9
+
+
+def resident_mb() -> float:
+    """Resident set size of this process in MiB (Linux /proc; 0.0 where unavailable)."""
+    try:
+        return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except (OSError, ValueError, IndexError):
+        return 0.0

@@ -85,7 +85,8 @@ def load_transformer(model_dir: str | Path, dtype: torch.dtype = torch.float32, 
     _check_shapes(state, cfg)
     with torch.device("meta"):
         model = Transformer(cfg)
-    model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False, assign=True)
+    # copy out of the safetensors mmap: views into it would keep the whole file mapped (and counted in RSS)
+    model.load_state_dict({k: v.to(dtype, copy=True) for k, v in state.items()}, strict=False, assign=True)
     if cfg.tie_embeddings:
         model.lm_head.weight = model.embed.weight
     missing = [n for n, p in model.named_parameters() if p.is_meta]

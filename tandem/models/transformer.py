@@ -22,33 +22,85 @@ class Linear(nn.Module):
     On this CPU a plain fp32 F.linear repacks W on every call, so a 5-token forward costs ~1.7x a
     1-token one; a prepacked weight makes it ~1.3x (docs/BENCHMARKS.md), which is what lets a
     k-token verify pay. The packed copy is derived state: `pack()` rebuilds it after weights change.
+
+    One copy of W, not two: `pack(keep_dense=False)` drops the dense Parameter once the packed copy
+    exists (the oneDNN reorder is exact, so nothing is lost). While dropped, reading `.weight` or
+    `state_dict()` returns a fresh dense copy (read-only: writes to it are lost), `load_state_dict`
+    repacks (also when the dense copy is kept), and `unpack()` restores the Parameter bit-for-bit; to change weights in place: `unpack()`,
+    write, `pack()`. A weight shared with another module (tied embeddings) is freed only when no
+    other module holds it.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__()
+        self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features))  # [out, in]
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None  # [out]
         self.packed: torch.Tensor | None = None  # oneDNN blocked layout of weight, CPU only
+        self.batch_hint = 8
+        self._weight_requires_grad = True  # restored on unpack() when the dense Parameter was dropped
 
-    def pack(self, batch_hint: int = 8) -> None:
-        usable = self.weight.device.type == "cpu" and self.weight.dtype == torch.float32 and torch.backends.mkldnn.is_available()
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), batch_hint) if usable else None
+    @property
+    def dense_dropped(self) -> bool:
+        return self.packed is not None and "weight" not in self._parameters
+
+    def dense_weight(self) -> torch.Tensor:  # [out, in]
+        """The weight as a plain tensor: the Parameter, or a fresh copy unpacked from the oneDNN layout."""
+        return self.packed.to_dense() if self.dense_dropped else self._parameters["weight"]
+
+    def pack(self, batch_hint: int = 8, keep_dense: bool = True) -> None:
+        weight = self.dense_weight()
+        usable = weight.device.type == "cpu" and weight.dtype == torch.float32 and torch.backends.mkldnn.is_available()
+        if not usable:
+            self.unpack()
+            return
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_hint)
+        self.batch_hint = batch_hint
+        if keep_dense and "weight" not in self._parameters:
+            self._restore_weight(weight)
+        elif not keep_dense and "weight" in self._parameters:
+            self._weight_requires_grad = self._parameters.pop("weight").requires_grad
 
     def unpack(self) -> None:
+        if self.dense_dropped:
+            self._restore_weight(self.packed.to_dense())
         self.packed = None
+
+    def _restore_weight(self, weight: torch.Tensor) -> None:
+        param = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight.detach(), requires_grad=self._weight_requires_grad)
+        self._parameters["weight"] = param  # not setattr: register_parameter's hasattr() would see __getattr__'s copy
+
+    def __getattr__(self, name: str):
+        if name == "weight" and self.dense_dropped:
+            return self.packed.to_dense()
+        return super().__getattr__(name)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        if self.dense_dropped:
+            destination[prefix + "weight"] = self.packed.to_dense()
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):  # loading new weights repacks them
+        packed, dropped = self.packed is not None, self.dense_dropped
+        self.unpack()
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        if packed:
+            self.pack(self.batch_hint, keep_dense=not dropped)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None and not torch.is_grad_enabled():
             bias = None if self.bias is None else self.bias.detach()
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
+        return F.linear(x, self.dense_weight(), self.bias)
 
 
-def pack_linears(module: nn.Module, batch_hint: int) -> None:
-    """Prepack every Linear of `module` for CPU inference; call again after any weight change."""
+def pack_linears(module: nn.Module, batch_hint: int, keep_dense: bool = True) -> None:
+    """Prepack every Linear of `module` for CPU inference; call again after any weight change.
+
+    keep_dense=False drops each dense copy (half the memory; see Linear)."""
     for lin in module.modules():
         if isinstance(lin, Linear):
-            lin.pack(batch_hint)
+            lin.pack(batch_hint, keep_dense)
 
 
 def unpack_linears(module: nn.Module) -> None:
@@ -192,15 +244,20 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
         if cfg.tie_embeddings:
-            self.lm_head.weight = self.embed.weight
+            self.lm_head._restore_weight(self.embed.weight)
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
 
     def linears(self) -> list[Linear]:
         return [m for m in self.modules() if isinstance(m, Linear)]
 
-    def pack(self, batch_hint: int = 8) -> None:
-        """Prepack every Linear for CPU inference; call again after any weight change."""
-        pack_linears(self, batch_hint)
+    def pack(self, batch_hint: int = 8, keep_dense: bool = False) -> None:
+        """Prepack every Linear for CPU inference and drop the dense copies (one copy of each weight).
+
+        Reads of `.weight` / `state_dict()` still work (fresh dense copies); to change weights in place,
+        `unpack()` (restores the dense Parameters exactly), write, `pack()` again."""
+        pack_linears(self, batch_hint, keep_dense)
+        if self.cfg.tie_embeddings and self.lm_head.dense_dropped:  # the embedding still holds it: keep them tied
+            self.lm_head._restore_weight(self.embed.weight)
 
     def unpack(self) -> None:
         unpack_linears(self)
