@@ -32,6 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     _train_command(sub)
     _demo_command(sub)
     _serve_command(sub)
+    _rl_command(sub)
     return parser
 
 
@@ -269,6 +270,12 @@ def _demo(args) -> int:
 
     run_demo(args.model, args.requests, args.block, args.max_tokens, args.out)
     return 0
+
+
+def _rl_command(sub) -> None:
+    from tandem.rl.command import add_rl_command
+
+    add_rl_command(sub)
 
 
 def _serve_command(sub) -> None:

@@ -239,7 +239,7 @@ class GRPOTrainer:
             "rollout_s": {n: b.wall_s for n, b in batches.items()},
             "acceptance_length": {n: round(b.acceptance_length(), 4) for n, b in batches.items()},
             "decisions": {n: b.decisions() for n, b in batches.items()},
-            "profile": [(p.batch, round(p.seconds, 5)) for p in primary.profile],
+            "profiles": {n: [(p.batch, round(p.seconds, 5)) for p in b.profile] for n, b in batches.items()},  # live batch per engine step
             "drafter_versions": {e.name: (e.drafter.version if e.drafter is not None else 0) for e in self.engines},
             "tokens": sum(len(r.completion_ids) for r in primary.rollouts),
         } | stats

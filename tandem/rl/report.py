@@ -1,0 +1,101 @@
+"""What `tandem rl --compare` reports: rollout and step speedups per drafter, the Amdahl prediction,
+the batch-size sweep, and a plot (held-out reward, rollout time per drafter, the long-tail profile).
+
+Step time of drafter d (all measured in the same steps, same prompts, seeds and weights):
+    step_d = rollout_d + update + sync_target + resync_d
+where update (the learner's forward/backward/optimiser, incl. online EAGLE training) is shared. The
+rollout share of a plain-decoding step is f = rollout_ar / step_ar, s = rollout_ar / rollout_d, and
+Amdahl's prediction of the step speedup is 1 / (f / s + 1 - f); the measured step speedup is
+step_ar / step_d, which also pays d's re-sync.
+"""
+from __future__ import annotations
+
+import time
+
+from tandem.config import SamplingParams
+
+
+def summarize(history: list[dict], baseline: str = "ar") -> dict:
+    if not history:
+        return {}
+    drafters = list(history[0]["rollout_s"])
+    update = sum(h["train_s"] for h in history)
+    sync_target = sum(h["sync"].get("target", 0.0) for h in history)
+    rollout = {d: sum(h["rollout_s"][d] for h in history) for d in drafters}
+    resync = {d: sum(h["sync"].get(f"resync/{d}", 0.0) + (h["sync"].get("publish/eagle", 0.0) if d.startswith("eagle") else 0.0)
+                     for h in history) for d in drafters}
+    step = {d: rollout[d] + update + sync_target + resync[d] for d in drafters}
+    out = {"steps": len(history), "update_s": round(update, 3), "sync_target_s": round(sync_target, 3), "per_drafter": {}}
+    base = baseline if baseline in drafters else drafters[0]
+    f = rollout[base] / step[base]
+    out["generation_share"] = round(f, 4)
+    for d in drafters:
+        s = rollout[base] / rollout[d]
+        amdahl = 1.0 / (f / s + 1.0 - f)
+        measured = step[base] / step[d]
+        out["per_drafter"][d] = {
+            "rollout_s": round(rollout[d], 3), "step_s": round(step[d], 3), "resync_s": round(resync[d], 4),
+            "resync_share_of_step": round(resync[d] / step[d], 4), "rollout_speedup": round(s, 3),
+            "step_speedup": round(measured, 3), "amdahl_prediction": round(amdahl, 3),
+            "measured_vs_amdahl": round(measured / amdahl - 1.0, 4),
+            "acceptance_length": round(sum(h["acceptance_length"][d] for h in history) / len(history), 3),
+        }
+    out["step_wall_s_mean"] = round(sum(h["step_wall_s"] for h in history) / len(history), 3)
+    out["eagle_staleness"] = [h.get("eagle_staleness") for h in history] if "eagle_staleness" in history[0] else None
+    return out
+
+
+def batch_sweep(engines, prompts: list[list[int]], sizes: list[int], max_tokens: int, temperature: float, seed: int) -> dict:
+    """Rollout wall time per drafter at each batch size (size prompts x 1 sample), and the decisions."""
+    out = {}
+    for size in sizes:
+        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed)
+        row = {}
+        for engine in engines:
+            if size > engine.engine.config.max_batch_size:
+                continue
+            batch = engine.generate_rollouts(prompts[:size], 1, params)
+            row[engine.name] = {"wall_s": round(batch.wall_s, 4), "acceptance_length": round(batch.acceptance_length(), 3),
+                                "tokens": sum(len(r.completion_ids) for r in batch.rollouts), "decisions": batch.decisions()}
+        base = row.get("ar")
+        for name, r in row.items():
+            r["speedup"] = round(base["wall_s"] / r["wall_s"], 3) if base else None
+        out[str(size)] = row
+    return out
+
+
+def plot(history: list[dict], evals: list[dict], path: str, title: str = "") -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    ax = axes[0]
+    for key in ("greedy", "sampled"):
+        ax.plot([e["step"] for e in evals], [e[key] for e in evals], marker="o", label=f"held-out reward ({key})")
+    ax.set_xlabel("GRPO step"), ax.set_ylabel("exact-match reward"), ax.set_ylim(0, 1), ax.legend(), ax.set_title("learning")
+    ax = axes[1]
+    for d in history[0]["rollout_s"]:
+        ax.plot([h["step"] for h in history], [h["rollout_s"][d] for h in history], marker=".", label=d)
+    ax.plot([h["step"] for h in history], [h["train_s"] for h in history], "k--", label="update (learner)")
+    ax.set_xlabel("GRPO step"), ax.set_ylabel("seconds"), ax.legend(), ax.set_title("rollout time per drafter")
+    ax = axes[2]
+    last = history[-1]
+    for d, profile in last["profiles"].items():
+        t, xs, ys = 0.0, [], []
+        for batch, seconds in profile:
+            xs += [t, t + seconds]
+            ys += [batch, batch]
+            t += seconds
+        ax.plot(xs, ys, label=d)
+    ax.set_xlabel("seconds into the rollout"), ax.set_ylabel("live batch (sequences decoding)"), ax.legend()
+    ax.set_title(f"the long tail (step {last['step']})")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def timestamp() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
