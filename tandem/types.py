@@ -110,8 +110,9 @@ class RequestStep:
     node_draft_probs: torch.Tensor | None = None  # detailed: [N] the prob the drafter drew it with (1 = deterministic)
     target_topk_ids: torch.Tensor | None = None  # detailed: [T, k] top-k of the target's T=1 distribution per read position
     target_topk_probs: torch.Tensor | None = None  # detailed: [T, k]
-    hidden: torch.Tensor | None = None  # detailed: [taps, T, hidden] target hidden states per read position
-    final_hidden: torch.Tensor | None = None  # detailed: [T, hidden] after the target's final norm
+    hidden: torch.Tensor | None = None  # detailed: [taps, T, hidden] fp16 target hidden states per read position
+    final_hidden: torch.Tensor | None = None  # detailed: [T, hidden] after the target's final norm (prefill: the last position only)
+    sampling: tuple[float, int, float] | None = None  # detailed: (temperature, top_k, top_p) the request is served (and drafted) with
 
 
 @dataclass

@@ -34,7 +34,7 @@ from tandem.bench.prompts import DOMAINS, Prompt, domain_stream, load_prompts, p
 from tandem.errors import InvalidParameterError
 from tandem.flywheel.buffer import TraceBuffer
 from tandem.flywheel.replay import replay_request, replay_trace, target_traces, trace_cache_dir
-from tandem.flywheel.trainer import FlywheelConfig, OnlineTrainer, target_lm_rows, trace_example, trainer_copy
+from tandem.flywheel.trainer import FlywheelConfig, OnlineTrainer, target_lm_rows, trainer_copy
 from tandem.flywheel.weights import HotSwapper, WeightStore
 from tandem.models.eagle import EagleConfig, EagleHead, draft_vocab_from_tokens, load_eagle, new_eagle_head, save_eagle
 
@@ -120,9 +120,10 @@ def _keyed_ids(prompts: list[Prompt], tokenizer, max_len: int) -> dict[str, list
 
 # ---- heads ---------------------------------------------------------------------------------------------------------
 def train_static_head(target, traces: list, cfg: ShiftConfig) -> tuple[EagleHead, dict]:
-    from tandem.training.offline import TrainConfig, fit, step_function
+    from tandem.training.offline import TrainConfig, fit, step_function, target_example
 
-    examples = [trace_example(t) for t in traces]
+    taps = EagleConfig.for_target(target.cfg).taps  # traces keep the target's distribution at generated positions only: recompute
+    examples = [target_example(target, t.tokens.tolist(), t.prompt_len, taps) for t in traces]
     vocab = draft_vocab_from_tokens((e.tokens.tolist() for e in examples), min(cfg.draft_vocab, target.cfg.vocab_size), target.cfg.vocab_size)
     generator = torch.Generator().manual_seed(cfg.seed)
     head = new_eagle_head(target, EagleConfig.for_target(target.cfg, len(vocab)), vocab, generator)

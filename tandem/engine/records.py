@@ -9,6 +9,8 @@ from tandem.engine.request import Request
 from tandem.models.transformer import ForwardOutput
 from tandem.types import DraftTree, RequestStep, StepRecord, VerifyResult
 
+RECORD_DTYPE = torch.float16  # hidden states in records: half width (traces store them so, training casts back)
+
 
 def build_step_record(
     step: int,
@@ -37,6 +39,7 @@ def build_step_record(
             entry.node_target_probs = target_probs[parent_rows, draft.tokens].clone()
             entry.node_draft_probs = torch.ones(n) if draft.draft_probs is None else draft.draft_probs[torch.arange(n), draft.tokens].float().cpu()
             _add_forward_details(entry, out, b, n + 1, out.logits[b, : n + 1], topk)
+            entry.sampling = (float(request.params.temperature), int(request.params.top_k), float(request.params.top_p))
         entries.append(entry)
     return StepRecord(step=step, time=time.time(), drafter_version=drafter_version, requests=entries, kind="decode", taps=taps)
 
@@ -44,28 +47,31 @@ def build_step_record(
 def build_prefill_record(
     step: int, drafter_version: int, request: Request, first_token: int, out: ForwardOutput, detailed: bool, topk: int, taps: tuple[int, ...],
 ) -> StepRecord:
-    """The prompt's forward: hidden states at every prompt position; target top-k only at the last one
-    (prefill computes logits there alone)."""
+    """The prompt's forward: tapped hidden states at every prompt position (the drafter's context); the
+    final hidden state and target top-k at the last one only (prefill computes logits there alone, and
+    the trainer reads the target's distribution at generated positions only)."""
     entry = RequestStep(
         request_id=request.request_id, tags=dict(request.tags), context_len=0, pending_token=-1, draft_tokens=[],
         draft_parents=[], accepted_nodes=[], emitted_tokens=[first_token], bonus=False, finish_reason=_reason(request),
     )
     if detailed:
         entry.context_ids = list(request.prompt_ids)
+        entry.sampling = (float(request.params.temperature), int(request.params.top_k), float(request.params.top_p))
         entry.node_target_probs, entry.node_draft_probs = torch.zeros(0), torch.zeros(0)
-        _add_forward_details(entry, out, 0, len(request.prompt_ids), out.logits[0, -1:], topk)
+        _add_forward_details(entry, out, 0, len(request.prompt_ids), out.logits[0, -1:], topk, final_from=len(request.prompt_ids) - 1)
     return StepRecord(step=step, time=time.time(), drafter_version=drafter_version, requests=[entry], kind="prefill", taps=taps)
 
 
-def _add_forward_details(entry: RequestStep, out: ForwardOutput, b: int, length: int, logits: torch.Tensor, topk: int) -> None:
-    """Copy what the trainer needs out of the forward's buffers (they are reused by the next forward)."""
+def _add_forward_details(entry: RequestStep, out: ForwardOutput, b: int, length: int, logits: torch.Tensor, topk: int, final_from: int = 0) -> None:
+    """Copy what the trainer needs out of the forward's buffers (they are reused by the next forward):
+    tapped hidden states of rows 0..length-1, final hidden states of rows final_from..length-1 (fp16)."""
     if topk:
         probs = torch.softmax(logits.float(), dim=-1)
         values, ids = probs.topk(min(topk, probs.shape[-1]), dim=-1)
         entry.target_topk_ids, entry.target_topk_probs = ids.int().cpu(), values.half().cpu()
     if out.hidden:
-        entry.hidden = torch.stack([h[b, :length] for h in out.hidden]).detach().float().cpu().clone()
-    entry.final_hidden = out.final_hidden[b, :length].detach().float().cpu().clone()
+        entry.hidden = torch.stack([h[b, :length].detach().to("cpu", RECORD_DTYPE) for h in out.hidden])
+    entry.final_hidden = out.final_hidden[b, final_from:length].detach().to("cpu", RECORD_DTYPE, copy=True)
 
 
 def _reason(request: Request) -> str | None:

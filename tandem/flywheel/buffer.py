@@ -93,7 +93,7 @@ class TraceBuffer:
 # ---- Parquet ------------------------------------------------------------------------------------------------
 def _trace_row(trace: SequenceTrace) -> dict:
     row: dict = {"schema_version": trace.schema_version, "request_id": trace.request_id, "domain": trace.domain,
-                 "prompt_len": trace.prompt_len, "taps": list(trace.taps)}
+                 "prompt_len": trace.prompt_len, "taps": list(trace.taps), "sampling": list(trace.sampling)}
     for name, tensor in trace.tensors().items():
         t = tensor.contiguous()
         row[f"{name}.data"] = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
@@ -106,6 +106,8 @@ def _row_trace(row: dict) -> SequenceTrace:
     if row.get("schema_version") != TRACE_SCHEMA:
         raise TandemError(f"trace schema {row.get('schema_version')} is not {TRACE_SCHEMA}")
     values = {"request_id": row["request_id"], "domain": row["domain"], "prompt_len": int(row["prompt_len"]), "taps": tuple(row["taps"])}
+    temperature, top_k, top_p = row["sampling"]
+    values["sampling"] = (float(temperature), int(top_k), float(top_p))
     for f in fields(SequenceTrace):
         if f"{f.name}.data" in row:
             dtype, shape = getattr(torch, row[f"{f.name}.dtype"]), tuple(row[f"{f.name}.shape"])

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from tandem.errors import InvalidParameterError
 from tandem.flywheel.buffer import TraceBuffer, load_traces
-from tandem.flywheel.trainer import CHECKPOINT_MARKER, FlywheelConfig, OnlineTrainer, target_lm_rows, trainer_copy
+from tandem.flywheel.trainer import FlywheelConfig, OnlineTrainer, target_lm_rows, trainer_copy
 from tandem.flywheel.traces import TraceCollector
 from tandem.flywheel.weights import HotSwapper, WeightStore
 
@@ -47,6 +47,8 @@ class Flywheel:
         self.store = WeightStore(first_version=drafter.version + 1)
         self.swapper = HotSwapper(drafter, self.store, options.collapse_ratio, options.window).attach(engine)
         self.trainer = self._trainer(target, drafter) if options.train else None
+        if self.trainer is not None:  # a rollback in serving reaches the trainer: it resumes from the good weights
+            self.swapper.on_rollback = self.trainer.request_restore
         self.step_times: list[float] = []
         self.swap_steps: list[int] = []  # indices into step_times of steps that began with a swap or rollback
 
@@ -60,8 +62,10 @@ class Flywheel:
         return len(traces)
 
     def _trainer(self, target, drafter) -> OnlineTrainer:
+        """Resume from checkpoint_dir if it holds anything (a checkpoint that cannot be read is an error,
+        never a silent fresh start); a fresh trainer from the served head otherwise."""
         checkpoint = self.options.checkpoint_dir
-        if checkpoint is not None and (Path(checkpoint) / CHECKPOINT_MARKER).exists():
+        if checkpoint is not None and Path(checkpoint).is_dir() and any(Path(checkpoint).iterdir()):
             trainer = OnlineTrainer.resume(checkpoint, target, self.buffer, self.store, self.options.loss)
             trainer.publish()  # serving adopts the resumed weights at the next step
             return trainer

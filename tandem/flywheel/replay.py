@@ -21,8 +21,8 @@ import torch
 from tqdm import tqdm
 
 from tandem.flywheel.buffer import load_traces, write_shard
-from tandem.flywheel.traces import SequenceTrace, TraceAssembler
-from tandem.flywheel.trainer import generated_roots, trace_example
+from tandem.flywheel.traces import TRACE_SCHEMA, SequenceTrace, TraceAssembler
+from tandem.flywheel.objective import generated_roots, trace_example
 from tandem.models.eagle import EagleHead
 from tandem.training.offline import eagle_logits
 
@@ -70,19 +70,30 @@ def replay_request(head: EagleHead, trace: SequenceTrace, k: int, max_tokens: in
 
 def replay_trace(trace: SequenceTrace, result: ReplayResult, version: int) -> SequenceTrace:
     """The trace the engine would have recorded serving `trace` with the replayed drafter (greedy: r = 1
-    for every rejection; no branch states: the target never ran on rejected nodes in replay)."""
+    for every rejection, 0 for every acceptance; nodes: the evaluated ones only, i.e. the accepted chain
+    and its first rejected token; no branch states: the target never ran on rejected nodes in replay)."""
     steps = torch.tensor(result.steps, dtype=torch.long).reshape(-1, 3)
     rejects = torch.tensor(result.rejections, dtype=torch.long).reshape(-1, 3)
+    tokens, rejected = trace.tokens.tolist(), {root + 1: token for root, _, token in result.rejections}
+    nodes = []  # (step, token, parent, accepted)
+    for i, (n, _, accepted) in enumerate(result.steps):
+        nodes += [(i, tokens[n + 1 + d], d - 1, True) for d in range(accepted)]
+        if n in rejected:
+            nodes.append((i, rejected[n], accepted - 1, False))
+    node = torch.tensor([x[:3] for x in nodes], dtype=torch.long).reshape(-1, 3)
+    accepted = torch.tensor([x[3] for x in nodes], dtype=torch.bool)
     return replace(
         trace, reject_root=rejects[:, 0], reject_depth=rejects[:, 1], reject_token=rejects[:, 2],
         reject_weight=torch.ones(len(rejects)), step_root=steps[:, 0], step_drafted=steps[:, 1], step_accepted=steps[:, 2],
-        step_version=torch.full((len(steps),), version, dtype=torch.long),
+        step_version=torch.full((len(steps),), version, dtype=torch.long), node_step=node[:, 0], node_token=node[:, 1],
+        node_parent=node[:, 2], node_accepted=accepted, node_draft_prob=torch.ones(len(nodes)), node_target_prob=accepted.float(),
+        sampling=(0.0, 0, 1.0),
     )
 
 
 # ---- the target-trace cache -----------------------------------------------------------------------------------
 def trace_cache_dir(home: Path, model_dir: Path, max_tokens: int, taps: tuple[int, ...]) -> Path:
-    key = hashlib.sha256(json.dumps([str(model_dir), max_tokens, list(taps)]).encode()).hexdigest()[:16]
+    key = hashlib.sha256(json.dumps([str(model_dir), max_tokens, list(taps), TRACE_SCHEMA]).encode()).hexdigest()[:16]
     return home / "replay" / f"{model_dir.name}-{key}"
 
 

@@ -1,25 +1,27 @@
 """Offline training on the flywheel's spilled traces (`tandem train --data TRACES_DIR`).
 
-The served requests' own committed tokens and target states become offline-training `Example`s; the
-rest of the job (head, fit, evaluation, save) is tandem.training.offline's. This lives in the flywheel
+The served requests' committed sequences (prompt + output) become offline-training `Example`s through
+one teacher-forced target forward each (traces keep the target's distribution at generated positions
+only, offline training reads it everywhere); the rest of the job (head, fit, evaluation, save) is
+tandem.training.offline's. This lives in the flywheel
 because it reads flywheel traces: training/ stays below flywheel/ in the layering.
 """
 from __future__ import annotations
 
 from pathlib import Path
 
+from tqdm import tqdm
+
 from tandem.errors import InvalidParameterError
 from tandem.flywheel.buffer import load_traces
-from tandem.flywheel.trainer import trace_example
-from tandem.training.offline import Example, TrainConfig, train_offline
+from tandem.training.offline import Example, TrainConfig, target_example, train_offline
 
 
-def examples_from_traces(directory: str | Path, limit: int, taps: tuple[int, ...]) -> list[Example]:
-    """Examples from the Parquet trace shards in `directory`: the newest `limit` traces, oldest first."""
-    traces = load_traces(directory, limit=limit, newest=True)
-    if taps and any(tuple(t.taps) != tuple(taps) for t in traces):
-        raise InvalidParameterError(f"traces in {directory} were recorded with taps {traces[0].taps}; this head needs {taps}")
-    return [trace_example(t) for t in traces if len(t.features) >= 2]
+def examples_from_traces(directory: str | Path, limit: int, target, taps: tuple[int, ...]) -> list[Example]:
+    """Examples from the Parquet trace shards in `directory` (the newest `limit` traces, oldest first),
+    the target's states recomputed over each whole sequence."""
+    traces = [t for t in load_traces(directory, limit=limit, newest=True) if len(t.tokens) >= 3]
+    return [target_example(target, t.tokens.tolist(), t.prompt_len, taps) for t in tqdm(traces, desc="trace features", disable=None)]
 
 
 def train_from_traces(cfg: TrainConfig) -> dict:
@@ -27,4 +29,4 @@ def train_from_traces(cfg: TrainConfig) -> dict:
     directory = Path(cfg.data).expanduser()
     if not directory.is_dir():
         raise InvalidParameterError(f"--data {cfg.data} is not a directory of trace shards")
-    return train_offline(cfg, lambda target, taps: examples_from_traces(directory, cfg.max_prompts, taps))
+    return train_offline(cfg, lambda target, taps: examples_from_traces(directory, cfg.max_prompts, target, taps))

@@ -3,8 +3,10 @@
 The engine hands each forward's StepRecord to observers (tandem.engine.records). `TraceAssembler` stitches
 a request's prefill and decode records into one `SequenceTrace` when the request finishes:
 
-- the committed sequence (prompt + output) with the target's tapped hidden states (`features`) and final
-  hidden states at every committed position: imitation data, exactly what offline training uses;
+- the committed sequence (prompt + output) with the target's tapped hidden states (`features`, the
+  drafter's context) at every committed position, and its final hidden states (the target's
+  distribution) at the generated positions only: the trainer never reads the target's distribution inside
+  the prompt (the engine never drafts there), so prefill keeps no final states (fp16 throughout);
 - rejection events: drafted tokens the verifier evaluated and rejected (children of the accepted path
   that are not on it), with the rejection probability r = 1 - min(1, p(x)/q(x)) (p: the target's
   sampling prob of the token given its parent, q: the prob the drafter drew it with). A rejected node at
@@ -32,7 +34,7 @@ from tandem.errors import InvalidParameterError
 from tandem.ops.losses import rejection_probability
 from tandem.types import RequestStep, StepRecord
 
-TRACE_SCHEMA = 1
+TRACE_SCHEMA = 2  # 2: final_hidden at generated positions only, sampling params
 STORE_DTYPE = torch.float16  # hidden states are stored at half width (training casts them back to fp32)
 
 
@@ -52,7 +54,7 @@ class SequenceTrace:
     taps: tuple[int, ...]  # target layers concatenated in `features`
     tokens: torch.Tensor  # [L] long: prompt + output
     features: torch.Tensor  # [M, taps * d] fp16: tapped hidden states at positions 0..M-1 (M = L - 1)
-    final_hidden: torch.Tensor  # [M, d] fp16: after the final norm (the target's distribution = lm_head of it)
+    final_hidden: torch.Tensor  # [M - prompt_len, d] fp16: after the final norm at positions prompt_len..M-1 (the target's distribution = lm_head of it)
     reject_root: torch.Tensor  # [E] long: committed position whose draft-cache entry began the chain
     reject_depth: torch.Tensor  # [E] long: draft depth of the rejected node
     reject_token: torch.Tensor  # [E] long: the rejected (target-vocabulary) token
@@ -75,6 +77,7 @@ class SequenceTrace:
     node_accepted: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.bool))  # [Nn]
     node_draft_prob: torch.Tensor = field(default_factory=_no_float)  # [Nn] q(x) the drafter drew it with (1 = deterministic)
     node_target_prob: torch.Tensor = field(default_factory=_no_float)  # [Nn] p(x) the target's sampling prob given its parent
+    sampling: tuple[float, int, float] = (0.0, 0, 1.0)  # (temperature, top_k, top_p) the request was served and drafted with
     schema_version: int = TRACE_SCHEMA
 
     @property
@@ -101,6 +104,8 @@ class _Partial:
     domain: str
     prompt: list[int]
     taps: tuple[int, ...]
+    sampling: tuple[float, int, float]
+    hidden_size: int
     tokens: list[int] = field(default_factory=list)
     features: list[torch.Tensor] = field(default_factory=list)
     final: list[torch.Tensor] = field(default_factory=list)
@@ -141,10 +146,11 @@ class TraceAssembler:
         return finished
 
     def _start(self, entry: RequestStep, taps: tuple[int, ...]) -> None:
-        partial = _Partial(domain=str(entry.tags.get("domain", "")), prompt=list(entry.context_ids), taps=tuple(taps))
+        sampling = tuple(entry.sampling) if entry.sampling is not None else (0.0, 0, 1.0)
+        partial = _Partial(domain=str(entry.tags.get("domain", "")), prompt=list(entry.context_ids), taps=tuple(taps), sampling=sampling,
+                           hidden_size=entry.final_hidden.shape[-1])
         partial.tokens = list(entry.context_ids) + list(entry.emitted_tokens)
-        partial.features.append(_flatten_taps(entry.hidden))
-        partial.final.append(entry.final_hidden.to(STORE_DTYPE))
+        partial.features.append(_flatten_taps(entry.hidden))  # prefill's final state is never read: not kept
         self.inflight[entry.request_id] = partial
         while len(self.inflight) > self.max_inflight:
             self.inflight.popitem(last=False)
@@ -185,10 +191,11 @@ class TraceAssembler:
     def _finish(self, request_id: str) -> SequenceTrace:
         p = self.inflight.pop(request_id)
         m = len(p.tokens) - 1  # the last emitted token was never read by the target
-        features, final = torch.cat(p.features)[:m], torch.cat(p.final)[:m]
+        features = torch.cat(p.features)[:m]
+        final = _cat(p.final, torch.zeros(0, p.hidden_size, dtype=STORE_DTYPE))[: m - len(p.prompt)]  # positions prompt_len..m-1
         rejects = [r for r in p.rejects if r[0] < m - 1]
         long = lambda rows, i: torch.tensor([r[i] for r in rows], dtype=torch.long)  # noqa: E731
-        width, d = features.shape[1], final.shape[1]
+        width, d = features.shape[1], p.hidden_size
         k = p.topk_ids[0].shape[1] if p.topk_ids else 0
         return SequenceTrace(
             request_id=request_id, domain=p.domain, prompt_len=len(p.prompt), taps=p.taps,
@@ -203,7 +210,7 @@ class TraceAssembler:
             node_step=long(p.nodes, 0), node_token=long(p.nodes, 1), node_parent=long(p.nodes, 2),
             node_accepted=torch.tensor([x[3] for x in p.nodes], dtype=torch.bool),
             node_draft_prob=torch.tensor([x[4] for x in p.nodes], dtype=torch.float32),
-            node_target_prob=torch.tensor([x[5] for x in p.nodes], dtype=torch.float32),
+            node_target_prob=torch.tensor([x[5] for x in p.nodes], dtype=torch.float32), sampling=p.sampling,
         )
 
 

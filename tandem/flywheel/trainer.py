@@ -1,28 +1,18 @@
 """The online drafter trainer: pulls traces from the buffer, trains an EAGLE head, publishes versions.
 
-Loss per batch of SequenceTraces (docs/ARCHITECTURE.md derives the discard term):
-
-    L = [imitation] soft CE to the target over the committed sequence, with the training-time-test unroll
-      + discard_weight * mean over rejected proposals of  -r * log(1 - q_theta(x))   (r: stop-gradient)
-      + branch_weight  * soft CE to the target at drafted nodes off the accepted path (one tree-masked pass)
-
-The imitation term is offline training's (tandem.training.offline) on the request's own committed
-tokens and target hidden states. A rejected node at draft depth d whose chain began at committed
-position t was proposed by unroll step d at root t: the discard term reads exactly that row. The branch
-pass runs the head once over the committed entries plus every branch node, each branch node seeing the
-committed context before its position and its own branch ancestors (teacher-forced with the target's
-hidden states at its parent).
-
-`OnlineTrainer` runs `train_step` in a daemon thread (or synchronously, for replay), publishes to a
-WeightStore every `publish_every` steps, and checkpoints head + optimizer state (safetensors + JSON,
-never pickle) so a restarted trainer resumes. A crash stops the trainer only: it records the error and
-the engine keeps serving the last published weights.
+The loss is tandem.flywheel.objective's. `OnlineTrainer` runs `train_step` in a daemon thread (or
+synchronously, for replay) on batches drawn from the whole buffer, publishes to a WeightStore every
+`publish_every` steps, and checkpoints head + optimizer state (safetensors + JSON, never pickle) so a
+restarted trainer resumes. Checkpoints are replaced atomically: each is written to its own directory
+and a pointer file is switched with os.replace, so a valid checkpoint exists at every moment. When
+serving rolls back a collapsed version, `request_restore` makes the trainer continue from the weights
+rolled back to (with fresh optimiser moments), and its later versions say so (meta "restores"). A crash
+stops the trainer only: it records the error and the engine keeps serving the last published weights.
 """
 from __future__ import annotations
 
 import json
-import math
-
+import os
 import random
 import shutil
 import threading
@@ -35,15 +25,13 @@ import torch
 
 from tandem.errors import InvalidParameterError, TandemError
 from tandem.flywheel.buffer import TraceBuffer
-from tandem.flywheel.traces import SequenceTrace
-from tandem.flywheel.weights import WeightStore
-from tandem.models.eagle import EagleHead, load_eagle, save_eagle, target_to_draft
-from tandem.ops.losses import discard_loss, soft_cross_entropy
-from tandem.training.offline import Example, eagle_logits, step_stats
+from tandem.flywheel.objective import flywheel_loss
+from tandem.flywheel.weights import WeightStore, WeightVersion
+from tandem.models.eagle import EagleHead, load_eagle, save_eagle
 
 OPTIMIZER_FILE = "optimizer.safetensors"
 STATE_FILE = "trainer.json"
-CHECKPOINT_MARKER = STATE_FILE  # written last: a directory with it holds a whole checkpoint
+LATEST_FILE = "LATEST"  # in a checkpoint directory: the name of the current checkpoint's subdirectory
 
 
 @dataclass(frozen=True)
@@ -59,117 +47,19 @@ class FlywheelConfig:
     weight_decay: float = 0.0
     publish_every: int = 10  # optimiser steps between published versions
     min_traces: int = 2  # wait for this many traces before training
-    recent: int = 512  # sample only the newest traces (follow the traffic); 0 = all
+    recent: int = 0  # sample only the newest traces; 0 = the whole buffer (one domain must not erase another)
     seed: int = 0
 
     def __post_init__(self) -> None:
         if not (self.imitation or self.discard_weight > 0 or self.branch_weight > 0):
             raise InvalidParameterError("every loss term is off: enable imitation, discard_weight or branch_weight")
+        if self.recent < 0:
+            raise InvalidParameterError(f"recent must be >= 0, got {self.recent}")
         for name in ("unroll", "batch_size", "publish_every", "min_traces"):
             if getattr(self, name) < 1:
                 raise InvalidParameterError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.discard_weight < 0 or self.branch_weight < 0 or self.lr <= 0 or not 0 < self.chain_fraction <= 1:
             raise InvalidParameterError("discard_weight, branch_weight >= 0, lr > 0 and chain_fraction in (0, 1] are required")
-
-
-def trace_example(trace: SequenceTrace) -> Example:
-    """The committed part of a trace as an offline-training Example (positions with target features only)."""
-    m = len(trace.features)
-    tokens = trace.tokens[:m]
-    return Example(tokens, trace.features.float(), trace.final_hidden.float(), trace.tokens[1 : m + 1], min(trace.prompt_len, m))
-
-
-# ---- the loss ---------------------------------------------------------------------------------------------------
-def generated_roots(trace: SequenceTrace) -> torch.Tensor:  # [R] chain roots whose first draft token is generated output
-    """Roots prompt_len - 1 .. M - 2: where the engine drafts (the prompt itself is never drafted)."""
-    m = len(trace.features)
-    first = min(max(trace.prompt_len - 1, 0), m - 2)
-    return torch.arange(first, m - 1)
-
-
-def flywheel_loss(head: EagleHead, target_rows: torch.Tensor, traces: list[SequenceTrace], cfg: FlywheelConfig, generator: torch.Generator) -> tuple[torch.Tensor, dict]:
-    """Mean over traces of the switched-on terms. Each trace runs alone (no padding): its step-0 logits are
-    read at the generated positions only, and its chains are a `chain_fraction` sample of them plus every
-    root a rejection past depth 0 needs."""
-    traces = [t for t in traces if len(t.features) >= 2]
-    if not traces:
-        raise InvalidParameterError("no trace in the batch has two committed positions")
-    to_draft = target_to_draft(head.draft_to_target.cpu(), head.cfg.target_vocab_size)
-    totals: dict[str, torch.Tensor] = {}
-    rejections = 0
-    for trace in traces:
-        roots = generated_roots(trace)
-        events = _reject_events(trace, to_draft, cfg.unroll, roots)
-        rejections += len(events[0])
-        sampled = roots[torch.randperm(len(roots), generator=generator)[: max(1, math.ceil(cfg.chain_fraction * len(roots)))]]
-        chains = torch.unique(torch.cat([sampled, events[0][events[1] > 0]]))
-        example = trace_example(trace)
-        logits, step_roots = eagle_logits(head, [example], cfg.unroll, chains, roots)
-        parts = {}
-        if cfg.imitation:
-            parts["imitation"] = step_stats([example], target_rows, logits, step_roots, head.draft_to_target).loss
-        if cfg.discard_weight > 0:
-            parts["discard"] = cfg.discard_weight * _discard(logits, step_roots, events)
-        if cfg.branch_weight > 0 and len(trace.branch_token):
-            parts["branch"] = cfg.branch_weight * _branch_loss(head, target_rows, trace)
-        for name, value in parts.items():
-            totals[name] = totals.get(name, 0.0) + value / len(traces)
-    loss = sum(totals.values())
-    return loss, {k: float(v.detach()) for k, v in totals.items()} | {"rejections": rejections}
-
-
-def _reject_events(trace: SequenceTrace, to_draft: torch.Tensor, unroll: int, roots: torch.Tensor):
-    """(root, depth, draft id, r) of the trace's rejections the unroll can score."""
-    if not len(trace.reject_token):
-        empty = torch.zeros(0, dtype=torch.long)
-        return empty, empty, empty, torch.zeros(0)
-    draft_ids = to_draft[trace.reject_token]
-    keep = (trace.reject_depth < unroll) & (trace.reject_root >= roots[0]) & (trace.reject_root <= roots[-1]) & (draft_ids >= 0) & (trace.reject_weight > 0)
-    return trace.reject_root[keep], trace.reject_depth[keep], draft_ids[keep], trace.reject_weight[keep]
-
-
-def _discard(logits: list[torch.Tensor], step_roots: list[torch.Tensor], events) -> torch.Tensor:
-    root, depth, token, weight = events
-    if len(root) == 0:
-        return logits[0].sum() * 0.0
-    rows, tokens, weights = [], [], []
-    for s in depth.unique().tolist():
-        at = depth == s
-        rows.append(logits[s][0, torch.searchsorted(step_roots[s], root[at])])
-        tokens.append(token[at])
-        weights.append(weight[at])
-    return discard_loss(torch.cat(rows), torch.cat(tokens), torch.cat(weights).float())
-
-
-def _branch_loss(head: EagleHead, target_rows: torch.Tensor, trace: SequenceTrace) -> torch.Tensor:
-    """One forward over committed entries 0..C-1 plus the branch nodes, with a tree mask."""
-    m = len(trace.features)
-    keep = trace.branch_pos < m
-    if not bool(keep.any()):
-        return head.fc.weight.sum() * 0.0
-    index = torch.cumsum(keep.long(), 0) - 1  # new index of each kept branch node
-    parent = trace.branch_parent[keep]
-    parent = torch.where(parent >= 0, index[parent.clamp(min=0)], parent)
-    pos, token = trace.branch_pos[keep], trace.branch_token[keep]
-    features = trace.features.float()
-    committed = int(pos.max())  # entries 0..committed-1 are the context any branch node can see
-    nb = len(pos)
-    branch_feats = torch.where((parent >= 0).unsqueeze(1), trace.branch_features[keep].float()[parent.clamp(min=0)], features[pos])
-    ids = torch.cat([trace.tokens[1 : committed + 1], token]).unsqueeze(0)
-    feats = head.fuse([torch.cat([features[:committed], branch_feats]).unsqueeze(0)])
-    positions = torch.cat([torch.arange(committed), pos]).unsqueeze(0)
-    mask = torch.zeros(committed + nb, committed + nb, dtype=torch.bool)
-    mask[:committed, :committed] = torch.ones(committed, committed, dtype=torch.bool).tril()
-    mask[committed:, :committed] = torch.arange(committed).unsqueeze(0) < pos.unsqueeze(1)
-    ancestors = torch.eye(nb, dtype=torch.bool)
-    for i in range(nb):
-        if parent[i] >= 0:
-            ancestors[i] |= ancestors[int(parent[i])]
-    mask[committed:, committed:] = ancestors
-    logits, _ = head(ids, feats, positions, tree_mask=mask.unsqueeze(0))
-    with torch.no_grad():
-        target = torch.softmax(trace.branch_final[keep].float() @ target_rows.T, dim=-1)
-    return soft_cross_entropy(logits[0, committed:], target)
 
 
 # ---- the trainer ---------------------------------------------------------------------------------------------------
@@ -192,6 +82,25 @@ class OnlineTrainer:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()  # one train_step / checkpoint at a time
+        self.restores = 0  # rollbacks applied: versions published after the n-th carry meta["restores"] = n
+        self._restore: WeightVersion | None = None  # requested by serving, applied at the next step
+
+    # ---- rollback from serving ------------------------------------------------------------------------------
+    def request_restore(self, version: WeightVersion) -> int:
+        """Serving rolled back to `version`: continue training from those weights (never blocks the caller).
+        Returns the `restores` count the versions trained from them will carry."""
+        self._restore = version
+        return self.restores + 1
+
+    def _apply_restore(self) -> None:
+        version, self._restore = self._restore, None
+        if version is None:
+            return
+        with torch.no_grad():
+            for name, tensor in self.head.state_dict().items():
+                tensor.copy_(version.tensors[name])
+        self.optimizer.state.clear()  # the moments that led to the collapse go with it
+        self.restores += 1
 
     # ---- one step ---------------------------------------------------------------------------------------
     def train_step(self) -> dict | None:
@@ -200,6 +109,7 @@ class OnlineTrainer:
             return None
         batch = self.buffer.sample(self.cfg.batch_size, self.rng, self.cfg.recent or None)
         with self._lock:
+            self._apply_restore()
             for group in self.optimizer.param_groups:
                 group["lr"] = self.cfg.lr * min(1.0, (self.steps + 1) / self.cfg.warmup)
             loss, parts = flywheel_loss(self.head, self.target_rows, batch, self.cfg, self.generator)
@@ -217,7 +127,7 @@ class OnlineTrainer:
         return record
 
     def publish(self) -> int:
-        version = self.store.publish(self.head.state_dict(), {"trainer_step": self.steps})
+        version = self.store.publish(self.head.state_dict(), {"trainer_step": self.steps, "restores": self.restores})
         self.published = version.version
         return version.version
 
@@ -255,24 +165,30 @@ class OnlineTrainer:
 
     # ---- checkpoints ------------------------------------------------------------------------------------------
     def save_checkpoint(self, path: str | Path) -> Path:
-        """Head + optimiser state + counters, written to a temporary directory and renamed into place."""
+        """Head + optimiser state + counters into a new subdirectory of `path`, then the LATEST pointer is
+        switched to it atomically (os.replace) and older ones are removed: a valid checkpoint at every moment."""
         from safetensors.torch import save_file
 
         path = Path(path)
-        tmp = path.with_name(path.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
+        path.mkdir(parents=True, exist_ok=True)
+        name = f"step-{self.steps:08d}-{time.time_ns()}"
+        tmp = path / (name + ".tmp")
         with self._lock:
             save_eagle(self.head, tmp)
             state = self.optimizer.state_dict()
             tensors = {f"{i}.{key}": value.detach().cpu().contiguous().reshape(value.shape) for i, s in state["state"].items() for key, value in s.items() if torch.is_tensor(value)}
             save_file(tensors, str(tmp / OPTIMIZER_FILE))
-            meta = {"steps": self.steps, "published": self.published, "config": asdict(self.cfg), "param_groups": [
+            meta = {"steps": self.steps, "published": self.published, "restores": self.restores, "config": asdict(self.cfg), "param_groups": [
                 {k: v for k, v in g.items() if k != "params"} for g in state["param_groups"]]}
             (tmp / STATE_FILE).write_text(json.dumps(meta, indent=2) + "\n")
-        if path.exists():
-            shutil.rmtree(path)
-        tmp.rename(path)
-        return path
+        tmp.rename(path / name)
+        pointer = path / (LATEST_FILE + ".tmp")
+        pointer.write_text(name + "\n")
+        os.replace(pointer, path / LATEST_FILE)
+        for old in path.iterdir():  # earlier checkpoints and leftovers of interrupted saves
+            if old.is_dir() and old.name != name and old.name.startswith("step-"):
+                shutil.rmtree(old, ignore_errors=True)
+        return path / name
 
     def load_optimizer(self, path: str | Path) -> None:
         from safetensors.torch import load_file
@@ -288,17 +204,31 @@ class OnlineTrainer:
         self.optimizer.load_state_dict({"state": state, "param_groups": groups})
         self.steps = int(meta["steps"])
         self.published = meta.get("published")
+        self.restores = int(meta.get("restores", 0))
 
     @classmethod
     def resume(cls, path: str | Path, target, buffer: TraceBuffer, store: WeightStore, cfg: FlywheelConfig = FlywheelConfig()) -> "OnlineTrainer":
-        """A trainer continuing from `save_checkpoint`'s directory (head weights and optimiser moments)."""
-        head = load_eagle(path, target)
-        trainer = cls(head, target_lm_rows(target, head), buffer, store, cfg)
+        """A trainer continuing from `save_checkpoint`'s directory (head weights and optimiser moments);
+        raises TandemError when it holds no readable checkpoint."""
+        checkpoint = latest_checkpoint(path)
+        if checkpoint is None:
+            raise TandemError(f"no trainer checkpoint in {path} (no {LATEST_FILE} pointer to a complete checkpoint)")
         try:
-            trainer.load_optimizer(path)
-        except Exception as e:  # safetensors raises its own error type on a corrupt file
-            raise TandemError(f"cannot resume the trainer from {path}: {e}") from e
+            head = load_eagle(checkpoint, target)
+            trainer = cls(head, target_lm_rows(target, head), buffer, store, cfg)
+            trainer.load_optimizer(checkpoint)
+        except Exception as e:  # safetensors / json raise their own error types on a corrupt file
+            raise TandemError(f"cannot resume the trainer from {checkpoint}: {e}") from e
         return trainer
+
+
+def latest_checkpoint(path: str | Path) -> Path | None:
+    """The checkpoint LATEST points to, if it is complete (its state file is written last), else None."""
+    pointer = Path(path) / LATEST_FILE
+    if not pointer.is_file():
+        return None
+    checkpoint = Path(path) / pointer.read_text().strip()
+    return checkpoint if (checkpoint / STATE_FILE).is_file() else None
 
 
 def target_lm_rows(target, head: EagleHead) -> torch.Tensor:  # [Vd, d]: the target's LM-head rows of the draft vocabulary

@@ -9,8 +9,12 @@ engine-side `HotSwapper` is both an engine `between_steps` hook and an observer:
   rebuilds the head's prepacked CPU copies. A step therefore never mixes versions and serving pauses
   for the copy only. Refused versions are counted and never retried.
 - as an observer it tracks acceptance length per drafter version over the last `window` request-steps.
-  When a swapped-in version's mean falls below `collapse_ratio` x the previous version's recent mean,
-  it rolls back to the last good weights (same in-place copy) and raises the alarm counter.
+  When a swapped-in version's mean falls below `collapse_ratio` x the baseline (the previous version's
+  recent mean, or, when that version served fewer than window / 2 request-steps, the mean of the last
+  `window` request-steps served by any version), it rolls back to the last good weights (same in-place
+  copy), raises the alarm counter and calls `on_rollback(good_version)` so the trainer continues from
+  them; versions published before the trainer applied that restore (meta "restores" lower than the
+  number `on_rollback` returned) descend from the collapsed weights and are never adopted.
 
 Requests in flight keep the draft-cache entries their old head wrote (recomputing them would stall
 serving by a prefill); verification keeps the output lossless either way.
@@ -24,6 +28,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -155,6 +160,9 @@ class HotSwapper:
         self._bad: set[int] = set()
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tandem-weights") if background else None
         self._pending: tuple[WeightVersion, concurrent.futures.Future] | None = None
+        self._served: deque[int] = deque(maxlen=window)  # emitted tokens of the last request-steps, any version
+        self.on_rollback: Callable[[WeightVersion], int | None] | None = None  # the trainer's request_restore
+        self._min_restores = 0  # adopt only versions whose meta["restores"] reached this
 
     def _served_copy(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().to("cpu", copy=True) for k, v in self.head.state_dict().items()}
@@ -164,6 +172,9 @@ class HotSwapper:
         if self._rollback:
             self._install(self._good, "rollback")
             self._rollback = False
+            if self.on_rollback is not None:
+                required = self.on_rollback(self._good)
+                self._min_restores = required if required is not None else self._min_restores
             return
         if self._watching is not None:
             return  # one swap at a time: the new version must pass its watch window first
@@ -181,6 +192,8 @@ class HotSwapper:
         candidate = self.store.latest()
         if candidate is None or candidate.version <= self.stats.version or candidate.version in self._bad:
             return
+        if candidate.meta.get("restores", 0) < self._min_restores:
+            return  # trained on from the collapsed weights: wait for the trainer's restore
         if self._executor is None:
             try:
                 validate(candidate, self.head.state_dict())
@@ -193,6 +206,8 @@ class HotSwapper:
 
     def _adopt(self, version: WeightVersion) -> None:
         self._baseline = self._mean(self.stats.version)
+        if self._baseline is None and self._served:  # the serving version is young: compare with recent serving
+            self._baseline = sum(self._served) / len(self._served)
         previous = self.stats.version
         self._install(version, "swap")
         self._watching = version.version
@@ -230,6 +245,7 @@ class HotSwapper:
     def observe_lengths(self, version: int, lengths: list[int]) -> None:
         recent = self._recent.setdefault(version, deque(maxlen=self.window))
         recent.extend(lengths)
+        self._served.extend(lengths)
         if self._watching != version or len(recent) < self.window:
             return
         self._watching = None

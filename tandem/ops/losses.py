@@ -131,17 +131,49 @@ def rejection_probability(
     return 1.0 - torch.clamp(target_prob / draft_prob.clamp_min(1e-12), max=1.0)
 
 
+def drafting_log_complement(
+    draft_logits: torch.Tensor,  # [N, Vd] the draft's logits where each token was proposed
+    tokens: torch.Tensor,  # [N] long: the proposed tokens (draft-vocabulary ids)
+    temperature: torch.Tensor | None = None,  # [N] the request's temperature; 0 or None: the T = 1 softmax
+    top_k: torch.Tensor | None = None,  # [N] long; 0 = off
+    top_p: torch.Tensor | None = None,  # [N]; 1.0 = off
+) -> torch.Tensor:  # [N] log(1 - q_theta(x)), differentiable in the logits
+    """log(1 - q(x)) under the distribution the drafter samples from: softmax(z / T) over the top-k/top-p
+    set (the set is a function of the logits' order, held fixed: no gradient through it). Greedy rows
+    (T = 0, deterministic drafting) use the T = 1 softmax as their smooth surrogate. Computed as
+    logsumexp over the other kept tokens minus logsumexp over all kept ones, finite as q(x) -> 1; a token
+    outside the set has q = 0 (value 0), and a set holding x alone has q = 1 with no direction to move
+    mass within it (value 0, zero gradient)."""
+    z = _at_least_fp32(draft_logits)
+    if temperature is not None:
+        t = temperature.to(z.dtype)
+        z = z / torch.where(t > 0, t, torch.ones_like(t)).unsqueeze(-1)
+        if top_k is not None and top_p is not None and bool(((top_k > 0) | (top_p < 1.0)).any()):
+            from tandem.ops.sampling import _mask_top_k_top_p
+
+            kept = torch.isfinite(_mask_top_k_top_p(z.detach(), top_k, top_p))
+            z = z.masked_fill(~kept, float("-inf"))
+    others = z.scatter(1, tokens.view(-1, 1), float("-inf"))
+    alone = ~torch.isfinite(others).any(-1)  # [N] x is the only token in the set
+    others = torch.where(alone.unsqueeze(-1), torch.zeros_like(others), others)
+    log_not_x = torch.logsumexp(others, dim=-1) - torch.logsumexp(z, dim=-1)
+    return torch.where(alone, torch.zeros_like(log_not_x), log_not_x)
+
+
 def discard_loss(
-    draft_logits: torch.Tensor,  # [N, Vd] the draft's logits where each rejected token was proposed
-    tokens: torch.Tensor,  # [N] long: the rejected tokens (draft-vocabulary ids)
+    draft_logits: torch.Tensor,  # [N, Vd] the draft's logits where each token was proposed
+    tokens: torch.Tensor,  # [N] long: the proposed tokens (draft-vocabulary ids)
     weights: torch.Tensor,  # [N] r, the rejection probability (no gradient)
-) -> torch.Tensor:  # scalar: sum_n r_n * -log(1 - q_theta(x_n)) / N  (0 for N = 0)
-    """Unlikelihood on rejected proposals: pushes probability off tokens the verifier discarded, in
-    proportion to how surely it discarded them. log(1 - q(x)) is computed as logsumexp over the other
-    tokens minus logsumexp over all, which stays finite as q(x) -> 1."""
+    temperature: torch.Tensor | None = None,  # [N] sampling transform the drafter drew with (see drafting_log_complement)
+    top_k: torch.Tensor | None = None,  # [N]
+    top_p: torch.Tensor | None = None,  # [N]
+    normaliser: float | None = None,  # divide the sum by this (default N)
+) -> torch.Tensor:  # scalar: sum_n r_n * -log(1 - q_theta(x_n)) / normaliser  (0 for N = 0)
+    """Unlikelihood on proposals the verifier may discard: pushes probability off each token in
+    proportion to its rejection probability r (docs/ARCHITECTURE.md derives the estimator: one term per
+    *evaluated* proposal, weighted by r once)."""
     if tokens.numel() == 0:
         return draft_logits.sum() * 0.0
-    z = _at_least_fp32(draft_logits)
-    others = z.scatter(1, tokens.view(-1, 1), float("-inf"))
-    log_not_x = torch.logsumexp(others, dim=-1) - torch.logsumexp(z, dim=-1)  # log(1 - q(x)) [N]
-    return -(weights.detach().to(z.dtype) * log_not_x).sum() / tokens.numel()
+    log_not_x = drafting_log_complement(draft_logits, tokens, temperature, top_k, top_p)
+    total = -(weights.detach().to(log_not_x.dtype) * log_not_x).sum()
+    return total / (tokens.numel() if normaliser is None else normaliser)

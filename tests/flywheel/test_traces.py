@@ -27,14 +27,17 @@ def test_one_trace_per_request_with_the_targets_hidden_states(target):
     for request in requests:
         trace = traces[request.request_id]
         assert trace.tokens.tolist() == request.prompt_ids + request.output_ids
-        assert len(trace.features) == len(trace.tokens) - 1 == len(trace.final_hidden)
-        # a fresh forward over the committed sequence gives the same hidden states (fp16 storage)
+        prompt = len(request.prompt_ids)
+        assert len(trace.features) == len(trace.tokens) - 1 and len(trace.final_hidden) == len(trace.tokens) - 1 - prompt
+        assert trace.features.dtype == trace.final_hidden.dtype == torch.float16 and trace.sampling == (0.0, 0, 1.0)
+        # a fresh forward over the committed sequence gives the same hidden states (fp16 storage); the
+        # final states (the target's distribution) are kept at the generated positions only
         out = target(trace.tokens[:-1].unsqueeze(0), taps=engine.taps)
         expected = torch.cat([h[0] for h in out.hidden], dim=-1)
         torch.testing.assert_close(trace.features.float(), expected, atol=2e-2, rtol=1e-2)
-        torch.testing.assert_close(trace.final_hidden.float(), out.final_hidden[0], atol=2e-2, rtol=1e-2)
-        assert int(trace.step_root[0]) == len(request.prompt_ids)
-        assert int((trace.step_accepted + 1).sum()) >= len(request.output_ids) - 1
+        torch.testing.assert_close(trace.final_hidden.float(), out.final_hidden[0, prompt:], atol=2e-2, rtol=1e-2)
+        assert int(trace.step_root[0]) == prompt
+        assert int((trace.step_accepted + 1).sum()) == len(request.output_ids) - 1  # prefill emitted the first token
         assert len(trace.step_root) == request.metrics.steps
         # every drafted node off the accepted path is kept as a branch with its target state
         assert len(trace.branch_token) == int(trace.step_drafted.sum() - trace.step_accepted.sum())
@@ -67,8 +70,21 @@ def test_rejections_are_the_evaluated_children_of_the_accepted_path():
     assert trace.step_version.tolist() == [3] and trace.step_accepted.tolist() == [1]
     assert trace.node_token.tolist() == [1, 2, 3] and trace.node_parent.tolist() == [-1, 0, 1] and trace.node_step.tolist() == [0, 0, 0]
     assert trace.node_accepted.tolist() == [True, False, False] and trace.node_draft_prob.tolist() == [1.0, 0.5, 1.0]
-    # committed features: 5 prompt positions + root + the accepted node, cut to L - 1 = 7
-    assert trace.features.shape == (7, 6)
+    # committed features: 5 prompt positions + root + the accepted node, cut to L - 1 = 7; final states at
+    # the generated positions 5, 6 only (the prefill's is never kept)
+    assert trace.features.shape == (7, 6) and trace.final_hidden.shape == (2, 2)
+
+
+def test_prefill_records_keep_half_width_states_and_no_prompt_final_states(target):
+    engine = eagle_engine(target)
+    records = []
+    engine.observers.append(records.append)
+    prompt = make_prompts(1, seed=2)[0]
+    engine.run([prompt], [GREEDY])
+    prefill = records[0].requests[0]
+    assert records[0].kind == "prefill" and prefill.hidden.dtype == torch.float16
+    assert prefill.hidden.shape[1] == len(prompt) and prefill.final_hidden.shape == (1, target.cfg.hidden_size)
+    assert prefill.sampling == (0.0, 0, 1.0) and records[1].requests[0].hidden.dtype == torch.float16
 
 
 def test_collector_never_blocks_the_engine():

@@ -7,7 +7,8 @@ import torch
 
 from tandem.errors import InvalidParameterError, TandemError
 from tandem.flywheel.buffer import TraceBuffer
-from tandem.flywheel.trainer import FlywheelConfig, OnlineTrainer, flywheel_loss, target_lm_rows, trainer_copy, wait_for
+from tandem.flywheel.objective import flywheel_loss
+from tandem.flywheel.trainer import FlywheelConfig, OnlineTrainer, latest_checkpoint, target_lm_rows, trainer_copy, wait_for
 from tandem.flywheel.weights import HotSwapper, WeightStore
 
 from flywheel_helpers import GREEDY, eagle_engine, make_prompts, plain_outputs, served_traces
@@ -85,9 +86,56 @@ def test_checkpoint_resumes_optimizer_state(target, traces, tmp_path):
     resumed.train_step()
     for a, b in zip(trainer.head.parameters(), resumed.head.parameters()):
         torch.testing.assert_close(a, b)
-    (tmp_path / "ckpt" / "optimizer.safetensors").write_bytes(b"garbage")
+    (latest_checkpoint(tmp_path / "ckpt") / "optimizer.safetensors").write_bytes(b"garbage")
     with pytest.raises(TandemError):
         OnlineTrainer.resume(tmp_path / "ckpt", target, trainer.buffer, WeightStore(), trainer.cfg)
+
+
+def test_checkpoint_replacement_is_atomic(target, traces, tmp_path, monkeypatch):
+    """A save that dies half way leaves the previous checkpoint in place and resumable; a finished save
+    switches to the new one and removes the old."""
+    import tandem.flywheel.trainer as trainer_module
+
+    trainer = make_trainer(target, traces, publish_every=100)
+    trainer.train_step()
+    first = trainer.save_checkpoint(tmp_path / "ckpt")
+    trainer.train_step()
+
+    def dies(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(trainer_module, "save_eagle", dies)
+    with pytest.raises(OSError):
+        trainer.save_checkpoint(tmp_path / "ckpt")
+    assert latest_checkpoint(tmp_path / "ckpt") == first
+    assert OnlineTrainer.resume(tmp_path / "ckpt", target, trainer.buffer, WeightStore(), trainer.cfg).steps == 1
+    monkeypatch.undo()
+    second = trainer.save_checkpoint(tmp_path / "ckpt")
+    assert latest_checkpoint(tmp_path / "ckpt") == second and not first.exists()
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["LATEST", second.name]
+    assert OnlineTrainer.resume(tmp_path / "ckpt", target, trainer.buffer, WeightStore(), trainer.cfg).steps == 2
+
+
+def test_resume_without_a_checkpoint_is_an_error(target, traces, tmp_path):
+    (tmp_path / "ckpt").mkdir()
+    with pytest.raises(TandemError, match="no trainer checkpoint"):
+        OnlineTrainer.resume(tmp_path / "ckpt", target, TraceBuffer(), WeightStore())
+
+
+def test_a_restore_from_serving_resets_weights_and_moments(target, traces):
+    trainer = make_trainer(target, traces, publish_every=1, lr=5e-4, warmup=1)
+    trainer.train_step()
+    good = trainer.store.latest()
+    with torch.no_grad():
+        for p in trainer.head.parameters():
+            p.add_(1.0)  # what a collapse might have trained into
+    assert trainer.request_restore(good) == 1
+    trainer.train_step()
+    assert trainer.restores == 1 and trainer.store.latest().meta["restores"] == 1
+    state = trainer.head.state_dict()
+    for name, tensor in good.tensors.items():  # one Adam step (|update| <= ~lr) away from the good weights
+        torch.testing.assert_close(state[name], tensor, atol=1.5e-3, rtol=0)
+    assert all(int(s["step"]) == 1 for s in trainer.optimizer.state.values())  # fresh moments
 
 
 def test_trainer_crash_leaves_serving_on_the_last_good_weights(target, traces):

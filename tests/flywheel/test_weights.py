@@ -97,6 +97,40 @@ def test_acceptance_collapse_rolls_back_within_the_window(target):
     assert engine.drafter.version == 0
 
 
+def test_collapse_is_caught_when_the_previous_version_served_little(target):
+    """A first version published after only 2 request-steps of serving is still watched against them."""
+    engine = eagle_engine(target)
+    store = WeightStore()
+    swapper = HotSwapper(engine.drafter, store, collapse_ratio=0.5, window=8, background=False)
+    swapper.observe_lengths(0, [4, 4])  # fewer than window / 2 samples
+    store.publish(perturbed(engine.drafter.head, seed=1))
+    swapper()
+    swapper.observe_lengths(1, [1] * 8)
+    assert swapper.stats.alarms == 1
+    swapper()
+    assert swapper.stats.rollbacks == 1 and engine.drafter.version == 0
+
+
+def test_a_rollback_reaches_the_trainer_and_stale_versions_wait(target):
+    engine = eagle_engine(target)
+    store = WeightStore()
+    swapper = HotSwapper(engine.drafter, store, collapse_ratio=0.5, window=4, background=False)
+    restored = []
+    swapper.on_rollback = lambda version: restored.append(version.version) or 1
+    swapper.observe_lengths(0, [3] * 4)
+    store.publish(perturbed(engine.drafter.head, seed=1))
+    swapper()
+    swapper.observe_lengths(1, [1] * 4)
+    swapper()  # rollback to version 0, reported to the trainer
+    assert restored == [0] and engine.drafter.version == 0
+    store.publish(perturbed(engine.drafter.head, seed=2), {"restores": 0})  # trained on from the collapsed weights
+    swapper()
+    assert engine.drafter.version == 0
+    fresh = store.publish(perturbed(engine.drafter.head, seed=3), {"restores": 1})  # after the trainer's restore
+    swapper()
+    assert engine.drafter.version == fresh.version == 3
+
+
 def test_healthy_version_is_kept(target):
     engine = eagle_engine(target)
     store = WeightStore()

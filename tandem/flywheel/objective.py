@@ -1,0 +1,178 @@
+"""The flywheel's loss over SequenceTraces (docs/ARCHITECTURE.md derives each term):
+
+    L = [imitation] soft CE to the target over the committed sequence, with the training-time-test unroll
+      + discard_weight * sum over evaluated proposals of r * -log(1 - q_theta(x)) / sum of r   (r: stop-gradient)
+      + branch_weight  * soft CE to the target at drafted nodes off the accepted path (one tree-masked pass)
+
+The imitation term is offline training's (tandem.training.offline) on the request's own committed
+tokens and target hidden states. A proposal at draft depth d whose chain began at committed position t
+was drafted by unroll step d at root t: the discard term reads exactly that row, with q_theta the
+distribution the drafter samples from for that request (temperature, top-k, top-p; the T = 1 softmax for
+greedy). The branch pass runs the head once over the committed entries plus every branch node; a branch
+node sees the committed entries before the point where its branch left the accepted path, its own branch
+ancestors and itself (teacher-forced with the target's hidden states at its parent).
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+
+from tandem.errors import InvalidParameterError
+from tandem.flywheel.traces import SequenceTrace
+from tandem.models.eagle import EagleHead, target_to_draft
+from tandem.ops.losses import discard_loss, rejection_probability, soft_cross_entropy
+from tandem.training.offline import Example, eagle_logits, step_stats
+
+
+def trace_example(trace: SequenceTrace) -> Example:
+    """The committed part of a trace as an offline-training Example. The trace keeps final hidden states at
+    generated positions only: prompt rows are zeros, which the flywheel loss never reads (its roots are
+    generated ones); offline training from traces recomputes them (tandem.flywheel.trace_training)."""
+    m = len(trace.features)
+    prompt = min(trace.prompt_len, m)
+    final = trace.final_hidden.float()
+    final = torch.cat([final.new_zeros(m - len(final), final.shape[1]), final])
+    return Example(trace.tokens[:m], trace.features.float(), final, trace.tokens[1 : m + 1], prompt)
+
+
+def generated_roots(trace: SequenceTrace) -> torch.Tensor:  # [R] chain roots whose first draft token is generated output
+    """Roots prompt_len - 1 .. M - 2: where the engine drafts (the prompt itself is never drafted)."""
+    m = len(trace.features)
+    first = min(max(trace.prompt_len - 1, 0), m - 2)
+    return torch.arange(first, m - 1)
+
+
+# ---- proposals the verifier evaluated ---------------------------------------------------------------------------
+class Proposals(NamedTuple):
+    root: torch.Tensor  # [E] long: committed position whose draft-cache entry began the chain
+    depth: torch.Tensor  # [E] long
+    token: torch.Tensor  # [E] long: draft-vocabulary id
+    weight: torch.Tensor  # [E] float: r = 1 - min(1, p/q), the verifier's rejection probability
+
+
+def evaluated_proposals(trace: SequenceTrace) -> Proposals:
+    """Every drafted node the verifier evaluated (a child of the root or of an accepted node), accepted or
+    not, with its rejection probability (target-vocabulary tokens)."""
+    steps, parents = trace.node_step.tolist(), trace.node_parent.tolist()
+    start, depth = {}, []
+    for i, (step, parent) in enumerate(zip(steps, parents)):
+        start.setdefault(step, i)
+        depth.append(0 if parent < 0 else depth[start[step] + parent] + 1)
+    parent_index = torch.tensor([start[s] + p if p >= 0 else -1 for s, p in zip(steps, parents)], dtype=torch.long)
+    evaluated = (parent_index < 0) | trace.node_accepted[parent_index.clamp(min=0)] if len(steps) else torch.zeros(0, dtype=torch.bool)
+    r = rejection_probability(trace.node_target_prob, trace.node_draft_prob)
+    root = trace.step_root[trace.node_step] - 1 if len(steps) else torch.zeros(0, dtype=torch.long)
+    return Proposals(root[evaluated], torch.tensor(depth, dtype=torch.long)[evaluated], trace.node_token[evaluated], r[evaluated])
+
+
+def discard_events(trace: SequenceTrace, to_draft: torch.Tensor, unroll: int, roots: torch.Tensor) -> tuple[Proposals, float]:
+    """The evaluated proposals the unroll can score with r > 0, and the normaliser sum(r) over them."""
+    p = evaluated_proposals(trace)
+    draft_ids = to_draft[p.token]
+    keep = (p.depth < unroll) & (p.root >= roots[0]) & (p.root <= roots[-1]) & (draft_ids >= 0) & (p.weight > 0)
+    kept = Proposals(p.root[keep], p.depth[keep], draft_ids[keep], p.weight[keep])
+    return kept, float(kept.weight.sum())
+
+
+def discard_term(logits: list[torch.Tensor], step_roots: list[torch.Tensor], events: Proposals, normaliser: float, sampling: tuple[float, int, float]) -> torch.Tensor:
+    if len(events.root) == 0 or normaliser <= 0:
+        return logits[0].sum() * 0.0
+    rows, tokens, weights = [], [], []
+    for s in events.depth.unique().tolist():
+        at = events.depth == s
+        rows.append(logits[s][0, torch.searchsorted(step_roots[s], events.root[at])])
+        tokens.append(events.token[at])
+        weights.append(events.weight[at])
+    n = sum(len(t) for t in tokens)
+    temperature, top_k, top_p = sampling
+    return discard_loss(torch.cat(rows), torch.cat(tokens), torch.cat(weights).float(), torch.full((n,), float(temperature)),
+                        torch.full((n,), int(top_k), dtype=torch.long), torch.full((n,), float(top_p)), normaliser=normaliser)
+
+
+# ---- branches -------------------------------------------------------------------------------------------------
+class BranchBatch(NamedTuple):
+    ids: torch.Tensor  # [1, C + Nb]
+    features: torch.Tensor  # [1, C + Nb, taps * d] unfused target features
+    positions: torch.Tensor  # [1, C + Nb]
+    mask: torch.Tensor  # [C + Nb, C + Nb] bool: who sees whom
+    committed: int  # C
+    final: torch.Tensor  # [Nb, d] the target's final hidden state at each branch node
+
+
+def branch_batch(trace: SequenceTrace) -> BranchBatch | None:
+    """Committed entries 0..C-1 plus the branch nodes inside the committed length, with the tree mask: a
+    node sees committed entries before its branch's top (the position where it left the accepted path:
+    the committed entries from there on hold other tokens at the same positions), its ancestors, itself."""
+    m = len(trace.features)
+    keep = trace.branch_pos < m
+    if not bool(keep.any()):
+        return None
+    index = torch.cumsum(keep.long(), 0) - 1  # new index of each kept branch node (a kept node's parent is kept: it has a lower position)
+    parent = trace.branch_parent[keep]
+    parent = torch.where(parent >= 0, index[parent.clamp(min=0)], parent)
+    pos, token = trace.branch_pos[keep], trace.branch_token[keep]
+    nb = len(pos)
+    ancestors, top = torch.eye(nb, dtype=torch.bool), pos.clone()
+    for i in range(nb):  # parents precede children
+        if parent[i] >= 0:
+            ancestors[i] |= ancestors[int(parent[i])]
+            top[i] = top[int(parent[i])]
+    committed = int(top.max())
+    features = trace.features
+    branch_feats = torch.where((parent >= 0).unsqueeze(1), trace.branch_features[keep][parent.clamp(min=0)], features[pos])
+    mask = torch.zeros(committed + nb, committed + nb, dtype=torch.bool)
+    mask[:committed, :committed] = torch.ones(committed, committed, dtype=torch.bool).tril()
+    mask[committed:, :committed] = torch.arange(committed).unsqueeze(0) < top.unsqueeze(1)
+    mask[committed:, committed:] = ancestors
+    return BranchBatch(
+        torch.cat([trace.tokens[1 : committed + 1], token]).unsqueeze(0), torch.cat([features[:committed], branch_feats]).unsqueeze(0),
+        torch.cat([torch.arange(committed), pos]).unsqueeze(0), mask, committed, trace.branch_final[keep],
+    )
+
+
+def branch_logits(head: EagleHead, batch: BranchBatch) -> torch.Tensor:  # [Nb, Vd]
+    logits, _ = head(batch.ids, head.fuse([batch.features.float()]), batch.positions, tree_mask=batch.mask.unsqueeze(0))
+    return logits[0, batch.committed :]
+
+
+def branch_term(head: EagleHead, target_rows: torch.Tensor, trace: SequenceTrace) -> torch.Tensor:
+    batch = branch_batch(trace)
+    if batch is None:
+        return head.fc.weight.sum() * 0.0
+    with torch.no_grad():
+        target = torch.softmax(batch.final.float() @ target_rows.T, dim=-1)
+    return soft_cross_entropy(branch_logits(head, batch), target)
+
+
+# ---- the whole loss ---------------------------------------------------------------------------------------------
+def flywheel_loss(head: EagleHead, target_rows: torch.Tensor, traces: list[SequenceTrace], cfg, generator: torch.Generator) -> tuple[torch.Tensor, dict]:
+    """Mean over traces of the switched-on terms (cfg: a FlywheelConfig). Each trace runs alone (no
+    padding): its step-0 logits are read at the generated positions only, and its chains are a
+    `chain_fraction` sample of them plus every root a scored proposal past depth 0 needs."""
+    traces = [t for t in traces if len(t.features) >= 2]
+    if not traces:
+        raise InvalidParameterError("no trace in the batch has two committed positions")
+    to_draft = target_to_draft(head.draft_to_target.cpu(), head.cfg.target_vocab_size)
+    totals: dict[str, torch.Tensor] = {}
+    rejections = 0
+    for trace in traces:
+        roots = generated_roots(trace)
+        events, normaliser = discard_events(trace, to_draft, cfg.unroll, roots)
+        rejections += len(events.root)
+        sampled = roots[torch.randperm(len(roots), generator=generator)[: max(1, math.ceil(cfg.chain_fraction * len(roots)))]]
+        chains = torch.unique(torch.cat([sampled, events.root[events.depth > 0]]))
+        example = trace_example(trace)
+        logits, step_roots = eagle_logits(head, [example], cfg.unroll, chains, roots)
+        parts = {}
+        if cfg.imitation:
+            parts["imitation"] = step_stats([example], target_rows, logits, step_roots, head.draft_to_target).loss
+        if cfg.discard_weight > 0:
+            parts["discard"] = cfg.discard_weight * discard_term(logits, step_roots, events, normaliser, trace.sampling)
+        if cfg.branch_weight > 0 and len(trace.branch_token):
+            parts["branch"] = cfg.branch_weight * branch_term(head, target_rows, trace)
+        for name, value in parts.items():
+            totals[name] = totals.get(name, 0.0) + value / len(traces)
+    loss = sum(totals.values())
+    return loss, {k: float(v.detach()) for k, v in totals.items()} | {"rejections": rejections}
