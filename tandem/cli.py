@@ -33,6 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     _demo_command(sub)
     _serve_command(sub)
     _rl_command(sub)
+    _simulate_command(sub)
     return parser
 
 
@@ -282,6 +283,12 @@ def _serve_command(sub) -> None:
     from tandem.server.cli import add_serve_command
 
     add_serve_command(sub)
+
+
+def _simulate_command(sub) -> None:
+    from tandem.sim.cli import add_simulate_command
+
+    add_simulate_command(sub)
 
 
 def _emit(result: dict, path: str | None) -> int:

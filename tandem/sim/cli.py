@@ -1,0 +1,55 @@
+"""`tandem simulate` argument parsing (the top-level CLI only registers it)."""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def add_simulate_command(sub) -> argparse.ArgumentParser:
+    from tandem.sim.hardware import PRESETS
+    from tandem.sim.report import MODEL_DIMS, SimulateConfig
+
+    d = SimulateConfig()
+    p = sub.add_parser("simulate", help="predict speculation speedups per batch size and RL step (roofline + Amdahl)")
+    p.add_argument("--paper", action="store_true", help="reproduce the RL-rollout paper's figures (8B Amdahl, 235B on 2,048 GB200)")
+    p.add_argument("--model", default=d.model, choices=sorted(MODEL_DIMS))
+    p.add_argument("--hardware", default=d.hardware, choices=sorted(PRESETS))
+    p.add_argument("--precision", default=d.precision, help="fp32 | bf16 | fp8 | int8")
+    p.add_argument("--tp", type=int, default=d.tp, help="tensor-parallel devices per replica")
+    p.add_argument("--batch-sizes", default=",".join(map(str, d.batch_sizes)))
+    p.add_argument("--context", type=int, default=d.context)
+    p.add_argument("--acceptance", default=",".join(map(str, d.acceptance)), help="conditional acceptance per draft position")
+    p.add_argument("--draft-fraction", type=float, default=d.draft_fraction, help="one draft depth / a batch-1 target forward")
+    p.add_argument("--generation-share", type=float, default=d.generation_share)
+    p.add_argument("--calibration", default=None, help="a `tandem calibrate` JSON: use its fitted machine (cpu)")
+    p.add_argument("--json", dest="json_out", default=None)
+    p.set_defaults(func=run_simulate)
+    return p
+
+
+def run_simulate(args) -> int:
+    from tandem.sim.paper import reproduce
+    from tandem.sim.report import SimulateConfig, format_table, simulate_batches
+
+    if args.paper:
+        result = reproduce()
+        text = json.dumps(result, indent=2)
+    else:
+        acceptance = tuple(float(x) for x in args.acceptance.split(",") if x)
+        config = SimulateConfig(
+            model=args.model, hardware=args.hardware, precision=args.precision, tp=args.tp,
+            batch_sizes=tuple(int(x) for x in args.batch_sizes.split(",") if x), context=args.context,
+            acceptance=acceptance, max_k=len(acceptance), draft_fraction=args.draft_fraction, generation_share=args.generation_share,
+        )
+        machine = None
+        if args.calibration:
+            from tandem.sim.calibration import load_calibration
+
+            machine = load_calibration(args.calibration).machine
+        result = simulate_batches(config, machine)
+        text = format_table(result)
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(result, indent=2) + "\n")
+    print(text)
+    return 0
