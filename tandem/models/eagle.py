@@ -72,6 +72,7 @@ class EagleConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     schema_version: int = SCHEMA_VERSION
+    shared_lm_head: bool = False  # LM head rows are the target's own (frozen, rebuilt from the target at load, never saved)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "taps", tuple(int(t) for t in self.taps))
@@ -85,14 +86,14 @@ class EagleConfig:
             raise InvalidParameterError(f"draft_vocab_size must be in [1, {self.target_vocab_size}], got {self.draft_vocab_size}")
 
     @classmethod
-    def for_target(cls, cfg: ModelConfig, draft_vocab_size: int | None = None, taps: tuple[int, int, int] | None = None) -> "EagleConfig":
+    def for_target(cls, cfg: ModelConfig, draft_vocab_size: int | None = None, taps: tuple[int, int, int] | None = None, shared_lm_head: bool = False) -> "EagleConfig":
         """A head shaped like one layer of the target (EAGLE-3's choice)."""
         return cls(
             hidden_size=cfg.hidden_size, target_hidden=cfg.hidden_size, num_heads=cfg.num_heads,
             num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, intermediate_size=cfg.intermediate_size,
             taps=taps or default_taps(cfg.num_layers), draft_vocab_size=min(draft_vocab_size or cfg.vocab_size, cfg.vocab_size),
             target_vocab_size=cfg.vocab_size, target_id=target_identity(cfg), rms_norm_eps=cfg.rms_norm_eps,
-            rope_theta=cfg.rope_theta,
+            rope_theta=cfg.rope_theta, shared_lm_head=shared_lm_head,
         )
 
     def layer_config(self) -> ModelConfig:
@@ -212,7 +213,7 @@ def _cache_keys_values(cache: KVCache | None, k: torch.Tensor, v: torch.Tensor, 
 
 
 class EagleHead(nn.Module):
-    def __init__(self, cfg: EagleConfig, target_embed: torch.Tensor, draft_to_target: torch.Tensor):  # [V, d], [Vd]
+    def __init__(self, cfg: EagleConfig, target_embed: torch.Tensor, draft_to_target: torch.Tensor, target_lm_head: torch.Tensor | None = None):  # [V, d], [Vd], [V, d]
         super().__init__()
         if tuple(target_embed.shape) != (cfg.target_vocab_size, cfg.hidden_size):
             raise ModelLoadError(f"target embedding {tuple(target_embed.shape)} does not fit the head's config")
@@ -230,7 +231,19 @@ class EagleHead(nn.Module):
         self.mlp = MLP(layer)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.draft_vocab_size)
+        if cfg.shared_lm_head:
+            self._share_lm_head(target_lm_head)
         self.register_buffer("inv_freq", rope_inv_freq(layer), persistent=False)
+
+    def _share_lm_head(self, target_lm_head: torch.Tensor | None) -> None:
+        """The LM head holds the target's rows of the draft vocabulary, frozen (requires_grad False: no
+        optimiser touches it); it stays in state_dict so copies carry it, and is left out of saved files
+        (load rebuilds it from the target)."""
+        if target_lm_head is None or tuple(target_lm_head.shape) != (self.cfg.target_vocab_size, self.cfg.hidden_size):
+            raise ModelLoadError("a head with shared_lm_head needs the target's LM head weight [V, d]")
+        with torch.no_grad():
+            self.lm_head.weight.copy_(target_lm_head.detach().float()[self.draft_to_target])
+        self.lm_head.weight.requires_grad_(False)
 
     def linears(self) -> list[Linear]:
         return [m for m in self.modules() if isinstance(m, Linear)]
@@ -319,7 +332,7 @@ def new_eagle_head(target: Transformer, cfg: EagleConfig, draft_to_target: torch
     """An untrained head for `target`: LM head rows and final norm copied from the target, fc passing the
     high tap through, the rest small random (std 0.02)."""
     check_target(cfg.target_id, cfg.target_vocab_size, target.cfg)
-    head = EagleHead(cfg, target.embed.weight, draft_to_target)
+    head = EagleHead(cfg, target.embed.weight, draft_to_target, target.lm_head.weight)
     with torch.no_grad():
         for lin in head.linears():
             lin.weight.normal_(0.0, 0.02, generator=generator)
@@ -331,13 +344,14 @@ def new_eagle_head(target: Transformer, cfg: EagleConfig, draft_to_target: torch
 
 
 # ---- files --------------------------------------------------------------------------------------------------
-def save_head_files(out_dir: str | Path, module: nn.Module, config_file: str, config: dict) -> Path:
-    """Write `model.safetensors` (persistent state only: never the shared target embedding) + a config JSON."""
+def save_head_files(out_dir: str | Path, module: nn.Module, config_file: str, config: dict, derived: tuple[str, ...] = ()) -> Path:
+    """Write `model.safetensors` (persistent state only: never the shared target embedding, nor the
+    `derived` entries that load rebuilds from the target) + a config JSON."""
     from safetensors.torch import save_file
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().contiguous().cpu() for k, v in module.state_dict().items()}
+    state = {k: v.detach().contiguous().cpu() for k, v in module.state_dict().items() if k not in derived}
     save_file(state, str(out_dir / WEIGHTS_FILE))
     (out_dir / config_file).write_text(json.dumps(config, indent=2) + "\n")
     return out_dir
@@ -363,12 +377,30 @@ def check_target(target_id: str, target_vocab: int, cfg: ModelConfig) -> None:
         raise ModelLoadError(f"this head was trained for target {target_id!r}; the target is {target_identity(cfg)!r}")
 
 
-def save_eagle(head: EagleHead, out_dir: str | Path) -> Path:
-    return save_head_files(out_dir, head, CONFIG_FILE, dataclasses.asdict(head.cfg))
+def _derived_keys(cfg) -> tuple[str, ...]:
+    return ("lm_head.weight",) if getattr(cfg, "shared_lm_head", False) else ()
+
+
+def save_eagle(head: EagleHead, out_dir: str | Path, dtype: torch.dtype | None = None) -> Path:
+    """Save a head; `dtype=torch.float16` halves the file (loading casts back to fp32)."""
+    if dtype is None:
+        return save_head_files(out_dir, head, CONFIG_FILE, dataclasses.asdict(head.cfg), _derived_keys(head.cfg))
+    copy = EagleHead(head.cfg, head.embed_weight, head.draft_to_target, _full_lm_head(head))
+    copy.load_state_dict({k: v.to(dtype) if v.is_floating_point() else v for k, v in head.state_dict().items()})
+    return save_head_files(out_dir, copy.to(dtype), CONFIG_FILE, dataclasses.asdict(head.cfg), _derived_keys(head.cfg))
+
+
+def _full_lm_head(head: EagleHead) -> torch.Tensor | None:  # [V, d] with the draft rows in place (enough to rebuild a shared head)
+    if not head.cfg.shared_lm_head:
+        return None
+    full = head.lm_head.weight.new_zeros(head.cfg.target_vocab_size, head.cfg.hidden_size)
+    return full.index_copy_(0, head.draft_to_target, head.lm_head.weight)
 
 
 def load_head(path: str | Path, target: Transformer, config_cls, config_file: str, schema_version: int, build) -> nn.Module:
-    """Read a saved head, check it belongs to `target`, and build it with `build(cfg, draft_to_target)`."""
+    """Read a saved head, check it belongs to `target`, and build it with `build(cfg, draft_to_target)`.
+
+    Entries the config marks as derived from the target (a shared LM head) are taken from the built module."""
     path = Path(path)
     config, tensors = read_head_files(path, config_file, schema_version)
     try:
@@ -379,6 +411,9 @@ def load_head(path: str | Path, target: Transformer, config_cls, config_file: st
     if "draft_to_target" not in tensors:
         raise ModelLoadError(f"{path / WEIGHTS_FILE} lacks draft_to_target")
     module = build(cfg, tensors["draft_to_target"])
+    own = module.state_dict()
+    tensors = {k: v.to(own[k].dtype) if k in own and v.is_floating_point() else v for k, v in tensors.items()}
+    tensors |= {k: own[k] for k in _derived_keys(cfg)}
     try:
         module.load_state_dict(tensors, strict=True)
     except RuntimeError as e:
@@ -387,5 +422,5 @@ def load_head(path: str | Path, target: Transformer, config_cls, config_file: st
 
 
 def load_eagle(path: str | Path, target: Transformer) -> EagleHead:
-    build = lambda cfg, draft_to_target: EagleHead(cfg, target.embed.weight, draft_to_target)  # noqa: E731
+    build = lambda cfg, draft_to_target: EagleHead(cfg, target.embed.weight, draft_to_target, target.lm_head.weight)  # noqa: E731
     return load_head(path, target, EagleConfig, CONFIG_FILE, SCHEMA_VERSION, build)

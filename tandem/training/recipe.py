@@ -1,0 +1,113 @@
+"""Named training recipes: `tandem train --recipe eagle-smollm2 --hours H --out DIR`.
+
+A recipe run has two resumable phases that can also run side by side (`--phase features` in one process,
+`--phase train` in another, the trainer picking up new shards as they appear):
+1. features: reference-answer documents (prefill speed) and target-regenerated answers (batched greedy
+   decoding), alternating in chunks so any prefix of the run mixes both, into DIR/features/{reference,
+   regenerated}; held-out prompts (test split) are regenerated once into DIR/features/heldout.
+2. train: the EAGLE head on packed batches streamed from the shards (tandem.training.trainer).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+from tandem.errors import InvalidParameterError
+
+
+@dataclass(frozen=True)
+class Recipe:
+    model: str = "smollm2-135m"
+    draft_vocab: int = 16384  # reduced draft vocabulary (chosen by coverage and cost: docs/BENCHMARKS.md)
+    shared_lm_head: bool = True  # LM head rows are the target's (frozen, not saved): keeps the artifact small
+    unroll: int = 4  # training-time-test steps
+    chain_fraction: float = 0.25  # share of roots unrolled past step 0
+    rows: int = 4  # packed rows per batch
+    row_len: int = 1024  # tokens per packed row
+    lr: float = 1.5e-3
+    warmup: int = 30
+    max_doc_tokens: int = 1024  # documents are cut here
+    max_new_tokens: int = 192  # regenerated answer length
+    heldout_per_domain: int = 8
+    eval_every: int = 60  # optimiser steps between held-out evaluations / checkpoints
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("draft_vocab", "unroll", "rows", "row_len", "max_doc_tokens", "max_new_tokens", "eval_every"):
+            if getattr(self, name) < 1:
+                raise InvalidParameterError(f"recipe {name} must be >= 1, got {getattr(self, name)}")
+
+
+RECIPES = {"eagle-smollm2": Recipe()}
+
+
+def get_recipe(name: str, **overrides) -> Recipe:
+    if name not in RECIPES:
+        raise InvalidParameterError(f"unknown recipe {name!r}; known: {sorted(RECIPES)}")
+    return replace(RECIPES[name], **{k: v for k, v in overrides.items() if v is not None})
+
+
+def load_target(recipe: Recipe):
+    from tandem.llm import load_tokenizer
+    from tandem.models.loader import load_transformer
+    from tandem.models.zoo import resolve_model
+
+    model_dir = resolve_model(recipe.model)
+    target = load_transformer(model_dir)
+    target.pack()
+    return target, load_tokenizer(model_dir)
+
+
+def run_features(recipe: Recipe, out: Path, hours: float | None, chunk_docs: int = 128) -> dict:
+    """Alternate reference chunks and regenerated chunks until both are done or time runs out."""
+    from tandem.models.eagle import EagleConfig, target_identity
+    from tandem.training import sources
+    from tandem.training.features import ShardWriter, write_reference_features, write_regenerated_features
+
+    deadline = time.monotonic() + 3600 * hours if hours else float("inf")
+    target, tokenizer = load_target(recipe)
+    taps, tid = EagleConfig.for_target(target.cfg).taps, target_identity(target.cfg)
+    write_heldout(recipe, out, target, tokenizer)
+    reference = sources.reference_documents(sources.package_files())
+    regenerate = sources.regeneration_prompts(seed=recipe.seed)
+    ref_writer = ShardWriter(out / "features" / "reference", tid, taps)
+    regen_writer = ShardWriter(out / "features" / "regenerated", tid, taps, shard_tokens=8192)
+    report = {"reference": [], "regenerated": []}
+    ref_todo = [d for d in reference if not ref_writer.has(_key(d))]
+    regen_todo = [d for d in regenerate if not regen_writer.has(_key(d))]
+    while (ref_todo or regen_todo) and time.monotonic() < deadline:
+        if ref_todo:
+            part, ref_todo = ref_todo[: 4 * chunk_docs], ref_todo[4 * chunk_docs :]
+            report["reference"].append(write_reference_features(ref_writer, target, tokenizer, part, recipe.max_doc_tokens).as_dict())
+        if regen_todo and time.monotonic() < deadline:
+            part, regen_todo = regen_todo[: chunk_docs // 2], regen_todo[chunk_docs // 2 :]
+            report["regenerated"].append(write_regenerated_features(regen_writer, target, tokenizer, part, recipe.max_new_tokens).as_dict())
+    return report
+
+
+def write_heldout(recipe: Recipe, out: Path, target, tokenizer) -> Path:
+    """Target-regenerated answers to test-split prompts, `heldout_per_domain` per domain (written once)."""
+    from tandem.bench.prompts import load_prompts
+    from tandem.models.eagle import EagleConfig, target_identity
+    from tandem.training.features import ShardWriter, write_regenerated_features
+    from tandem.training.sources import Document
+
+    directory = out / "features" / "heldout"
+    writer = ShardWriter(directory, target_identity(target.cfg), EagleConfig.for_target(target.cfg).taps, shard_tokens=1 << 30)
+    if writer.index["shards"]:
+        return directory
+    prompts = load_prompts("builtin", per_domain=recipe.heldout_per_domain, split="test", seed=recipe.seed)
+    docs = [Document(p.domain, p.source, p.id, p.prompt, None) for p in prompts]
+    write_regenerated_features(writer, target, tokenizer, docs, 96, chunk=len(docs))
+    return directory
+
+
+def _key(doc) -> str:
+    from tandem.training.features import doc_key
+
+    return doc_key(doc)
+
+
+def describe(recipe: Recipe) -> dict:
+    return asdict(recipe)

