@@ -29,7 +29,7 @@ class FlywheelOptions:
     trainer_threads: int = 1
     collapse_ratio: float = 0.5
     window: int = 64  # request-steps a swapped-in version is watched over
-    keep_branches: bool = True
+    branch_depth: int = 1  # branch nodes kept per trace: levels below the accepted path (0 = none; > 1 also keeps tapped states)
 
 
 class Flywheel:
@@ -42,7 +42,7 @@ class Flywheel:
         self.engine, self.options = engine, options
         self.buffer = TraceBuffer(options.buffer_bytes, options.buffer_policy, options.spill_dir)
         self.restored_traces = self._restore_traces()
-        self.collector = TraceCollector(self.buffer.put, keep_branches=options.keep_branches)
+        self.collector = TraceCollector(self.buffer.put, branch_depth=options.branch_depth)
         engine.observers.append(self.collector)
         self.store = WeightStore(first_version=drafter.version + 1)
         self.swapper = HotSwapper(drafter, self.store, options.collapse_ratio, options.window).attach(engine)

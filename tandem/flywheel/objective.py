@@ -121,7 +121,9 @@ def branch_batch(trace: SequenceTrace) -> BranchBatch | None:
             top[i] = top[int(parent[i])]
     committed = int(top.max())
     features = trace.features
-    branch_feats = torch.where((parent >= 0).unsqueeze(1), trace.branch_features[keep][parent.clamp(min=0)], features[pos])
+    branch_feats = features[pos]  # a node below a committed parent reads the committed state
+    if bool((parent >= 0).any()):  # deeper nodes read their branch parent's (kept when branch_depth > 1)
+        branch_feats = torch.where((parent >= 0).unsqueeze(1), trace.branch_features[keep][parent.clamp(min=0)], branch_feats)
     mask = torch.zeros(committed + nb, committed + nb, dtype=torch.bool)
     mask[:committed, :committed] = torch.ones(committed, committed, dtype=torch.bool).tril()
     mask[committed:, :committed] = torch.arange(committed).unsqueeze(0) < top.unsqueeze(1)

@@ -121,7 +121,7 @@ def _generate_traces(target, prompts: dict[str, list[int]], max_tokens: int, tap
     longest = max(len(p) for p in prompts.values()) + max_tokens + 1
     config = EngineConfig(max_batch_size=batch_size, max_model_len=min(longest, target.cfg.max_position), record_steps=True, record_topk=0, hidden_taps=taps)
     engine = Engine(target, config)
-    assembler = TraceAssembler(keep_branches=False, max_inflight=len(prompts) + 1)
+    assembler = TraceAssembler(branch_depth=0, max_inflight=len(prompts) + 1)
     done: dict[str, SequenceTrace] = {}
     engine.observers.append(lambda record: done.update((t.request_id, t) for t in assembler.add(record)))
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)

@@ -12,8 +12,10 @@ a request's prefill and decode records into one `SequenceTrace` when the request
   sampling prob of the token given its parent, q: the prob the drafter drew it with). A rejected node at
   draft depth d of the step whose pending token sat at position n was predicted by the draft-cache entry
   of committed position n - 1 at chain step d: (`reject_root`, `reject_depth`);
-- branches (optional): the target's hidden states at every drafted node off the accepted path (rejected
-  ones and their descendants), so a trainer can imitate the target on the branches the drafter explored;
+- branches (optional): the target's final hidden state at drafted nodes off the accepted path, down to
+  `branch_depth` below it (1: the evaluated, rejected nodes only, whose input features are committed
+  ones; deeper nodes also need their parents' tapped states, 4.6 KB each for SmolLM2, which made branches
+  the largest part of a trace), so a trainer can imitate the target on the branches the drafter explored;
 - per step: root position, drafted/accepted counts, drafter version; top-k of the target's distribution
   at each verified position; every drafted node (token, parent, accepted, q(x), p(x)).
 
@@ -68,7 +70,7 @@ class SequenceTrace:
     branch_token: torch.Tensor  # [Eb] long: drafted nodes off the accepted path
     branch_pos: torch.Tensor  # [Eb] long: RoPE position of the node's draft-cache entry (= its parent's position)
     branch_parent: torch.Tensor  # [Eb] long: index of a branch parent, -1 = the parent is committed (at branch_pos)
-    branch_features: torch.Tensor  # [Eb, taps * d] fp16: the target's tapped hidden states at the node
+    branch_features: torch.Tensor  # [Eb, taps * d] fp16: the target's tapped hidden states at the node ([0, taps * d] when branch_depth = 1: never read)
     branch_final: torch.Tensor  # [Eb, d] fp16
     # every drafted node of every step (the raw proposal; rejections and branches above are views of it)
     node_step: torch.Tensor = field(default_factory=_no_long)  # [Nn] long: index of the decode step
@@ -122,8 +124,10 @@ class _Partial:
 class TraceAssembler:
     """Turns StepRecords into SequenceTraces (one per finished request). Not thread-safe: one consumer."""
 
-    def __init__(self, keep_branches: bool = True, max_inflight: int = 1024):
-        self.keep_branches = keep_branches
+    def __init__(self, branch_depth: int = 1, max_inflight: int = 1024):
+        if branch_depth < 0:
+            raise InvalidParameterError(f"branch_depth must be >= 0, got {branch_depth}")
+        self.branch_depth = branch_depth  # keep branch nodes down to this many levels below the accepted path (0 = none)
         self.max_inflight = max_inflight
         self.inflight: OrderedDict[str, _Partial] = OrderedDict()
         self.evicted = 0  # partial traces dropped (aborted requests, or more in flight than max_inflight)
@@ -174,18 +178,23 @@ class TraceAssembler:
         if entry.target_topk_ids is not None:
             partial.topk_ids.append(entry.target_topk_ids)
             partial.topk_probs.append(entry.target_topk_probs)
-        if self.keep_branches:
+        if self.branch_depth:
             self._add_branches(partial, entry, on_path, depth)
 
     def _add_branches(self, partial: _Partial, entry: RequestStep, on_path: set[int], depth: list[int]) -> None:
         index: dict[int, int] = {}
+        below: dict[int, int] = {}  # levels below the accepted path
         for j, parent in enumerate(entry.draft_parents):
             if j in on_path:
+                continue
+            below[j] = 1 if parent in on_path else below[parent] + 1
+            if below[j] > self.branch_depth:
                 continue
             index[j] = len(partial.branches)
             branch_parent = -1 if parent in on_path else index[parent]
             partial.branches.append((entry.draft_tokens[j], entry.context_len + depth[j], branch_parent))
-            partial.branch_features.append(_flatten_taps(entry.hidden[:, 1 + j : 2 + j]))
+            if self.branch_depth > 1:  # a child reads its parent's tapped states
+                partial.branch_features.append(_flatten_taps(entry.hidden[:, 1 + j : 2 + j]))
             partial.branch_final.append(entry.final_hidden[1 + j : 2 + j].to(STORE_DTYPE))
 
     def _finish(self, request_id: str) -> SequenceTrace:
@@ -234,9 +243,9 @@ class TraceCollector:
     time must not depend on the trainer. Dropped records leave holes, so that request's trace is discarded.
     """
 
-    def __init__(self, sink: Callable[[SequenceTrace], None], keep_branches: bool = True, max_queue: int = 4096):
+    def __init__(self, sink: Callable[[SequenceTrace], None], branch_depth: int = 1, max_queue: int = 4096):
         self.sink = sink
-        self.assembler = TraceAssembler(keep_branches)
+        self.assembler = TraceAssembler(branch_depth)
         self.queue: queue.Queue = queue.Queue(maxsize=max_queue)
         self.dropped_records = 0
         self.traces = 0

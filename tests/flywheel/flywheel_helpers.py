@@ -13,13 +13,13 @@ def eagle_engine(target, batch=4, record=True, drafter_path=None, k=4, **config)
     return Engine(target, EngineConfig(max_batch_size=batch, max_model_len=256, record_steps=record, **config), drafter=drafter)
 
 
-def served_traces(target, n=4, seed=0, params=GREEDY, engine=None):
+def served_traces(target, n=4, seed=0, params=GREEDY, engine=None, branch_depth=1):
     """Serve n prompts with an eagle engine and return the finished requests' traces."""
     from tandem.flywheel.traces import TraceCollector
 
     engine = engine or eagle_engine(target)
     traces = []
-    collector = TraceCollector(traces.append)
+    collector = TraceCollector(traces.append, branch_depth=branch_depth)
     engine.observers.append(collector)
     engine.run(make_prompts(n, seed), [params] * n)
     collector.flush()

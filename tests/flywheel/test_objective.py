@@ -15,7 +15,7 @@ from flywheel_helpers import eagle_engine, served_traces
 @pytest.fixture(scope="module")
 def served(target):
     engine = eagle_engine(target)
-    return engine.drafter.head.eval(), served_traces(target, n=4, seed=3, engine=engine)
+    return engine.drafter.head.eval(), served_traces(target, n=4, seed=3, engine=engine, branch_depth=4)
 
 
 def _path_logits(head, trace, i: int) -> torch.Tensor:  # [Vd]: node i's logits with its ancestry as a plain causal sequence

@@ -39,7 +39,20 @@ def test_one_trace_per_request_with_the_targets_hidden_states(target):
         assert int(trace.step_root[0]) == prompt
         assert int((trace.step_accepted + 1).sum()) == len(request.output_ids) - 1  # prefill emitted the first token
         assert len(trace.step_root) == request.metrics.steps
-        # every drafted node off the accepted path is kept as a branch with its target state
+        # branch_depth 1 (the default): the rejected nodes are the branches, with their target state only
+        assert trace.branch_token.tolist() == trace.reject_token.tolist() and trace.branch_parent.tolist() == [-1] * len(trace.reject_token)
+        assert trace.branch_final.shape == (len(trace.branch_token), target.cfg.hidden_size) and trace.branch_features.shape[0] == 0
+
+
+def test_deeper_branches_keep_every_node_off_the_path(target):
+    engine = eagle_engine(target)
+    traces = []
+    collector = TraceCollector(traces.append, branch_depth=4)
+    engine.observers.append(collector)
+    engine.run(make_prompts(2), [GREEDY] * 2)
+    collector.flush()
+    collector.close()
+    for trace in traces:
         assert len(trace.branch_token) == int(trace.step_drafted.sum() - trace.step_accepted.sum())
         assert trace.branch_features.shape == (len(trace.branch_token), trace.features.shape[1])
 
@@ -54,7 +67,7 @@ def _decode_entry(**kw):
 
 
 def test_rejections_are_the_evaluated_children_of_the_accepted_path():
-    assembler = TraceAssembler()
+    assembler = TraceAssembler(branch_depth=2)
     prefill = RequestStep(request_id="r", tags={"domain": "sql"}, context_len=0, pending_token=-1, draft_tokens=[], draft_parents=[],
                           accepted_nodes=[], emitted_tokens=[9], bonus=False, context_ids=[0, 1, 2, 3, 4],
                           hidden=torch.zeros(3, 5, 2), final_hidden=torch.zeros(5, 2))
