@@ -35,6 +35,7 @@ def test_flywheel_trains_swaps_and_stays_lossless(target, tmp_path):
     assert metrics["buffer"]["added"] == 8 and metrics["collector_dropped_records"] == 0
     assert metrics["median_step_s"] > 0
     steps = flywheel.trainer.steps
+    assert flywheel.trainer.published == steps // 2  # versions 1, 2, ...: one every publish_every = 2 steps
 
     # restart: the trainer resumes from its checkpoint, the buffer from the spilled traces
     again = Flywheel(eagle_engine(target), target, options)
@@ -54,3 +55,17 @@ def test_sampled_requests_feed_the_trainer_too(target):
     flywheel.close()
     trace = flywheel.buffer.sample(1, __import__("random").Random(0))[0]
     assert len(trace.reject_weight) and float(trace.reject_weight.min()) >= 0.0 and float(trace.reject_weight.max()) <= 1.0
+    assert trace.sampling == (0.8, 0, 1.0)  # the discard term recomputes the drafting distribution from these
+
+
+def test_a_checkpoint_that_cannot_be_read_stops_the_start(target, tmp_path):
+    """A restart from a damaged checkpoint directory is an error, never a silent fresh trainer."""
+    from tandem.errors import TandemError
+
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "LATEST").write_text("step-00000010-1\n")  # points at a checkpoint that is not there
+    with pytest.raises(TandemError, match="no trainer checkpoint"):
+        Flywheel(eagle_engine(target), target, FlywheelOptions(checkpoint_dir=str(tmp_path / "ckpt")))
+    fresh = Flywheel(eagle_engine(target), target, FlywheelOptions(checkpoint_dir=str(tmp_path / "empty")))
+    assert fresh.trainer.steps == 0  # no directory at all: a first start
+    fresh.close()

@@ -101,13 +101,19 @@ def test_prefill_records_keep_half_width_states_and_no_prompt_final_states(targe
 
 
 def test_collector_never_blocks_the_engine():
-    release = threading.Event()
-    collector = TraceCollector(lambda trace: release.wait(), max_queue=2)
-    record = StepRecord(0, 0.0, 0, [_decode_entry(request_id="x")])
+    """The consumer is stuck in the sink; the queue (2) fills and the other 48 of 50 records are dropped at once."""
+    inside, release = threading.Event(), threading.Event()
+    collector = TraceCollector(lambda trace: inside.set() or release.wait(), max_queue=2)
+    prefill = RequestStep(request_id="first", tags={}, context_len=0, pending_token=-1, draft_tokens=[], draft_parents=[], accepted_nodes=[],
+                          emitted_tokens=[9], bonus=False, finish_reason="length", context_ids=[0, 1], hidden=torch.zeros(3, 2, 2),
+                          final_hidden=torch.zeros(1, 2))
+    collector(StepRecord(0, 0.0, 0, [prefill], kind="prefill", taps=(0, 1, 2)))
+    assert inside.wait(5)
+    record = StepRecord(1, 0.0, 0, [_decode_entry(request_id="x")])
     start = time.perf_counter()
     for _ in range(50):
         collector(record)
     assert time.perf_counter() - start < 0.5
-    assert collector.dropped_records >= 47
+    assert collector.dropped_records == 48
     release.set()
     collector.close()

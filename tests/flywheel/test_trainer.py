@@ -10,6 +10,7 @@ from tandem.flywheel.buffer import TraceBuffer
 from tandem.flywheel.objective import flywheel_loss
 from tandem.flywheel.trainer import FlywheelConfig, OnlineTrainer, latest_checkpoint, target_lm_rows, trainer_copy, wait_for
 from tandem.flywheel.weights import HotSwapper, WeightStore
+from tandem.models.eagle import target_to_draft
 
 from flywheel_helpers import GREEDY, eagle_engine, make_prompts, plain_outputs, served_traces
 
@@ -31,7 +32,9 @@ def test_loss_terms_switch_on_and_off(target, traces):
     trainer = make_trainer(target, traces)
     gen = torch.Generator().manual_seed(0)
     _, parts = flywheel_loss(trainer.head, trainer.target_rows, traces, trainer.cfg, gen)
-    assert {"imitation", "discard", "branch"} <= set(parts) and parts["rejections"] > 0
+    to_draft = target_to_draft(trainer.head.draft_to_target, trainer.head.cfg.target_vocab_size)
+    scorable = sum(int(((to_draft[t.reject_token] >= 0) & (t.reject_depth < trainer.cfg.unroll)).sum()) for t in traces)
+    assert {"imitation", "discard", "branch"} <= set(parts) and parts["rejections"] == scorable > 0  # greedy: every rejection, r = 1
     _, parts = flywheel_loss(trainer.head, trainer.target_rows, traces, FlywheelConfig(discard_weight=0.0, branch_weight=0.0), gen)
     assert set(parts) == {"imitation", "rejections"}
     _, parts = flywheel_loss(trainer.head, trainer.target_rows, traces, FlywheelConfig(imitation=False, branch_weight=0.0), gen)
@@ -59,6 +62,23 @@ def test_training_lowers_the_loss_and_publishes(target, traces):
     after, _ = flywheel_loss(trainer.head, trainer.target_rows, traces, trainer.cfg, gen())
     assert float(after.detach()) < float(before.detach())
     assert trainer.published == 3 and trainer.store.latest().version == 3
+
+
+def test_batches_come_from_the_whole_buffer(target, traces, monkeypatch):
+    """600 traces: the oldest 88 (beyond the newest 512 the trainer used to see) are drawn too. Missing
+    them in 200 draws has probability (512/600)^200 < 1e-13."""
+    import dataclasses
+
+    import tandem.flywheel.trainer as trainer_module
+
+    trainer = make_trainer(target, [], publish_every=1000)
+    for i in range(600):
+        trainer.buffer.put(dataclasses.replace(traces[i % len(traces)], request_id=str(i)))
+    drawn = []
+    monkeypatch.setattr(trainer_module, "flywheel_loss", lambda head, rows, batch, cfg, gen: (drawn.extend(int(t.request_id) for t in batch) or head.fc.weight.sum() * 0.0, {}))
+    for _ in range(50):
+        trainer.train_step()
+    assert len(drawn) == 200 and len(trainer.buffer) == 600 and min(drawn) < 88
 
 
 def test_waits_for_traces():
