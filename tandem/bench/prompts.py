@@ -71,7 +71,8 @@ def load_prompts(
 ) -> list[Prompt]:
     """Prompts grouped by domain (in `domains` order), each domain shuffled with `seed`.
 
-    `source` is "builtin" (fetched on first use) or a JSONL file of `{"domain": ..., "prompt": ...}` lines.
+    `source` is "builtin" (fetched on first use) or a JSONL file of `{"domain": ..., "prompt": ...}` lines
+    (optional string fields `id`, `source`; any other field, e.g. `category` or `repeat`, is ignored).
     `per_domain` keeps the first N of each domain after the shuffle, so a small benchmark is a random sample
     rather than whichever dataset happens to come first.
     """
@@ -193,9 +194,7 @@ def _parse_line(line: str, path: Path, lineno: int) -> Prompt:
         raise InvalidParameterError(f"{where}: invalid JSON ({exc.msg})") from exc
     if not isinstance(row, dict):
         raise InvalidParameterError(f"{where}: expected a JSON object, got {type(row).__name__}")
-    unknown = sorted(set(row) - _FIELDS)
-    if unknown:
-        raise InvalidParameterError(f"{where}: unknown field(s) {unknown}; allowed: {sorted(_FIELDS)}")
+    row = {key: value for key, value in row.items() if key in _FIELDS}  # other fields (category, repeat, ...) are the user's: ignored
     for key in _REQUIRED:
         if key not in row:
             raise InvalidParameterError(f"{where}: missing required field {key!r}")

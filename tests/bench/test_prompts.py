@@ -61,7 +61,6 @@ def test_blank_lines_are_skipped_and_line_numbers_stay_true(tmp_path: Path) -> N
         ('["chat", "hi"]', "expected a JSON object"),
         ('{"prompt": "hi"}', "missing required field 'domain'"),
         ('{"domain": "chat"}', "missing required field 'prompt'"),
-        ('{"domain": "chat", "prompt": "hi", "promt": "typo"}', r"unknown field\(s\) \['promt'\]"),
         ('{"domain": "", "prompt": "hi"}', "field 'domain' is empty"),
         ('{"domain": "chat", "prompt": "   "}', "field 'prompt' is empty"),
         ('{"domain": "chat", "prompt": 3}', "field 'prompt' must be a string"),
@@ -73,6 +72,15 @@ def test_bad_lines_name_file_and_line(tmp_path: Path, line: str, message: str) -
     with pytest.raises(InvalidParameterError, match=rf"bad\.jsonl:2: {message}") as info:
         load_prompts(path)
     assert isinstance(info.value, ValueError)
+
+
+def test_extra_fields_are_accepted_and_ignored(tmp_path: Path) -> None:
+    path = _write_lines(tmp_path / "p.jsonl", [
+        '{"domain": "code", "prompt": "sort a list", "category": "easy", "repeat": true, "id": "c1"}',
+        '{"domain": "chat", "prompt": "hi", "source": "me", "meta": {"k": [1, 2]}, "weight": 0.5}',
+    ])
+    prompts = load_prompts(path, domains=["code", "chat"])
+    assert [(p.domain, p.prompt, p.id, p.source) for p in prompts] == [("code", "sort a list", "c1", ""), ("chat", "hi", "", "me")]
 
 
 def test_empty_and_missing_files_are_rejected(tmp_path: Path) -> None:
