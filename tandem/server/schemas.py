@@ -2,7 +2,7 @@
 
 Validation here is the first gate: anything that parses is a well-typed, in-range request; the engine's
 own `validate` (context length, token ids) is the second. Unknown fields are ignored (clients send
-extras such as `user`), but fields we cannot honour (`logprobs`, penalties, `echo`, `suffix`) are refused
+extras such as `user`), but fields we cannot honour (non-zero penalties, `echo`, top logprobs) are refused
 with a 400 rather than silently dropped.
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 MAX_N = 8
 MAX_STOP = 4
 
-Prompt = str | Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)] | Annotated[list[str], Field(min_length=1, max_length=16)]
+Prompt = Annotated[str, Field(min_length=1)] | Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)] | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=16)]
 Stop = str | Annotated[list[str], Field(max_length=MAX_STOP)] | None
 
 
@@ -55,15 +55,13 @@ class _Sampling(BaseModel):
 class CompletionRequest(_Sampling):
     prompt: Prompt
     logprobs: int | None = None  # refused: the engine does not expose per-token logprobs
-    echo: bool = False
+    echo: Literal[False] = False  # echoing the prompt is not supported
     best_of: Annotated[int, Field(ge=1, le=1)] | None = None
 
     @model_validator(mode="after")
     def _unsupported(self):
         if self.logprobs is not None:
             raise ValueError("logprobs are not supported by this server")
-        if self.echo:
-            raise ValueError("echo is not supported by this server")
         return self
 
 
