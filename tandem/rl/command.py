@@ -75,6 +75,8 @@ def run_rl(args) -> int:
         print(json.dumps(line), flush=True)
         if args.checkpoint:
             save_checkpoint(trainer, args.checkpoint)
+        if args.json_out:  # progress survives an interrupted run
+            Path(args.json_out).write_text(json.dumps({"partial": True, "history": trainer.history, "evals": trainer.evals}) + "\n")
 
     trainer.run(args.steps, on_step=on_step)
     result = {
