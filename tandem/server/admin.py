@@ -67,7 +67,9 @@ class DrafterControl:
         weights = load_version(path)  # checksum verified
         with self._lock:
             self.pause_training()
-            published = self.store.publish(weights.tensors, {"adopted_from": version, "reason": reason})
+            # operator-chosen weights do not descend from a collapsed version: pass the swapper's post-rollback gate
+            restores = self.trainer.restores + 1 if self.trainer is not None else 0
+            published = self.store.publish(weights.tensors, {"adopted_from": version, "reason": reason, "restores": restores})
         self.prune()
         return {"requested": version, "published_as": published.version}
 

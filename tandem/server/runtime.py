@@ -42,6 +42,7 @@ class ServerConfig:
     threads: int | None = None
     trainer_threads: int = 1
     publish_every: int | None = None  # online: trainer steps per published version (None = the flywheel default)
+    checkpoint_every: int = 100  # online: trainer steps between checkpoints (and one at shutdown)
 
     def __post_init__(self) -> None:
         if self.online and self.drafter != "eagle":
@@ -104,7 +105,7 @@ class Runtime:
 
         loss = FlywheelConfig() if self.config.publish_every is None else FlywheelConfig(publish_every=self.config.publish_every)
         options = FlywheelOptions(loss=loss, spill_dir=str(self.state_dir / "traces"), checkpoint_dir=str(self.state_dir / "checkpoint"),
-                                  trainer_threads=self.config.trainer_threads)
+                                  trainer_threads=self.config.trainer_threads, checkpoint_every=self.config.checkpoint_every)
         return Flywheel(self.engine, self.llm.target, options)
 
     def encode_prompt(self, prompt: str | list[int]) -> list[int]:
