@@ -120,7 +120,7 @@ def _params(runtime: Runtime, body, prompt_ids: list[int], chat: bool) -> list[S
     try:
         params = [SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=1.0 if body.top_p is None else body.top_p,
                                  top_k=max(0, body.top_k or 0), seed=None if body.seed is None else body.seed + i,
-                                 stop=body.stop_list(), ignore_eos=body.ignore_eos) for i in range(body.n)]
+                                 stop=body.stop_list(), ignore_eos=body.ignore_eos, logprobs=body.wants_logprobs()) for i in range(body.n)]
         runtime.validate(prompt_ids, params[0])
     except PromptTooLongError as e:
         raise ApiError(400, str(e), param="max_tokens", code="context_length_exceeded") from e

@@ -39,6 +39,7 @@ class Event:
     finish_reason: str | None = None
     usage: dict | None = None  # at finish: the request's metrics + drafter versions
     error: str | None = None  # the step serving this request failed; the request is over
+    logprobs: list[float] | None = None  # params.logprobs: each new token's log-prob under the target (untempered)
 
 
 @dataclass
@@ -55,6 +56,7 @@ class _Entry:
     index: int
     request: object  # the engine's Request (metrics, output ids)
     versions: set[int] = field(default_factory=set)
+    delivered: int = 0  # output tokens handed to the sink so far
 
 
 class EngineLoop:
@@ -177,6 +179,9 @@ class EngineLoop:
             return
         entry.versions.add(version)
         event = Event(entry.index, list(out.new_token_ids), out.finished, out.finish_reason.value if out.finish_reason else None)
+        start, entry.delivered = entry.delivered, entry.delivered + len(out.new_token_ids)
+        if entry.request.params.logprobs:  # one step may emit a request's prefill and decode outputs: index, don't tail
+            event.logprobs = list(entry.request.output_policy_logprobs[start:entry.delivered])
         if out.finished:
             del self._entries[out.request_id]
             self._release(1)

@@ -42,12 +42,17 @@ class ChoiceText:
     done: bool = False  # text is final (stop string, EOS, length)
     finish_reason: str | None = None
     cut_tokens: int | None = None  # tokens kept when a stop string cut the text
+    logprobs: list[float] | None = None  # per token, when requested
+    logprobs_sent: int = 0  # tokens whose log-probs were streamed
 
-    def push(self, ids: list[int], finished: bool, reason: str | None) -> str:
+    def push(self, ids: list[int], finished: bool, reason: str | None, logprobs: list[float] | None = None) -> str:
         """Add tokens; returns the newly releasable text (empty when nothing can be released yet)."""
         if self.done:
             return ""
         self.token_ids.extend(ids)
+        if logprobs is not None:
+            self.logprobs = self.logprobs if self.logprobs is not None else []
+            self.logprobs.extend(logprobs)
         full = self.decode(self.token_ids)
         cut = min((full.find(s) for s in self.stops if s in full), default=-1)
         if cut >= 0:
@@ -78,6 +83,14 @@ class ChoiceText:
     @property
     def num_tokens(self) -> int:
         return self.cut_tokens if self.cut_tokens is not None else len(self.token_ids)
+
+    def take_logprobs(self) -> tuple[list[int], list[float]] | None:
+        """Tokens and log-probs not streamed yet (up to the stop-string cut), or None when not requested."""
+        if self.logprobs is None:
+            return None
+        end = self.num_tokens if self.done else len(self.logprobs)
+        start, self.logprobs_sent = self.logprobs_sent, max(self.logprobs_sent, end)
+        return self.token_ids[start:end], self.logprobs[start:end]
 
 
 class Generation:
@@ -121,7 +134,7 @@ class Generation:
             self.first_token_s = time.perf_counter() - self.start
         choice = self.choices[i]
         was_done = choice.done
-        text = choice.push(event.token_ids, event.finished, event.finish_reason)
+        text = choice.push(event.token_ids, event.finished, event.finish_reason, event.logprobs)
         if event.finished:
             self._engine_done[i] = True
             self.usages[i] = event.usage

@@ -17,24 +17,37 @@ def _head(generation: Generation, runtime, chat: bool, chunk: bool = False) -> d
     return {"id": generation.id, "object": kind, "created": generation.created, "model": runtime.config.model_name}
 
 
+def logprobs_body(runtime, taken: tuple[list[int], list[float]] | None, chat: bool) -> dict | None:
+    """OpenAI's logprobs object for these tokens (no alternatives: top_logprobs empty / null)."""
+    if taken is None:
+        return None
+    tokens = [runtime.token_text(t) for t in taken[0]]
+    if chat:
+        return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode("utf-8")), "top_logprobs": []} for t, lp in zip(tokens, taken[1])]}
+    offsets = [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+    return {"tokens": tokens, "token_logprobs": list(taken[1]), "top_logprobs": None, "text_offset": offsets}
+
+
 def full(runtime, generation: Generation, chat: bool) -> dict:
     choices = []
     for i, choice in enumerate(generation.choices):
+        logprobs = logprobs_body(runtime, choice.take_logprobs(), chat)
         if chat:
-            choices.append({"index": i, "message": {"role": "assistant", "content": choice.text}, "logprobs": None, "finish_reason": choice.finish_reason})
+            choices.append({"index": i, "message": {"role": "assistant", "content": choice.text}, "logprobs": logprobs, "finish_reason": choice.finish_reason})
         else:
-            choices.append({"index": i, "text": choice.text, "logprobs": None, "finish_reason": choice.finish_reason})
+            choices.append({"index": i, "text": choice.text, "logprobs": logprobs, "finish_reason": choice.finish_reason})
     return _head(generation, runtime, chat) | {"choices": choices, "usage": generation.usage()}
 
 
 def _chunk(runtime, generation: Generation, chat: bool, delta: Delta, first: bool) -> dict:
+    logprobs = None if first else logprobs_body(runtime, generation.choices[delta.index].take_logprobs(), chat)
     if chat:
         content = {"role": "assistant", "content": delta.text} if first else {"content": delta.text}
         if delta.finish_reason is not None and not delta.text and not first:
             content = {}
-        choice = {"index": delta.index, "delta": content, "logprobs": None, "finish_reason": delta.finish_reason}
+        choice = {"index": delta.index, "delta": content, "logprobs": logprobs, "finish_reason": delta.finish_reason}
     else:
-        choice = {"index": delta.index, "text": delta.text, "logprobs": None, "finish_reason": delta.finish_reason}
+        choice = {"index": delta.index, "text": delta.text, "logprobs": logprobs, "finish_reason": delta.finish_reason}
     return _head(generation, runtime, chat, chunk=True) | {"choices": [choice]}
 
 

@@ -117,6 +117,9 @@ class Runtime:
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         self.engine.validate(prompt_ids, params)  # reads only model config and limits: safe off the engine thread
 

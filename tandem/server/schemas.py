@@ -54,15 +54,18 @@ class _Sampling(BaseModel):
 
 class CompletionRequest(_Sampling):
     prompt: Prompt
-    logprobs: int | None = None  # refused: the engine does not expose per-token logprobs
+    logprobs: int | None = None  # 0: each sampled token's log-prob; alternatives (> 0) are not supported
     echo: Literal[False] = False  # echoing the prompt is not supported
     best_of: Annotated[int, Field(ge=1, le=1)] | None = None
 
     @model_validator(mode="after")
     def _unsupported(self):
-        if self.logprobs is not None:
-            raise ValueError("logprobs are not supported by this server")
+        if self.logprobs is not None and self.logprobs != 0:
+            raise ValueError("logprobs: only 0 is supported (each sampled token's log-prob, no alternatives)")
         return self
+
+    def wants_logprobs(self) -> bool:
+        return self.logprobs is not None
 
 
 class TextPart(BaseModel):
@@ -83,14 +86,17 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_Sampling):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
-    logprobs: bool | None = None  # refused when true: the engine does not expose per-token logprobs
-    top_logprobs: int | None = None
+    logprobs: bool | None = None  # each sampled token's log-prob
+    top_logprobs: int | None = None  # alternatives are not supported: 0 or absent
 
     @model_validator(mode="after")
     def _unsupported(self):
-        if self.logprobs or self.top_logprobs:
-            raise ValueError("logprobs are not supported by this server")
+        if self.top_logprobs:
+            raise ValueError("top_logprobs: only 0 is supported (each sampled token's log-prob, no alternatives)")
         return self
+
+    def wants_logprobs(self) -> bool:
+        return bool(self.logprobs)
 
 
 class AdoptRequest(BaseModel):

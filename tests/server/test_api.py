@@ -87,3 +87,23 @@ def test_models_health_and_metrics(server):
         assert name in text, name
     drafts = next(line for line in text.splitlines() if line.startswith("tandem:spec_decode_num_drafts_total"))
     assert float(drafts.split()[-1]) == server.runtime.engine.stats.drafts > 0
+
+
+def test_logprobs_equal_a_teacher_forced_forward(server, reference):
+    import torch
+
+    c = client(server)
+    prompt = PROMPTS[2]
+    r = c.completions.create(model=MODEL, prompt=prompt, max_tokens=10, temperature=0, logprobs=0, extra_body={"ignore_eos": True})
+    lp = r.choices[0].logprobs  # untempered: informative under greedy decoding too
+    prompt_ids = reference.tokenizer.encode(prompt, add_special_tokens=False)
+    out_ids = reference.generate(prompt, greedy(10))[0].token_ids
+    with torch.inference_mode():  # log_softmax of the plain target over prompt + completion
+        logits = reference.target(torch.tensor([prompt_ids + out_ids])).logits[0, len(prompt_ids) - 1 : -1]
+    expected = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(out_ids).view(-1, 1)).squeeze(-1)
+    assert len(lp.token_logprobs) == len(out_ids) == 10 and lp.tokens == [reference.tokenizer.decode([t]) for t in out_ids]
+    assert torch.allclose(torch.tensor(lp.token_logprobs), expected, atol=1e-4)
+    chunks = list(c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=6, temperature=0,
+                                            logprobs=True, stream=True, extra_body={"ignore_eos": True}))
+    streamed = [t for ch in chunks if ch.choices and ch.choices[0].logprobs for t in ch.choices[0].logprobs.content]
+    assert len(streamed) == 6 and all(t.logprob <= 0 for t in streamed)

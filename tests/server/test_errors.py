@@ -36,6 +36,7 @@ BAD = [
     ("/v1/completions", OK | {"stream": "yes"}, 400),
     ("/v1/completions", OK | {"seed": -1}, 400),
     ("/v1/completions", OK | {"echo": True}, 400),
+    ("/v1/completions", OK | {"logprobs": 2}, 400),  # alternatives are not supported
     ("/v1/completions", OK | {"prompt": "x" * 200}, 400),  # over the 128-token context
     ("/v1/completions", OK | {"max_tokens": 500}, 400),
     ("/v1/completions", OK | {"model": "gpt-4"}, 404),
