@@ -1,0 +1,20 @@
+"""The speedup summary on a synthetic history with known numbers."""
+import pytest
+
+from tandem.rl.report import summarize
+
+
+def step(i):
+    return {"step": i, "rollout_s": {"ar": 6.0, "self_draft": 3.0}, "train_s": 3.5, "step_wall_s": 10.0,
+            "sync": {"target": 0.5, "resync/ar": 0.0, "resync/self_draft": 0.25}, "acceptance_length": {"ar": 1.0, "self_draft": 2.5}}
+
+
+def test_summary_speedups_and_amdahl():
+    s = summarize([step(0), step(1)])
+    assert s["generation_share"] == pytest.approx(0.6)  # 6 / (6 + 3.5 + 0.5)
+    d = s["per_drafter"]["self_draft"]
+    assert d["rollout_speedup"] == pytest.approx(2.0)
+    assert d["amdahl_prediction"] == pytest.approx(1 / (0.6 / 2 + 0.4), abs=1e-3)  # 1.4286
+    assert d["step_speedup"] == pytest.approx(20 / 14.5, abs=1e-3)  # (6+4) / (3+4+0.25) per step
+    assert d["resync_share_of_step"] == pytest.approx(0.5 / 14.5, abs=1e-4)
+    assert s["per_drafter"]["ar"]["step_speedup"] == 1.0
