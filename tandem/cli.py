@@ -257,11 +257,12 @@ def _train(args) -> int:
 
 
 def _demo_command(sub) -> None:
-    p = sub.add_parser("demo", help="the main job: the flywheel on the embedded default model")
+    p = sub.add_parser("demo", help="the main job: plain decoding vs the flywheel on a domain-shifting stream")
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--requests", type=int, default=40)
     p.add_argument("--block", type=int, default=8, help="requests per domain block")
     p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--batch", type=int, default=1, help="requests in flight")
     p.add_argument("--out", default="out", help="directory for the plot")
     p.set_defaults(func=_demo)
 
@@ -269,7 +270,7 @@ def _demo_command(sub) -> None:
 def _demo(args) -> int:
     from tandem.demo import run_demo
 
-    run_demo(args.model, args.requests, args.block, args.max_tokens, args.out)
+    run_demo(args.model, args.requests, args.block, args.max_tokens, args.out, args.batch)
     return 0
 
 

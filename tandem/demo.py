@@ -1,57 +1,111 @@
-"""`make demo`: the flywheel on the embedded default model.
+"""`make demo`: plain decoding vs the flywheel on a domain-shifting stream, measured in the same run.
 
-SmolLM2-135M serves a short domain-shifting stream (code -> sql -> math -> chat -> translation) with an
-EAGLE drafter that starts untrained (day 0). The engine records traces, the trainer learns from them in
-a background thread, and new drafter versions are hot-swapped between engine steps. A row per finished
-request shows the domain, acceptance length, tokens/s, the drafter version that served it, swaps and
-rollbacks; the end prints a summary per block and writes a plot.
+SmolLM2-135M serves one stream of chat-rendered prompts in blocks per domain (code -> sql -> math ->
+chat -> translation), greedy, `batch` requests in flight, 1 torch thread for the engine:
+
+1. plain decoding (no drafter): the reference tokens/s;
+2. the flywheel: the EAGLE drafter starts from the strong static head shipped in tandem/heads/ (or, if
+   none is shipped yet, from an untrained day-0 head, with a warning), the engine records traces, the
+   trainer (1 more thread) learns from them in the background, and new drafter versions are hot-swapped
+   between steps (rollback on an acceptance collapse).
+
+A row per finished request shows domain, acceptance length, tokens/s and the drafter version; the end
+prints per-block means for both, the speedup over plain decoding (stream tokens / wall time, same prompts
+and the same greedy outputs), and writes the plot.
 """
 from __future__ import annotations
 
 import time
 from pathlib import Path
 
-HEADER = f"{'req':>4} {'domain':<12} {'accept':>6} {'tok/s':>6} {'version':>7} {'swaps':>5} {'rollbk':>6} {'train':>6} {'loss':>7} {'traces':>6}"
+import tandem
+
+STRONG_HEAD = Path(tandem.__file__).resolve().parent / "heads" / "eagle-smollm2"
+HEADER = f"{'req':>4} {'domain':<12} {'accept':>6} {'tok/s':>6} {'version':>7} {'swaps':>5} {'rollbk':>6} {'train':>6} {'loss':>7}"
 
 
-def run_demo(model: str, requests: int = 40, block: int = 8, max_tokens: int = 48, out_dir: str = "out") -> dict:
-    from tandem.bench.shift import ShiftConfig, build_stream, rolling, scratch_head, summarize
-    from tandem.bench.shift_live import live_mode
+def demo_heads(target, draft_vocab: int = 8192, seed: int = 0) -> tuple[dict, str]:
+    """{"static": the head the flywheel starts from} and a label saying which one it is."""
+    from tandem.flywheel.setups import scratch_head
+    from tandem.models.eagle import load_eagle
+
+    if (STRONG_HEAD / "model.safetensors").exists():
+        return {"static": load_eagle(STRONG_HEAD, target)}, f"strong static EAGLE head ({STRONG_HEAD})"
+    print(f"WARNING: no trained head at {STRONG_HEAD}; starting from an UNTRAINED day-0 head instead.\n"
+          "         Expect acceptance near 1.0 and no speedup until the flywheel has learned (this is not the shipped demo).\n")
+    return {"static": scratch_head(target, draft_vocab, seed)}, "untrained day-0 EAGLE head (fallback: no shipped head yet)"
+
+
+def run_demo(model: str, requests: int = 40, block: int = 8, max_tokens: int = 48, out_dir: str = "out", batch: int = 1) -> dict:
+    import torch
+
+    from tandem.bench.shift import ShiftConfig, build_stream, prompt_key
     from tandem.bench.shift_plot import plot_shift
+    from tandem.bench.shift_stats import summarize
+    from tandem.config import SamplingParams
+    from tandem.flywheel.setups import live_engine, serve_stream
     from tandem.llm import load_tokenizer
     from tandem.models.loader import load_transformer
     from tandem.models.zoo import resolve_model
 
     start = time.perf_counter()
-    cfg = ShiftConfig(model=model, requests=requests, block=block, max_tokens=max_tokens, modes=("online_scratch",), replay=False,
-                      static_prompts=0, window=4, publish_every=5)
+    cfg = ShiftConfig(model=model, requests=requests, block=block, max_tokens=max_tokens, modes=("plain", "online"), replay=False,
+                      static_prompts=0, window=max(2, block // 2), publish_every=5, live_batch=batch)
     model_dir = Path(resolve_model(model))
     target = load_transformer(model_dir)
     target.pack()
+    heads, label = demo_heads(target, cfg.draft_vocab, cfg.seed)
     stream, stream_ids, _ = build_stream(cfg, load_tokenizer(model_dir))
-    print(f"tandem flywheel demo: {model}, {len(stream)} requests in blocks of {block} "
-          f"({' -> '.join(cfg.domains)}), greedy, EAGLE drafter from scratch, trainer in the background\n")
+    pairs = [(stream_ids[prompt_key(p)], p.domain) for p in stream]
+    longest = max(len(ids) for ids, _ in pairs) + max_tokens + 1
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    torch.set_num_threads(1)
+    print(f"tandem demo: {model}, {len(stream)} requests in blocks of {block} ({' -> '.join(cfg.domains)}), greedy, "
+          f"{batch} in flight, {max_tokens} new tokens each\n")
+
+    print("[1/2] plain decoding (no drafter) ...", flush=True)
+    engine, _ = live_engine("plain", target, heads, cfg.setup, batch, longest)
+    plain = serve_stream(engine, None, pairs, params, batch, prefix="plain")
+    print(f"      {plain.output_tokens} tokens in {plain.seconds:.1f} s: {plain.tokens_per_s:.1f} tok/s\n")
+
+    print(f"[2/2] the flywheel, starting from the {label}; trainer in the background\n")
     print(HEADER)
+    engine, flywheel = live_engine("online", target, heads, cfg.setup, batch, longest)
+    online = serve_stream(engine, flywheel, pairs, params, batch, on_finish=lambda row: _show(row, flywheel), prefix="online")
+    flywheel.close()
+    metrics = flywheel.metrics()
 
-    def show(row: dict, flywheel) -> None:
-        trainer, swaps = flywheel.trainer, flywheel.swapper.stats
-        loss = f"{trainer.losses[-1]['loss']:.3f}" if trainer.losses else "-"
-        print(f"{row['i']:>4} {row['domain']:<12} {row['acceptance_length']:>6.2f} {row['tokens_per_s']:>6.1f} {row['version']:>7} "
-              f"{swaps.swaps:>5} {swaps.rollbacks:>6} {trainer.steps:>6} {loss:>7} {len(flywheel.buffer):>6}", flush=True)
-
-    rows, metrics = live_mode("online_scratch", target, stream, stream_ids, {"scratch": scratch_head(target, cfg)}, cfg, on_finish=show)
-    summary = summarize({"online_scratch": rows}, cfg)["online_scratch"]
-    plot = plot_shift({"online_scratch": rows}, cfg, Path(out_dir) / "demo_flywheel.png")
-    print("\nper block (mean acceptance length, drafter versions):")
-    for b in range(0, len(rows), block):
-        chunk = rows[b : b + block]
-        print(f"  {chunk[0]['domain']:<12} {sum(r['acceptance_length'] for r in chunk) / len(chunk):.3f}   v{chunk[0]['version']}..v{chunk[-1]['version']}")
-    values = [r["acceptance_length"] for r in rows]
-    print(f"\nacceptance length: first {block} requests {sum(values[:block]) / block:.3f} -> last {block} {sum(values[-block:]) / block:.3f} "
-          f"(rolling-{cfg.window} max {max(rolling(values, cfg.window)):.3f})")
-    print(f"swaps {metrics['swaps']['swaps']}, rollbacks {metrics['swaps']['rollbacks']}, refused {metrics['swaps']['refused']}, "
-          f"trainer steps {metrics['trainer']['steps']}, max swap copy {metrics['swaps']['max_swap_ms']} ms, "
-          f"median step {metrics['median_step_s']} s, max swap step {metrics['max_swap_step_s']} s")
-    print(f"buffer: {metrics['buffer']['traces']} traces, {metrics['buffer']['bytes'] / 2**20:.1f} MiB, dropped {metrics['buffer']['dropped']}")
+    results = {"plain": plain.rows, "flywheel": online.rows}
+    summary = summarize(results, cfg)
+    plot = plot_shift(results, cfg, Path(out_dir) / "demo_flywheel.png")
+    speedup = online.tokens_per_s / plain.tokens_per_s if plain.tokens_per_s else 0.0
+    _report(results, plain, online, block, metrics)
+    same = sum(a == b for a, b in zip(plain.outputs, online.outputs))
+    print(f"\ngreedy outputs identical to plain decoding: {same}/{len(stream)} requests")
+    print(f"SPEEDUP over plain decoding: {speedup:.2f}x  (flywheel {online.tokens_per_s:.1f} tok/s vs plain {plain.tokens_per_s:.1f} tok/s, "
+          f"same stream, measured in this run; machine load affects both)")
     print(f"plot: {plot}   ({time.perf_counter() - start:.0f} s in all)")
-    return {"summary": summary, "metrics": metrics, "plot": str(plot)}
+    return {"head": label, "speedup": round(speedup, 4), "plain_tokens_per_s": round(plain.tokens_per_s, 3),
+            "online_tokens_per_s": round(online.tokens_per_s, 3), "identical_outputs": same, "summary": summary, "metrics": metrics, "plot": str(plot)}
+
+
+def _show(row: dict, flywheel) -> None:
+    trainer, swaps = flywheel.trainer, flywheel.swapper.stats
+    loss = f"{trainer.losses[-1]['loss']:.3f}" if trainer.losses else "-"
+    print(f"{row['i']:>4} {row['domain']:<12} {row['acceptance_length']:>6.2f} {row['tokens_per_s']:>6.1f} {row['version']:>7} "
+          f"{swaps.swaps:>5} {swaps.rollbacks:>6} {trainer.steps:>6} {loss:>7}", flush=True)
+
+
+def _report(results: dict, plain, online, block: int, metrics: dict) -> None:
+    mean = lambda rows, key: sum(r[key] for r in rows) / len(rows)  # noqa: E731
+    print("\nper block          plain tok/s   flywheel tok/s   flywheel accept   versions")
+    for b in range(0, len(online.rows), block):
+        p, o = results["plain"][b : b + block], results["flywheel"][b : b + block]
+        print(f"  {o[0]['domain']:<14} {mean(p, 'tokens_per_s'):>11.1f} {mean(o, 'tokens_per_s'):>16.1f} {mean(o, 'acceptance_length'):>17.3f}"
+              f"   v{o[0]['version']}..v{o[-1]['version']}")
+    values = [r["acceptance_length"] for r in online.rows]
+    n = min(block, len(values))
+    print(f"\nflywheel acceptance length: first {n} requests {sum(values[:n]) / n:.3f} -> last {n} {sum(values[-n:]) / n:.3f}")
+    print(f"swaps {metrics['swaps']['swaps']}, rollbacks {metrics['swaps']['rollbacks']}, refused {metrics['swaps']['refused']}, "
+          f"trainer steps {metrics['trainer']['steps']}, max swap copy {metrics['swaps']['max_swap_ms']} ms, max swap step {metrics['max_swap_step_s']} s")
+    print(f"buffer: {metrics['buffer']['traces']} traces, {metrics['buffer']['bytes'] / 2**20:.1f} MiB, dropped {metrics['buffer']['dropped']}")

@@ -3,14 +3,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from tandem.bench.shift_stats import rolling
+
 
 def plot_shift(results: dict[str, list[dict]], cfg, path: str | Path) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    from tandem.bench.shift import rolling
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -26,7 +26,7 @@ def plot_shift(results: dict[str, list[dict]], cfg, path: str | Path) -> Path:
         ax.grid(alpha=0.3)
     first = next(iter(results.values()))
     for start in range(0, length, cfg.block):
-        axes[0].text(start + 2, 0.02, first[start]["domain"], transform=axes[0].get_xaxis_transform(), fontsize=8, color="grey")
+        axes[0].text(start + 0.01 * length, 0.02, first[start]["domain"], transform=axes[0].get_xaxis_transform(), fontsize=8, color="grey")
     axes[0].set_ylabel(f"acceptance length (rolling {cfg.window})")
     axes[1].set_ylabel("tokens/s" + (" (modelled)" if cfg.replay else ""))
     axes[1].set_xlabel("request")

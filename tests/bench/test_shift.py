@@ -3,8 +3,10 @@ import json
 
 import pytest
 
-from tandem.bench.shift import MODES, ShiftConfig, recovery, rolling, summarize
+from tandem.bench.shift import ShiftConfig
+from tandem.bench.shift_stats import recovery, rolling, summarize
 from tandem.errors import InvalidParameterError
+from tandem.flywheel.setups import MODES
 
 
 def rows(values, block, domains=("code", "sql")):
@@ -26,9 +28,11 @@ def test_recovery_counts_requests_until_the_rolling_mean_is_back():
 
 
 def test_summary_ratios_against_static():
-    cfg = ShiftConfig(requests=12, block=6, domains=("code", "sql"), window=2, modes=("static", "online"))
-    summary = summarize({"static": rows([1.0] * 12, 6), "online": rows([1.5] * 12, 6)}, cfg)
+    cfg = ShiftConfig(requests=12, block=6, domains=("code", "sql"), window=2, modes=("plain", "static", "online"))
+    plain = [dict(r, acceptance_length=1.0, tokens_per_s=8.0) for r in rows([1.0] * 12, 6)]
+    summary = summarize({"plain": plain, "static": rows([1.0] * 12, 6), "online": rows([1.5] * 12, 6)}, cfg)
     assert summary["online"]["ratio_to_static"] == 1.5 and summary["static"]["ratio_to_static"] == 1.0
+    assert summary["online"]["tokens_per_s_ratio_to_plain"] == 1.875 and summary["plain"]["tokens_per_s_ratio_to_plain"] == 1.0
     assert summary["online"]["per_domain"] == {"code": 1.5, "sql": 1.5}
     assert summary["online"]["recovered_shifts"] == "1/1"
 
@@ -46,7 +50,7 @@ def test_bad_configs_are_refused():
         ShiftConfig(modes=("static", "telepathy"))
     with pytest.raises(InvalidParameterError):
         ShiftConfig(drafter="ngram")
-    assert {"static", "online", "online_scratch", "online_no_discard"} <= set(MODES)
+    assert {"plain", "static", "online", "online_scratch", "online_no_discard"} <= set(MODES)
 
 
 @pytest.mark.slow

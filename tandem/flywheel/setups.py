@@ -1,0 +1,215 @@
+"""The flywheel's serving set-ups: which head a mode starts from, whether it trains, and how it serves.
+
+A *mode* (`MODES`) is an initial head ("static": trained offline and given; "scratch": untrained, day 0;
+None: no drafter, plain decoding) and the flywheel's loss switches (None: the head stays frozen). Two
+ways to serve a stream under a mode:
+
+- `ReplayFlywheel`: exact greedy acceptance replay (tandem.flywheel.replay) against cached target traces;
+  each served request's trace goes to the buffer, the trainer takes `train_steps_per_request` steps, and
+  the same WeightStore / HotSwapper (validation, in-place copy, rollback reaching the trainer) as live
+  serving adopts new versions;
+- `live_engine` + `serve_stream`: the real engine serves the requests with `batch` in flight, the
+  trainer runs in a background thread (`Flywheel`).
+
+`bench shift` and `tandem demo` compose these; nothing here knows about benchmarks or prompts files.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable
+
+import torch
+
+from tandem.config import EngineConfig, SamplingParams
+from tandem.drafters.eagle import EagleDrafter
+from tandem.engine.engine import Engine
+from tandem.errors import InvalidParameterError
+from tandem.flywheel.buffer import TraceBuffer
+from tandem.flywheel.loop import Flywheel, FlywheelOptions
+from tandem.flywheel.replay import ReplayResult, replay_request, replay_trace
+from tandem.flywheel.traces import SequenceTrace
+from tandem.flywheel.trainer import FlywheelConfig, OnlineTrainer, target_lm_rows, trainer_copy
+from tandem.flywheel.weights import HotSwapper, WeightStore
+from tandem.models.eagle import EagleConfig, EagleHead, draft_vocab_from_tokens, new_eagle_head
+
+# mode -> (initial head: "static" | "scratch" | None for plain decoding, flywheel loss switches or None for a frozen head)
+MODES: dict[str, tuple[str | None, dict | None]] = {
+    "plain": (None, None),
+    "static": ("static", None),
+    "scratch": ("scratch", None),
+    "online": ("static", {}),
+    "online_scratch": ("scratch", {}),
+    "online_no_discard": ("static", {"discard_weight": 0.0}),
+    "online_no_branch": ("static", {"branch_weight": 0.0}),
+    "online_scratch_no_discard": ("scratch", {"discard_weight": 0.0}),
+    "online_discard_only": ("static", {"imitation": False, "branch_weight": 0.0}),
+}
+
+
+@dataclass(frozen=True)
+class FlywheelSetup:
+    """How every mode drafts and trains (one value for a whole comparison)."""
+
+    num_draft_tokens: int = 4  # chain length drafted per step
+    batch_size: int = 4  # trainer batch (traces)
+    lr: float = 1e-3
+    publish_every: int = 10  # trainer steps between published versions
+    discard_weight: float = 0.5
+    branch_weight: float = 0.5
+    collapse_ratio: float = 0.5  # rollback when a new version's acceptance falls below this x the old one's
+    watch_window: int = 64  # request-steps a swapped-in version is watched over (live)
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.num_draft_tokens < 1 or not 0 < self.collapse_ratio <= 1 or self.watch_window < 1:
+            raise InvalidParameterError("num_draft_tokens >= 1, collapse_ratio in (0, 1] and watch_window >= 1 are required")
+
+    def loss(self, switches: dict) -> FlywheelConfig:
+        base = {"unroll": self.num_draft_tokens, "batch_size": self.batch_size, "lr": self.lr, "publish_every": self.publish_every,
+                "discard_weight": self.discard_weight, "branch_weight": self.branch_weight, "seed": self.seed}
+        return FlywheelConfig(**(base | switches))
+
+
+def check_modes(modes) -> None:
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        raise InvalidParameterError(f"unknown mode(s) {unknown}; available: {', '.join(MODES)}")
+
+
+# ---- heads -------------------------------------------------------------------------------------------------------
+def scratch_head(target, draft_vocab: int, seed: int = 0) -> EagleHead:
+    """Day 0: an untrained head over the target's lowest draft_vocab ids (BPE's most common merges)."""
+    config = EagleConfig.for_target(target.cfg, min(draft_vocab, target.cfg.vocab_size))
+    vocab = draft_vocab_from_tokens([], config.draft_vocab_size, target.cfg.vocab_size)
+    return new_eagle_head(target, config, vocab, torch.Generator().manual_seed(seed))
+
+
+def train_static_head(target, traces: list[SequenceTrace], steps: int, draft_vocab: int, setup: FlywheelSetup) -> tuple[EagleHead, dict]:
+    """A head trained offline on the served sequences of `traces` (their target states recomputed by one
+    teacher-forced forward each: traces keep the target's distribution at generated positions only)."""
+    from tandem.training.offline import TrainConfig, fit, step_function, target_example
+
+    taps = EagleConfig.for_target(target.cfg).taps
+    examples = [target_example(target, t.tokens.tolist(), t.prompt_len, taps) for t in traces]
+    vocab = draft_vocab_from_tokens((e.tokens.tolist() for e in examples), min(draft_vocab, target.cfg.vocab_size), target.cfg.vocab_size)
+    generator = torch.Generator().manual_seed(setup.seed)
+    head = new_eagle_head(target, EagleConfig.for_target(target.cfg, len(vocab)), vocab, generator)
+    train_cfg = TrainConfig(steps=steps, unroll=setup.num_draft_tokens, draft_vocab=draft_vocab, seed=setup.seed)
+    start = time.perf_counter()
+    losses = fit(head, step_function(train_cfg, head, target_lm_rows(target, head), generator), examples, train_cfg, generator)
+    tail = losses[-10:]
+    return head, {"steps": len(losses), "seconds": round(time.perf_counter() - start, 1), "loss_first": round(losses[0], 4),
+                  "loss_last": round(sum(tail) / len(tail), 4)}
+
+
+def serving_copy(head: EagleHead) -> EagleHead:
+    """A frozen, prepacked copy to serve (the given head stays untouched: the trainer copies it again)."""
+    served = trainer_copy(head).eval().requires_grad_(False)
+    served.pack()
+    return served
+
+
+# ---- replay ------------------------------------------------------------------------------------------------------
+class ServedHead:
+    """What HotSwapper needs of a drafter in replay: the served head and its version."""
+
+    def __init__(self, head: EagleHead):
+        self.head, self.version = head, 0
+
+
+class ReplayFlywheel:
+    """A mode serving replayed requests; with loss switches, the flywheel learns between requests."""
+
+    def __init__(self, mode: str, target, heads: dict[str, EagleHead], setup: FlywheelSetup, train_steps_per_request: float = 0.5):
+        init, switches = MODES[mode]
+        if init is None:
+            raise InvalidParameterError(f"mode {mode!r} has no drafter to replay")
+        self.setup, self.steps_per_request = setup, train_steps_per_request
+        self.served = serving_copy(heads[init])
+        self.drafter = ServedHead(self.served)
+        self.store, self.buffer = WeightStore(), TraceBuffer()
+        self.trainer: OnlineTrainer | None = None
+        self.swapper: HotSwapper | None = None
+        if switches is not None:
+            self.trainer = OnlineTrainer(trainer_copy(heads[init]), target_lm_rows(target, heads[init]), self.buffer, self.store, setup.loss(switches))
+            self.swapper = HotSwapper(self.drafter, self.store, collapse_ratio=setup.collapse_ratio, background=False)
+            self.swapper.on_rollback = self.trainer.request_restore
+        self._credit = 0.0
+
+    def serve(self, trace: SequenceTrace, max_tokens: int) -> tuple[ReplayResult, int]:
+        """Replay one request under the current version; returns the result and the version that served it."""
+        version = self.drafter.version
+        result = replay_request(self.served, trace, self.setup.num_draft_tokens, max_tokens)
+        if self.trainer is not None:
+            self.buffer.put(replay_trace(trace, result, version))
+            self.swapper.observe_lengths(version, [accepted + 1 for _, drafted, accepted in result.steps if drafted])
+            self._credit += self.steps_per_request
+            while self._credit >= 1.0:
+                self.trainer.train_step()
+                self._credit -= 1.0
+            self.swapper()
+        return result, version
+
+    def metrics(self) -> dict:
+        if self.trainer is None:
+            return {}
+        return {"swaps": self.swapper.stats.as_dict(), "trainer_steps": self.trainer.steps, "buffer": asdict(self.buffer.stats())}
+
+
+# ---- live --------------------------------------------------------------------------------------------------------
+def live_engine(mode: str, target, heads: dict[str, EagleHead], setup: FlywheelSetup, batch: int, max_len: int) -> tuple[Engine, Flywheel | None]:
+    """The engine for `mode` (plain: no drafter) and, for drafting modes, its started Flywheel (training or not)."""
+    init, switches = MODES[mode]
+    if init is None:
+        return Engine(target, EngineConfig(max_batch_size=batch, max_model_len=max_len)), None
+    drafter = EagleDrafter(serving_copy(heads[init]), setup.num_draft_tokens, batch, max_len)
+    engine = Engine(target, EngineConfig(max_batch_size=batch, max_model_len=max_len, record_steps=True), drafter=drafter)
+    options = FlywheelOptions(loss=setup.loss(switches or {}), train=switches is not None, collapse_ratio=setup.collapse_ratio, window=setup.watch_window)
+    return engine, Flywheel(engine, target, options).start()
+
+
+@dataclass
+class StreamResult:
+    rows: list[dict]  # per request, in stream order: i, domain, acceptance_length, tokens_per_s, version
+    outputs: list[list[int]]  # output token ids per request, in stream order
+    output_tokens: int
+    seconds: float  # wall time of the whole stream
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.output_tokens / self.seconds if self.seconds else 0.0
+
+
+def serve_stream(
+    engine: Engine, flywheel: Flywheel | None, stream: list[tuple[list[int], str]], params: SamplingParams, batch: int,
+    on_finish: Callable[[dict], None] | None = None, prefix: str = "req",
+) -> StreamResult:
+    """Serve (prompt ids, domain) pairs in order with `batch` requests in flight (a new one arrives when
+    one finishes), stepping through the flywheel when there is one."""
+    step = flywheel.step if flywheel is not None else engine.step
+    pending = list(enumerate(stream))[::-1]
+    by_id: dict[str, tuple[int, str]] = {}
+    rows: list[dict] = []
+    outputs: dict[int, list[int]] = {}
+    output_tokens, start = 0, time.perf_counter()
+    while pending or engine.has_unfinished():
+        while pending and len(engine.waiting) + len(engine.running) < batch:
+            i, (ids, domain) = pending.pop()
+            by_id[engine.add_request(ids, params, request_id=f"{prefix}-{i}", tags={"domain": domain})] = (i, domain)
+        requests = {r.request_id: r for r in itertools.chain(engine.waiting, engine.running)}
+        for out in step():
+            if out.finished:
+                i, domain = by_id.pop(out.request_id)
+                metrics = requests[out.request_id].metrics
+                outputs[i] = list(requests[out.request_id].output_ids)
+                output_tokens += metrics.output_tokens
+                version = engine.drafter.version if engine.drafter is not None else 0
+                rows.append({"i": i, "domain": domain, "acceptance_length": round(metrics.acceptance_length, 4),
+                             "tokens_per_s": round(metrics.tokens_per_s, 3), "version": version})
+                if on_finish is not None:
+                    on_finish(rows[-1])
+    seconds = time.perf_counter() - start
+    rows.sort(key=lambda r: r["i"])
+    return StreamResult(rows, [outputs[i] for i in sorted(outputs)], output_tokens, seconds)

@@ -1,0 +1,57 @@
+"""The flywheel's serving set-ups on a tiny model: replay with training, live serving of a stream, plain decoding."""
+import pytest
+
+from tandem.config import SamplingParams
+from tandem.errors import InvalidParameterError
+from tandem.flywheel.replay import replay_request, target_traces
+from tandem.flywheel.setups import MODES, FlywheelSetup, ReplayFlywheel, check_modes, live_engine, scratch_head, serve_stream
+from tandem.models.eagle import EagleConfig
+
+from flywheel_helpers import make_prompts, plain_outputs
+
+
+@pytest.fixture(scope="module")
+def heads(target):
+    return {"scratch": scratch_head(target, 200, seed=0)}
+
+
+def test_replay_flywheel_trains_publishes_and_serves_each_version(target, heads):
+    prompts = {str(i): p for i, p in enumerate(make_prompts(6, seed=2))}
+    traces = target_traces(target, prompts, 16, EagleConfig.for_target(target.cfg).taps)
+    setup = FlywheelSetup(publish_every=2, seed=0)
+    frozen = ReplayFlywheel("scratch", target, heads, setup)
+    online = ReplayFlywheel("online_scratch", target, heads, setup, train_steps_per_request=1.0)
+    assert online.swapper.on_rollback == online.trainer.request_restore  # a rollback reaches the trainer
+    versions = []
+    for key, trace in traces.items():
+        result, version = frozen.serve(trace, 16)
+        assert result.steps == replay_request(frozen.served, trace, 4, 16).steps and version == 0
+        versions.append(online.serve(trace, 16)[1])
+    assert frozen.metrics() == {} and online.metrics()["trainer_steps"] == 5  # none after the first: min_traces = 2
+    assert online.trainer.published == 2 and versions[0] == 0 and versions == sorted(versions) and versions[-1] >= 1
+
+
+@pytest.mark.parametrize("mode", ["plain", "online_scratch"])
+def test_live_serving_of_a_stream_is_lossless(target, heads, mode):
+    prompts = make_prompts(5, seed=9)
+    params = SamplingParams(max_tokens=12, temperature=0.0)
+    engine, flywheel = live_engine(mode, target, heads, FlywheelSetup(publish_every=1, watch_window=4), batch=2, max_len=256)
+    assert (flywheel is None) == (mode == "plain")
+    seen = []
+    result = serve_stream(engine, flywheel, [(p, "code" if i < 3 else "sql") for i, p in enumerate(prompts)], params, 2, on_finish=seen.append)
+    if flywheel is not None:
+        flywheel.close()
+    expected = plain_outputs(target, prompts, [params] * 5)
+    assert [r["i"] for r in result.rows] == list(range(5)) and len(seen) == 5
+    assert [r["domain"] for r in result.rows] == ["code"] * 3 + ["sql"] * 2
+    assert result.outputs == expected and result.output_tokens == sum(len(o) for o in expected) and result.seconds > 0
+    if mode == "plain":
+        assert all(r["acceptance_length"] == 1.0 and r["version"] == 0 for r in result.rows)
+
+
+def test_unknown_modes_and_replaying_plain_are_refused(target, heads):
+    with pytest.raises(InvalidParameterError, match="telepathy"):
+        check_modes(["static", "telepathy"])
+    with pytest.raises(InvalidParameterError, match="no drafter"):
+        ReplayFlywheel("plain", target, heads, FlywheelSetup())
+    assert MODES["plain"] == (None, None) and MODES["online"] == ("static", {})

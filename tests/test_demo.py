@@ -1,0 +1,28 @@
+"""`tandem demo`: which head it starts from, and a small real run (slow)."""
+import pytest
+
+import tandem.demo as demo
+from tandem.models.eagle import save_eagle
+
+from tiny_helpers import load_packed
+
+
+def test_demo_starts_from_the_shipped_head_or_says_it_falls_back(tiny_llama, tmp_path, monkeypatch, capsys):
+    target = load_packed(tiny_llama)
+    monkeypatch.setattr(demo, "STRONG_HEAD", tmp_path / "missing")
+    heads, label = demo.demo_heads(target, draft_vocab=200)
+    assert "untrained day-0" in label and "WARNING" in capsys.readouterr().out
+    save_eagle(heads["static"], tmp_path / "shipped")
+    monkeypatch.setattr(demo, "STRONG_HEAD", tmp_path / "shipped")
+    loaded, label = demo.demo_heads(target, draft_vocab=200)
+    assert label.startswith("strong static EAGLE head") and capsys.readouterr().out == ""
+    for name, tensor in heads["static"].state_dict().items():
+        assert loaded["static"].state_dict()[name].equal(tensor)
+
+
+@pytest.mark.slow
+def test_small_demo_run_on_smollm2(tmp_path, capsys):
+    report = demo.run_demo("smollm2-135m", requests=4, block=2, max_tokens=8, out_dir=str(tmp_path))
+    out = capsys.readouterr().out
+    assert report["identical_outputs"] == 4 and report["speedup"] > 0 and "SPEEDUP over plain decoding" in out
+    assert set(report["summary"]) == {"plain", "flywheel"} and (tmp_path / "demo_flywheel.png").exists()
