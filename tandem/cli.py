@@ -34,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     _serve_command(sub)
     _rl_command(sub)
     _simulate_command(sub)
+    _calibrate_command(sub)
     return parser
 
 
@@ -125,6 +126,9 @@ def _bench_commands(sub) -> None:
     fwd.set_defaults(func=_bench_forward)
     _bench_decode_command(bench)
     _bench_shift_command(bench)
+    from tandem.bench.serve import add_bench_serve_command
+
+    add_bench_serve_command(bench)
 
 
 def _bench_forward(args) -> int:
@@ -249,6 +253,16 @@ def _train_command(sub) -> None:
 def _train(args) -> int:
     from tandem.training.offline import run_train
 
+    if args.recipe:
+        from tandem.training.recipe import run_recipe
+
+        if args.threads:
+            import torch
+
+            torch.set_num_threads(args.threads)
+        report = run_recipe(args.recipe, args.out, args.hours or 1.0, args.phase, args.export)
+        print(json.dumps(report, indent=1)[-4000:])
+        return 0
     if Path(args.data).expanduser().is_dir():  # a directory of flywheel trace shards
         from tandem.flywheel.trace_training import train_from_traces
 
@@ -290,6 +304,31 @@ def _simulate_command(sub) -> None:
     from tandem.sim.cli import add_simulate_command
 
     add_simulate_command(sub)
+
+
+def _calibrate_command(sub) -> None:
+    p = sub.add_parser("calibrate", help="measure and fit the target's (and drafters') cost model on this machine")
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--drafter", default="", help="comma list of drafters to time (e.g. ngram,self_draft)")
+    p.add_argument("--drafter-path", default=None, help="eagle/mtp head directory")
+    p.add_argument("--quick", action="store_true", help="a small grid (< 1 min)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--json", dest="json_out", default=None, help="also write the record here")
+    p.set_defaults(func=_calibrate)
+
+
+def _calibrate(args) -> int:
+    import torch
+
+    from tandem.engine.calibrate import calibrate_model, calibration_path
+
+    torch.set_num_threads(args.threads)
+    record = calibrate_model(args.model, tuple(d for d in args.drafter.split(",") if d), args.quick, args.json_out, args.drafter_path)
+    m = record.machine
+    print(json.dumps({"stored": str(calibration_path(args.model)), "machine": vars(m), "drafters": {k: vars(v) for k, v in record.drafters.items()},
+                      "fit_rms_rel_error": record.measured["fit_rms_rel_error"], "bandwidth_GBps": record.measured["bandwidth_bytes_per_s"] / 1e9,
+                      "matmul_GFLOPs": record.measured["matmul_flops_per_s"] / 1e9, "seconds": record.measured["seconds"]}, indent=2))
+    return 0
 
 
 def _emit(result: dict, path: str | None) -> int:

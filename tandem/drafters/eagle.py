@@ -30,7 +30,7 @@ import torch
 
 from tandem.drafters.base import DrafterBase, register
 from tandem.errors import InvalidParameterError
-from tandem.models.eagle import EagleConfig, EagleHead, draft_vocab_from_tokens, expand_to_target, load_eagle, new_eagle_head, tree_cache_mask
+from tandem.models.eagle import EagleConfig, EagleHead, draft_vocab_from_tokens, expand_to_target, load_eagle, new_eagle_head, shipped_eagle_path, tree_cache_mask
 from tandem.models.kv_cache import KVCache
 from tandem.ops import tree as tree_ops
 from tandem.ops.sampling import draw_uniform, sample_from_probs, sampling_probs
@@ -306,12 +306,18 @@ class _Nodes:
         return DraftTree(draft_to_target[self.tokens[b, kept]].cpu(), torch.tensor(parents, dtype=torch.long))
 
 
+DAY0 = "day0"  # drafter_path that asks for the untrained head even where a shipped one exists
+
+
 def build_eagle_drafter(
     target, num_draft_tokens: int = 4, drafter_path: str | None = None, max_batch: int = 8, max_len: int | None = None,
     device: str = "cpu", tree: TreeOptions = TreeOptions(), draft_vocab_size: int = DAY0_DRAFT_VOCAB,
 ) -> EagleDrafter:
-    """A drafter from a trained head (drafter_path) or, without one, an untrained head sized for the target."""
-    if drafter_path is not None:
+    """A drafter from a trained head: `drafter_path`, or without one the head shipped for this target
+    (tandem/heads/, checksum-verified); "day0" or no shipped head: an untrained head sized for the target."""
+    if drafter_path is None:
+        drafter_path = shipped_eagle_path(target.cfg)
+    if drafter_path is not None and str(drafter_path) != DAY0:
         head = load_eagle(drafter_path, target)
     else:
         cfg = EagleConfig.for_target(target.cfg, draft_vocab_size)

@@ -424,3 +424,33 @@ def load_head(path: str | Path, target: Transformer, config_cls, config_file: st
 def load_eagle(path: str | Path, target: Transformer) -> EagleHead:
     build = lambda cfg, draft_to_target: EagleHead(cfg, target.embed.weight, draft_to_target, target.lm_head.weight)  # noqa: E731
     return load_head(path, target, EagleConfig, CONFIG_FILE, SCHEMA_VERSION, build)
+
+
+# ---- heads shipped with the package (tandem/heads/NAME: fp16 weights, config, recipe card) --------------------
+SHIPPED_DIR = Path(__file__).resolve().parent.parent / "heads"
+CARD_FILE = "recipe.json"
+
+
+def shipped_eagle_path(cfg: ModelConfig) -> Path | None:
+    """The shipped head trained for this target, checksum-verified; None when no shipped head fits it."""
+    for path in sorted(SHIPPED_DIR.glob("*/" + CONFIG_FILE)):
+        head_dir = path.parent
+        try:
+            config = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            raise ModelLoadError(f"unreadable shipped head config {path}: {e}") from e
+        if config.get("target_id") == target_identity(cfg):
+            verify_card(head_dir)
+            return head_dir
+    return None
+
+
+def verify_card(head_dir: Path) -> None:
+    """The weights file must match the sha256 its recipe card records (a truncated or edited file is refused)."""
+    try:
+        card = json.loads((head_dir / CARD_FILE).read_text())
+        digest = hashlib.sha256((head_dir / WEIGHTS_FILE).read_bytes()).hexdigest()
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"shipped head {head_dir} lacks a readable {CARD_FILE} or weights: {e}") from e
+    if card.get("sha256") != digest:
+        raise ModelLoadError(f"shipped head {head_dir}: weights sha256 {digest[:12]}... does not match its card ({str(card.get('sha256'))[:12]}...)")

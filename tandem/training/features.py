@@ -63,6 +63,7 @@ class ShardWriter:
     def __init__(self, directory: str | Path, target_id: str, taps: tuple[int, ...], shard_tokens: int = 32768):
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
+        self._lock = _exclusive_lock(self.dir / ".writer.lock")
         self.shard_tokens = shard_tokens
         self.index = read_index(self.dir) if (self.dir / INDEX_FILE).exists() else new_index(target_id, taps)
         if self.index["target_id"] != target_id or tuple(self.index["taps"]) != tuple(taps):
@@ -88,6 +89,19 @@ class ShardWriter:
         self.done.update(d.key for d in self.pending)
         _write_json_atomic(self.dir / INDEX_FILE, self.index)
         self.pending = []
+
+
+def _exclusive_lock(path: Path):
+    """One writer per feature directory: a second process would write shards under the same names."""
+    import fcntl
+
+    handle = open(path, "w")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.close()
+        raise InvalidParameterError(f"another process is writing features into {path.parent}") from None
+    return handle
 
 
 def new_index(target_id: str, taps: tuple[int, ...]) -> dict:

@@ -358,8 +358,12 @@ def add_train_command(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--out", required=True, help="directory to save the head to")
+    p.add_argument("--out", required=True, help="directory to save the head to (with --recipe: the run directory)")
     p.add_argument("--json", dest="json_out", default=None, help="also write the report here")
+    p.add_argument("--recipe", default=None, help="a named recipe (eagle-smollm2): feature shards + packed training, resumable")
+    p.add_argument("--hours", type=float, default=None, help="with --recipe: wall-clock budget")
+    p.add_argument("--phase", default="all", help="with --recipe: all | features | train")
+    p.add_argument("--export", default=None, help="with --recipe: copy the best head here (fp16 + card)")
     p.set_defaults(func=run_train)
     return p
 

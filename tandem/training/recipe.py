@@ -111,3 +111,78 @@ def _key(doc) -> str:
 
 def describe(recipe: Recipe) -> dict:
     return asdict(recipe)
+
+
+# ---- one command: features and training side by side, then the exported head ------------------------------
+PHASES = ("all", "features", "train")
+
+
+def run_recipe(name: str, out: str | Path, hours: float, phase: str = "all", export: str | Path | None = None, log=print) -> dict:
+    """`tandem train --recipe NAME --hours H --out DIR [--phase P] [--export DEST]`.
+
+    phase "all" runs the features phase in a child process (one thread) next to the trainer (one
+    thread), both resumable, for `hours` of wall time; then the best head is exported to DEST.
+    """
+    import json
+    import subprocess
+    import sys
+
+    from tandem.training.trainer import train_recipe
+
+    if phase not in PHASES:
+        raise InvalidParameterError(f"phase must be one of {PHASES}, got {phase!r}")
+    if hours <= 0:
+        raise InvalidParameterError(f"hours must be > 0, got {hours}")
+    recipe, out = get_recipe(name), Path(out).expanduser()
+    out.mkdir(parents=True, exist_ok=True)
+    report: dict = {"recipe": name}
+    if phase == "features":
+        report["features"] = run_features(recipe, out, hours)
+    elif phase == "train":
+        report["train"] = train_recipe(recipe, out, hours, log=log)
+    else:
+        cmd = [sys.executable, "-m", "tandem.cli", "train", "--recipe", name, "--out", str(out), "--hours", str(hours), "--phase", "features", "--threads", "1"]
+        child = subprocess.Popen(cmd, env=_one_thread_env())
+        try:
+            report["train"] = train_recipe(recipe, out, hours, log=log)
+        finally:
+            child.terminate()  # features are resumable: a later run continues where this one stopped
+            child.wait(timeout=60)
+    if export is not None:
+        report["exported"] = str(export_head(out / "best", Path(export), name))
+    (out / "report.json").write_text(json.dumps(report, indent=1))
+    return report
+
+
+def _one_thread_env() -> dict:
+    import os
+
+    return os.environ | {"OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
+
+
+HEAD_CARD = "recipe.json"
+
+
+def export_head(best: Path, dest: Path, recipe_name: str) -> Path:
+    """Copy the best head (fp16 safetensors + config) to `dest` with a card: recipe, held-out report, sha256."""
+    import hashlib
+    import json
+    import shutil
+
+    if not (best / "model.safetensors").exists():
+        raise InvalidParameterError(f"no trained head in {best}: run the train phase first")
+    tmp = dest.with_name(dest.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for name in ("model.safetensors", "eagle_config.json"):
+        shutil.copy2(best / name, tmp / name)
+    card = {
+        "recipe": recipe_name, "settings": describe(get_recipe(recipe_name)),
+        "sha256": hashlib.sha256((tmp / "model.safetensors").read_bytes()).hexdigest(),
+        "heldout": json.loads((best / "report.json").read_text()) if (best / "report.json").exists() else None,
+        "rebuild": f"make head  (tandem train --recipe {recipe_name} --hours H --out DIR --export {dest})",
+    }
+    (tmp / HEAD_CARD).write_text(json.dumps(card, indent=1) + "\n")
+    shutil.rmtree(dest, ignore_errors=True)
+    tmp.rename(dest)
+    return dest

@@ -80,11 +80,15 @@ def test_shards_round_trip_and_resume(target, tmp_path):
     for d in docs[:3]:
         writer.add(d)
     writer.flush()
+    with pytest.raises(Exception, match="another process"):
+        ShardWriter(tmp_path, tid, taps)  # one writer per directory while the first is open
+    writer._lock.close()
     again = ShardWriter(tmp_path, tid, taps)  # a restart sees what was written
     assert all(again.has(d.key) for d in docs[:3]) and not again.has(docs[3].key)
     for d in docs[3:]:
         again.add(d)
     again.flush()
+    again._lock.close()
     index = read_index(tmp_path)
     assert sum(s["tokens"] for s in index["shards"]) == sum(len(d.tokens) for d in docs)
     assert sum(s["tokens_per_domain"].get("sql", 0) for s in index["shards"]) == 11 + 13
@@ -142,3 +146,21 @@ def test_checkpoint_resume_and_a_corrupt_checkpoint_raises(target, tmp_path):
     (final / "optimizer.safetensors").write_bytes(b"garbage")
     with pytest.raises(ModelLoadError):
         resume(tmp_path, target)
+
+
+def test_exported_head_is_found_for_its_target_and_a_tampered_one_refused(target, tmp_path, monkeypatch):
+    import tandem.models.eagle as eagle_module
+    from tandem.training.recipe import export_head
+
+    best = tmp_path / "run" / "best"
+    save_eagle(head_for(target, shared=True), best, dtype=torch.float16)
+    shipped = tmp_path / "heads"
+    export_head(best, shipped / "tiny", "eagle-smollm2")
+    monkeypatch.setattr(eagle_module, "SHIPPED_DIR", shipped)
+    assert eagle_module.shipped_eagle_path(target.cfg) == shipped / "tiny"
+    card = json.loads((shipped / "tiny" / "recipe.json").read_text())
+    assert card["recipe"] == "eagle-smollm2" and len(card["sha256"]) == 64
+    weights = shipped / "tiny" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-8] + b"\0" * 8)
+    with pytest.raises(ModelLoadError, match="sha256"):
+        eagle_module.shipped_eagle_path(target.cfg)
