@@ -29,7 +29,7 @@ def demo_heads(target, draft_vocab: int = 8192, seed: int = 0) -> tuple[dict, st
     from tandem.flywheel.setups import scratch_head
     from tandem.models.eagle import load_eagle
 
-    if (STRONG_HEAD / "model.safetensors").exists():
+    if STRONG_HEAD.is_dir():  # load_eagle refuses a damaged or mismatched head with a clear error
         return {"static": load_eagle(STRONG_HEAD, target)}, f"strong static EAGLE head ({STRONG_HEAD})"
     print(f"WARNING: no trained head at {STRONG_HEAD}; starting from an UNTRAINED day-0 head instead.\n"
           "         Expect acceptance near 1.0 and no speedup until the flywheel has learned (this is not the shipped demo).\n")
