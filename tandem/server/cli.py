@@ -12,6 +12,7 @@ def add_serve_command(sub) -> None:
     p.add_argument("--drafter", default=None, help="ngram | draft_model | self_draft | eagle | mtp (default: none)")
     p.add_argument("--drafter-path", default=None, help="eagle/mtp: directory of a trained head")
     p.add_argument("--num-draft-tokens", type=int, default=4)
+    p.add_argument("--draft-vocab-size", type=int, default=None, help="eagle without --drafter-path: the day-0 head's draft vocabulary")
     p.add_argument("--online", action="store_true", help="the flywheel: train the eagle head on live traffic and hot-swap it")
     p.add_argument("--state-dir", default=None, help="flywheel checkpoints, traces and drafter versions (resumed on start)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
@@ -23,6 +24,8 @@ def add_serve_command(sub) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-body-bytes", type=int, default=1 << 20)
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--publish-every", type=int, default=None, help="--online: trainer steps per published drafter version")
+    p.add_argument("--checkpoint-every", type=int, default=100, help="--online: trainer steps between checkpoints (one more at shutdown)")
     p.add_argument("--log-level", default="info")
     p.set_defaults(func=_serve)
 
@@ -33,9 +36,10 @@ def _serve(args: argparse.Namespace) -> int:
 
     config = ServerConfig(
         model=args.model, served_model_name=args.served_model_name, drafter=args.drafter, drafter_path=args.drafter_path,
-        num_draft_tokens=args.num_draft_tokens, online=args.online, state_dir=args.state_dir, host=args.host, port=args.port,
+        num_draft_tokens=args.num_draft_tokens, draft_vocab_size=args.draft_vocab_size, online=args.online, state_dir=args.state_dir, host=args.host, port=args.port,
         api_key=args.api_key, admin_key=args.admin_key, max_batch_size=args.max_batch_size, max_queue=args.max_queue,
         max_model_len=args.max_model_len, max_body_bytes=args.max_body_bytes, threads=args.threads,
+        publish_every=args.publish_every, checkpoint_every=args.checkpoint_every,
     )
     serve(config, args.log_level)
     return 0
