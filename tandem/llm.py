@@ -55,6 +55,7 @@ class LLM:
             raise InvalidParameterError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
         if num_threads is not None:
             torch.set_num_threads(num_threads)
+        self.model_name = str(model)  # the calibration record is looked up by this name
         self.model_dir = resolve_model(model)
         self.tokenizer = load_tokenizer(self.model_dir)
         self.target = load_transformer(self.model_dir, DTYPES[dtype], device)
@@ -74,9 +75,9 @@ class LLM:
                                   drafter_path=drafter_path, device=self.device, max_batch=self.config.max_batch_size,
                                   max_len=self.config.max_model_len)
         if adaptive_k and draft is not None:
-            from tandem.engine.control import AdaptiveDraftLength
+            from tandem.engine.control import SpeculationController
 
-            policy = AdaptiveDraftLength(max_k=num_draft_tokens)
+            policy = SpeculationController.for_engine(self.target, draft, model_name=self.model_name, max_k=num_draft_tokens)
         return Engine(self.target, self.config, drafter=draft, draft_policy=policy)
 
     def with_drafter(self, drafter: str | None, num_draft_tokens: int = 4, drafter_model: str | None = None,

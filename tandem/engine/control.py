@@ -1,80 +1,198 @@
-"""Adaptive draft length: per request, pick k from measured acceptance and measured draft/verify costs.
+"""The speculation controller: each step, predict the batch's throughput for plain decoding and for every
+draft size, and speculate only where it pays (the engine's `draft_policy`).
 
-Acceptance per draft position is an EMA per request (seeded from the engine-wide EMA); costs are EMAs
-of what the engine measured (draft ms per drafted token, verify ms per draft length). When speculation
-does not pay (k = 0) the request still probes with a short draft now and then, so it can come back;
-probes are spaced so they cost at most 5 % of plain decoding (rarer for expensive drafters).
+Per step (`plan`, called once by Engine._propose): the batch of B requests at mean context C drafts
+budget n (0 = plain) each; the target verifies B x (1 + n) tokens (the engine pads every row to the
+widest draft, so that is the forward it pays for), the drafter costs draft(depth(n), B * n), and request
+r emits E_r(n) = 1 + sum_d prod_{j<=d} a_r,j tokens, with a_r,j its live acceptance per depth. The plan
+is the n with the highest sum_r E_r(n) / (draft + forward(B, 1 + n, C)). Costs come from the calibrated
+roofline, corrected online (tandem.engine.costs); acceptance is an EMA per request seeded from the
+engine-wide one. Hysteresis: speculation turns on when predicted >= (1 + ON_MARGIN) x plain and off
+when < (1 - OFF_MARGIN) x plain, each for PATIENCE steps in a row. It starts on (an optimistic prior),
+so a drafter that pays is never judged on a prior alone; while off it probes, spaced so that probing
+costs at most PROBE_BUDGET of plain decoding time. Trees: the budget is a node count; the depth a
+budget reaches is learnt from the drafts the drafter returned.
 """
 from __future__ import annotations
 
 import math
+from dataclasses import asdict
 
-from tandem.ops.cost import best_draft_length
+from tandem.engine.costs import DraftCostModel, ForwardCost
+from tandem.ops.cost import expected_tokens_per_step
 
-PROBE_K = 2  # draft length of a probe while speculation is off
-PROBE_BUDGET = 0.05  # probes may cost at most this fraction of plain decoding time
+ON_MARGIN = 0.05
+OFF_MARGIN = 0.02
+PATIENCE = 3
+PROBE_BUDGET = 0.05
+PRIOR_ACCEPTANCE = 0.8
 
 
-class AdaptiveDraftLength:
-    def __init__(self, max_k: int, ema: float = 0.25, prior_acceptance: float = 0.6, verify_slope_prior: float = 0.1, probe_every: int = 8):
-        self.max_k = max_k
+class SpeculationController:
+    def __init__(self, max_k: int, forward: ForwardCost | None = None, draft: DraftCostModel | None = None,
+                 max_nodes: int | None = None, ema: float = 0.25, prior_acceptance: float = PRIOR_ACCEPTANCE):
+        self.max_k = max_k  # deepest draft
+        self.max_nodes = max_nodes or max_k  # largest budget (> max_k for tree drafters)
+        self.forward = forward or ForwardCost(refit=True)
+        self.draft = draft or DraftCostModel()
         self.ema = ema
         self.global_alphas = [prior_acceptance] * max_k
         self.alphas: dict[str, list[float]] = {}
-        self.verify_ms: list[float | None] = [None] * (max_k + 1)
-        self.draft_ms_per_token: float | None = None
-        self.slope = verify_slope_prior
-        self.probe_every = probe_every
-        self.idle_steps: dict[str, int] = {}
+        self.depth_of: dict[int, float] = {}  # budget -> EMA of the depth the drafter reached
+        self.on, self._streak, self._idle = True, 0, 0
+        self._plan: dict[str, int] = {}
+        self._pending: tuple[int, float, float] | None = None  # (budget, predicted speedup, plain seconds)
+        self.stats = {"steps": 0, "speculative_steps": 0, "probes": 0, "switches": 0, "plain_equiv_s": 0.0, "actual_s": 0.0,
+                      "predicted_sum": 0.0, "realised_sum": 0.0, "budget_hist": {}, "last": {}}
+
+    @classmethod
+    def for_engine(cls, model, drafter, calibration=None, model_name: str | None = None, recalibrate: bool = False,
+                   max_k: int | None = None) -> "SpeculationController":
+        """A controller for this target + drafter: calibration = a Calibration, a JSON path, or None
+        (look up $TANDEM_HOME's record for model_name on this machine; re-measure it when missing or
+        stale if `recalibrate`, else fall back to an online-measured model and say so)."""
+        from tandem.engine.calibrate import resolve_calibration
+        from tandem.sim.roofline import work_from_config
+
+        k = max_k or drafter.max_nodes
+        calib = resolve_calibration(model, drafter, calibration, model_name, recalibrate)
+        if calib is None:
+            forward = ForwardCost(work_from_config(model.cfg, model_name or "target"), _prior_machine(), refit=True)
+            return cls(k, forward, DraftCostModel(), max_nodes=drafter.max_nodes)
+        prior = calib.drafters.get(drafter.name)
+        return cls(k, ForwardCost(calib.work, calib.machine), DraftCostModel(prior) if prior else DraftCostModel(),
+                   max_nodes=drafter.max_nodes)
+
+    # ---- the engine's draft_policy interface ---------------------------------------------------------
+    def plan(self, requests) -> list[int]:
+        """Draft budget per request for this step (one decision for the whole batch)."""
+        batch = len(requests)
+        context = round(sum(len(r.all_ids) for r in requests) / batch)
+        rates = [self._rate(requests, n, context) for n in range(self.max_nodes + 1)]
+        best = max(range(1, len(rates)), key=lambda n: (rates[n], -n))  # the best speculative budget
+        budget = self._decide(best, rates[best] / rates[0], rates)
+        self._plan = {r.request_id: min(budget, _remaining(r)) for r in requests}
+        self._pending = (budget, rates[budget] / rates[0], self.forward.predict(batch, 1, context))
+        return [self._plan[r.request_id] for r in requests]
 
     def choose_k(self, request) -> int:
-        alphas = self.alphas.get(request.request_id, self.global_alphas)
-        k = best_draft_length(alphas, self.draft_ms_per_token or 0.0, self._verify_costs())
-        if k == 0:
-            idle = self.idle_steps.get(request.request_id, 0) + 1
-            self.idle_steps[request.request_id] = idle
-            if idle % self._probe_interval() == 0:
-                return min(PROBE_K, self.max_k)
-        return k
-
-    def _probe_interval(self) -> int:
-        """Idle steps between probes, so that probing costs at most PROBE_BUDGET of plain decoding time."""
-        costs = self._verify_costs()
-        probe_ms = PROBE_K * (self.draft_ms_per_token or 0.0) + costs[min(PROBE_K, self.max_k)] - costs[0]
-        return max(self.probe_every, math.ceil(probe_ms / (PROBE_BUDGET * costs[0])))
+        if request.request_id not in self._plan:
+            self.plan([request])
+        return self._plan.pop(request.request_id)
 
     def observe(self, requests, drafts, results, draft_s: float, verify_s: float) -> None:
-        width = max(len(d) for d in drafts)
-        self.verify_ms[min(width, self.max_k)] = self._blend(self.verify_ms[min(width, self.max_k)], verify_s * 1000)
-        drafted = sum(len(d) for d in drafts)
-        if drafted:
-            self.draft_ms_per_token = self._blend(self.draft_ms_per_token, draft_s * 1000 / drafted)
+        batch = len(requests)
+        width = 1 + max(len(d) for d in drafts)
+        context = round(sum(len(r.all_ids) - len(res.tokens) for r, res in zip(requests, results)) / batch)
+        self.forward.observe(batch, width, max(context, 0), verify_s)
+        depth = max((len(d.nodes_per_depth()) for d in drafts), default=0)
+        nodes = sum(len(d) for d in drafts)
+        self.draft.observe(depth, nodes, draft_s)
         for request, draft, result in zip(requests, drafts, results):
             if len(draft):
-                mine = self.alphas.setdefault(request.request_id, list(self.global_alphas))
-                self._update(mine, len(draft), result.num_accepted)
-                self._update(self.global_alphas, len(draft), result.num_accepted)
+                self._learn_depth(len(draft), len(draft.nodes_per_depth()))
+                self._update(self.alphas.setdefault(request.request_id, list(self.global_alphas)), len(draft.nodes_per_depth()), result.num_accepted)
+                self._update(self.global_alphas, len(draft.nodes_per_depth()), result.num_accepted)
+        self._account(batch, sum(len(r.tokens) for r in results), draft_s + verify_s, nodes > 0)
 
     def release(self, request) -> None:
         self.alphas.pop(request.request_id, None)
-        self.idle_steps.pop(request.request_id, None)
+        self._plan.pop(request.request_id, None)
 
-    def _update(self, alphas: list[float], k: int, accepted: int) -> None:
-        for j in range(min(k, accepted + 1, self.max_k)):  # positions up to the first rejection were observed
-            alphas[j] = self._blend(alphas[j], 1.0 if j < accepted else 0.0)
+    def metrics(self) -> dict:
+        """Decisions and predicted / realised speedups (for the server's /metrics and the RL loop)."""
+        s = self.stats
+        spec = max(s["speculative_steps"], 1)
+        return {
+            "steps": s["steps"], "speculative_steps": s["speculative_steps"], "probes": s["probes"], "switches": s["switches"],
+            "speculating": self.on, "budget_histogram": dict(s["budget_hist"]),
+            "predicted_speedup_mean": s["predicted_sum"] / spec if s["speculative_steps"] else 1.0,
+            "realised_speedup_mean": s["realised_sum"] / spec if s["speculative_steps"] else 1.0,
+            "realised_speedup_overall": s["plain_equiv_s"] / s["actual_s"] if s["actual_s"] else 1.0,
+            "acceptance_per_position": [round(a, 4) for a in self.global_alphas],
+            "draft_cost": asdict(self.draft.current),
+            "last": dict(s["last"]),
+        }
 
-    def _blend(self, old: float | None, new: float) -> float:
-        return new if old is None else (1 - self.ema) * old + self.ema * new
+    # ---- prediction -------------------------------------------------------------------------------
+    def _rate(self, requests, budget: int, context: int) -> float:
+        """Predicted tokens per second of the whole batch if every request drafts `budget` nodes."""
+        batch = len(requests)
+        depth = self._depth(budget)
+        tokens = sum(expected_tokens_per_step(self.alphas.get(r.request_id, self.global_alphas), min(depth, _remaining(r)))
+                     for r in requests)
+        seconds = self.draft.seconds(depth, batch * budget) + self.forward.predict(batch, 1 + budget, context)
+        return tokens / seconds
 
-    def _verify_costs(self) -> list[float]:
-        """Measured verify ms per k; unmeasured k extrapolated from the nearest measured one (prior slope)."""
-        known = [(k, ms) for k, ms in enumerate(self.verify_ms) if ms is not None]
-        if not known:
-            return [1.0 + self.slope * k for k in range(self.max_k + 1)]
-        costs = []
-        for k, ms in enumerate(self.verify_ms):
-            if ms is None:
-                near_k, near_ms = min(known, key=lambda kv: abs(kv[0] - k))
-                ms = near_ms * (1 + self.slope * k) / (1 + self.slope * near_k)
-            costs.append(ms)
-        return costs
+    def _depth(self, budget: int) -> int:
+        if budget <= self.max_k and budget not in self.depth_of:
+            return budget  # a chain until the drafter shows a tree
+        return min(self.max_k, max(1, round(self.depth_of.get(budget, self.max_k)))) if budget else 0
+
+    def _decide(self, best: int, predicted: float, rates: list[float]) -> int:
+        """Hysteresis on / off (predicted = best speculative rate / plain rate), then probes while off;
+        returns this step's budget."""
+        wants_change = predicted < 1 - OFF_MARGIN if self.on else predicted >= 1 + ON_MARGIN
+        self._streak = self._streak + 1 if wants_change else 0
+        if self._streak >= PATIENCE:
+            self.on, self._streak = not self.on, 0
+            self.stats["switches"] += 1
+        if self.on:
+            return best
+        self._idle += 1
+        probe = min(3, self.max_nodes)
+        if self._idle % self._probe_interval(rates, probe) == 0:
+            self.stats["probes"] += 1
+            return probe
+        return 0
+
+    def _probe_interval(self, rates: list[float], probe: int) -> int:
+        """Plain steps between probes so that a probe's extra time is <= PROBE_BUDGET of plain time."""
+        extra = max(1.0 / rates[probe] - 1.0 / rates[0], 0.0) * rates[0]  # probe step time / plain step time - 1
+        return max(8, math.ceil(extra / PROBE_BUDGET))
+
+    # ---- learning ---------------------------------------------------------------------------------
+    def _update(self, alphas: list[float], depth: int, accepted: int) -> None:
+        for j in range(min(depth, accepted + 1, self.max_k)):  # depths up to the first rejection were observed
+            alphas[j] = (1 - self.ema) * alphas[j] + self.ema * (1.0 if j < accepted else 0.0)
+
+    def _learn_depth(self, budget: int, depth: int) -> None:
+        old = self.depth_of.get(budget)
+        self.depth_of[budget] = depth if old is None else (1 - self.ema) * old + self.ema * depth
+
+    def _account(self, batch: int, emitted: int, seconds: float, speculated: bool) -> None:
+        s = self.stats
+        s["steps"] += 1
+        if self._pending is None:
+            return
+        budget, predicted, plain_s = self._pending
+        self._pending = None
+        plain_equiv = emitted / batch * plain_s
+        s["plain_equiv_s"] += plain_equiv
+        s["actual_s"] += seconds
+        s["budget_hist"][budget] = s["budget_hist"].get(budget, 0) + 1
+        realised = plain_equiv / seconds if seconds > 0 else 1.0
+        if speculated:
+            s["speculative_steps"] += 1
+            s["predicted_sum"] += predicted
+            s["realised_sum"] += realised
+        s["last"] = {"batch": batch, "budget": budget, "predicted_speedup": round(predicted, 4), "realised_speedup": round(realised, 4)}
+
+
+def _remaining(request) -> int:
+    """Draft tokens this request can still use (the engine caps budgets the same way)."""
+    return max(0, request.params.max_tokens - len(request.output_ids) - 1)
+
+
+def _prior_machine():
+    """This CPU's preset as the roofline prior when no calibration exists (refitted online)."""
+    from tandem.sim.hardware import preset
+    from tandem.sim.roofline import Machine
+
+    cpu = preset("cpu")
+    return Machine("cpu-prior", cpu.memory_bandwidth, cpu.flops("fp32"), overhead_s=0.005, source=cpu.source)
+
+
+def AdaptiveDraftLength(max_k: int, **kwargs) -> SpeculationController:
+    """The former adaptive-k policy's name: a controller with an online-measured cost model."""
+    return SpeculationController(max_k, **kwargs)

@@ -43,7 +43,7 @@ class Engine:
         self.model = model
         self.config = config
         self.drafter = drafter
-        self.draft_policy = draft_policy  # chooses k per request (tandem.engine.control); None = drafter's own k
+        self.draft_policy = draft_policy  # plan(requests) / choose_k per request (tandem.engine.control); None = drafter's own k
         self.max_model_len = min(config.max_model_len or model.cfg.max_position, model.cfg.max_position)
         draft_room = (drafter.max_nodes if drafter is not None else 0) + 1
         device = model.embed.weight.device
@@ -176,7 +176,9 @@ class Engine:
             return [DraftTree.empty() for _ in requests]
         budgets = [max(0, r.params.max_tokens - len(r.output_ids) - 1) for r in requests]
         if self.draft_policy is not None:
-            budgets = [min(b, self.draft_policy.choose_k(r)) for b, r in zip(budgets, requests)]
+            plan = getattr(self.draft_policy, "plan", None)  # batch-aware policies decide once per step
+            chosen = plan(requests) if plan is not None else [self.draft_policy.choose_k(r) for r in requests]
+            budgets = [min(b, k) for b, k in zip(budgets, chosen)]
         return self.drafter.propose(requests, budgets)
 
     def _verify_inputs(self, requests: list[Request], drafts: list[DraftTree], starts: list[int]):

@@ -63,14 +63,14 @@ def fit_machine(work: ModelWork, timings: list[Timing], name: str = "fitted") ->
 def _solve_split(data: np.ndarray, weights: np.ndarray, split: int, name: str) -> Machine | None:
     mem = np.arange(len(data)) < split
     design = np.stack([np.ones(len(data)), data[:, 2], np.where(mem, data[:, 0], 0.0), np.where(mem, 0.0, data[:, 1])], axis=1)
-    coef = _nnls(design * weights[:, None], data[:, 3] * weights)
+    coef = nonneg_least_squares(design * weights[:, None], data[:, 3] * weights)
     if coef is None or coef[2] <= 0:
         return None  # bandwidth must be finite: decoding always reads the weights
     peak = 1.0 / coef[3] if coef[3] > 0 else UNBOUNDED_PEAK
     return Machine(name, bandwidth=float(1.0 / coef[2]), peak_flops=float(peak), overhead_s=float(coef[0]), per_token_s=float(coef[1]))
 
 
-def _nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray | None:
+def nonneg_least_squares(a: np.ndarray, b: np.ndarray) -> np.ndarray | None:  # a [N, P], b [N]
     """Exact non-negative least squares for a handful of columns: best feasible subset solution."""
     best, best_res = None, math.inf
     cols = a.shape[1]

@@ -1,9 +1,26 @@
-"""Adaptive draft length: picks long drafts when acceptance is high and drafting cheap, k = 0 otherwise."""
+"""The speculation controller: off when compute-bound, on when memory-bound, hysteresis, the tail of a
+shrinking batch, learning acceptance and drafter costs from what the engine measures."""
+import random
 from types import SimpleNamespace
 
-from tandem.engine.control import AdaptiveDraftLength
+from tandem.engine.control import AdaptiveDraftLength, SpeculationController, PATIENCE
+from tandem.engine.costs import DraftCostModel, ForwardCost, UNIT_WORK
 from tandem.ops.cost import best_draft_length, expected_tokens_per_step
+from tandem.sim.roofline import Machine, ModelWork, forward_seconds
+from tandem.sim.speculative import DraftCost
 from tandem.types import DraftTree, VerifyResult
+
+# a 1 GB model on a 10 GB/s, 100 GFLOP/s machine: ridge 10 FLOP/B -> 5 tokens per forward (2 FLOP/param)
+WORK = ModelWork("toy", dense_params=0.5e9, bytes_per_param=2.0, kv_bytes_per_token=0.0, attn_flops_per_token_ctx=0.0)
+MACHINE = Machine("toy", bandwidth=10e9, peak_flops=100e9, overhead_s=0.01)
+
+
+def req(i, context=64, max_tokens=1000):
+    return SimpleNamespace(request_id=f"r{i}", all_ids=list(range(context)), params=SimpleNamespace(max_tokens=max_tokens), output_ids=[])
+
+
+def controller(max_k=4, acceptance=0.8, draft=DraftCost()):
+    return SpeculationController(max_k, ForwardCost(WORK, MACHINE), DraftCostModel(draft), prior_acceptance=acceptance)
 
 
 def test_expected_tokens():
@@ -14,31 +31,111 @@ def test_expected_tokens():
 
 def test_best_k_follows_acceptance_and_costs():
     verify = [10.0, 11.0, 12.0, 13.0, 14.0]
-    assert best_draft_length([0.9] * 4, 0.1, verify) == 4  # cheap drafts, high acceptance
-    assert best_draft_length([0.1] * 4, 0.1, verify) == 0  # almost nothing accepted
-    assert best_draft_length([0.9] * 4, 20.0, verify) == 0  # drafting costs more than it saves
+    assert best_draft_length([0.9] * 4, 0.1, verify) == 4
+    assert best_draft_length([0.1] * 4, 0.1, verify) == 0
+    assert best_draft_length([0.9] * 4, 20.0, verify) == 0
 
 
-def feed(policy, request, k, accepted, draft_s, verify_s, times):
-    draft = DraftTree.chain(list(range(k)))
-    result = VerifyResult(list(range(accepted)), list(range(accepted + 1)), k, accepted == k)
-    for _ in range(times):
-        policy.observe([request], [draft], [result], draft_s, verify_s)
+def test_memory_bound_speculates_at_full_depth():
+    c = controller()
+    assert c.plan([req(0)]) == [4]  # 1 x 5 tokens is below the ridge: verifying 5 costs as much as 1
+    assert c.metrics()["last"] == {} and c.on
 
 
-def test_policy_turns_speculation_off_and_probes_rarely():
-    policy = AdaptiveDraftLength(max_k=4)
-    request = SimpleNamespace(request_id="r")
-    feed(policy, request, 4, 0, draft_s=0.1, verify_s=0.05, times=20)  # expensive drafts, all rejected
-    feed(policy, SimpleNamespace(request_id="plain"), 0, 0, draft_s=0.0, verify_s=0.04, times=5)
-    ks = [policy.choose_k(request) for _ in range(200)]
-    assert ks.count(0) >= 190  # probes cost <= 5 % of plain decoding time
-    assert 0 < ks.count(2) <= 10
+def test_compute_bound_turns_off_after_patience():
+    c = controller()
+    batch = [req(i) for i in range(32)]  # 32 x 5 = 160 tokens: 3.2x the cost of a plain step
+    plans = [c.plan(batch) for _ in range(PATIENCE + 5)]
+    assert all(p[0] > 0 for p in plans[: PATIENCE - 1])  # hysteresis: not on the first bad prediction
+    assert all(p == [0] * 32 for p in plans[PATIENCE:])
+    assert not c.on and c.stats["switches"] == 1
 
 
-def test_policy_drafts_long_when_everything_is_accepted():
-    policy = AdaptiveDraftLength(max_k=4)
-    request = SimpleNamespace(request_id="r")
-    feed(policy, request, 4, 4, draft_s=0.001, verify_s=0.05, times=20)
-    feed(policy, SimpleNamespace(request_id="plain"), 0, 0, draft_s=0.0, verify_s=0.04, times=5)
-    assert policy.choose_k(request) == 4
+def test_hysteresis_between_margins_keeps_the_state():
+    # a drafter cost that puts the predicted speedup at batch 1 between 0.98 and 1.05
+    fwd = ForwardCost(WORK, MACHINE)
+    plain = fwd.predict(1, 1, 64)
+    tokens = expected_tokens_per_step([0.8] * 4, 4)
+    draft_s = tokens * plain / 1.02 - fwd.predict(1, 5, 64)  # predicted = 1.02 at k = 4
+    for start_on in (True, False):
+        c = SpeculationController(4, ForwardCost(WORK, MACHINE), DraftCostModel(DraftCost(fixed_s=draft_s)), prior_acceptance=0.8)
+        c.on = start_on
+        plans = [c.plan([req(0)])[0] for _ in range(50)]
+        assert c.on is start_on and c.stats["switches"] == 0
+        if not start_on:
+            assert 0 < sum(1 for k in plans if k) <= 50 * 0.2  # only probes
+
+
+def test_tail_of_a_shrinking_batch_turns_speculation_on():
+    c = controller()
+    batch = [req(i) for i in range(32)]
+    for _ in range(PATIENCE):
+        c.plan(batch)
+    assert not c.on
+    decisions = []
+    while batch:
+        decisions.append((len(batch), c.plan(batch)[0]))
+        batch = batch[: len(batch) // 2] if len(batch) > 1 else []
+    assert decisions[0] == (32, 0)
+    assert c.on and decisions[-1][1] == 4  # batch 1: memory-bound, speculating again
+
+
+def run_synthetic(c, steps, acceptance, draft_fn, verify_fn, batch=1, seed=0):
+    """Drive the controller like the engine: plan -> draft (chain) -> Bernoulli acceptance -> observe."""
+    rng = random.Random(seed)
+    requests = [req(i) for i in range(batch)]
+    ks = []
+    for _ in range(steps):
+        plan = c.plan(requests)
+        drafts, results = [], []
+        for k in plan:
+            accepted = 0
+            while accepted < k and rng.random() < acceptance[accepted]:
+                accepted += 1
+            drafts.append(DraftTree.chain(list(range(k))))
+            results.append(VerifyResult(list(range(accepted)), list(range(accepted + 1)), k, accepted == k))
+        depth = max(plan)
+        c.observe(requests, drafts, results, draft_fn(depth), verify_fn(batch, 1 + depth))
+        ks.append(depth)
+    return ks
+
+
+def test_self_draft_that_pays_stays_on():
+    """Regression (issue 13): self_draft at k = 4 ran 1.15x plain, the old controller turned it off.
+    True costs here: plain 59 ms, verify of 5 tokens 70 ms, drafting (1 + k) x 12 ms (catch-up + k),
+    acceptance 0.9 per position: k = 4 emits 4.1 tokens per 130 ms = 1.86x plain."""
+    c = SpeculationController(4)  # no calibration: online-measured model from a generic prior
+    verify = lambda b, t: 0.059 + 0.00275 * (t - 1)  # noqa: E731
+    ks = run_synthetic(c, 300, [0.9] * 4, lambda d: 0.012 * (1 + d) if d else 0.0, verify)
+    assert sum(k >= 3 for k in ks[50:]) >= 0.9 * 250  # k = 4 is never tried: its cost is extrapolated
+    m = c.metrics()
+    assert m["speculative_steps"] >= 270 and m["predicted_speedup_mean"] > 1.3 and m["realised_speedup_mean"] > 1.3
+
+
+def test_drafter_that_never_pays_is_switched_off_and_probed_rarely():
+    c = AdaptiveDraftLength(max_k=4)
+    ks = run_synthetic(c, 400, [0.05] * 4, lambda d: 0.05 * d if d else 0.0, lambda b, t: 0.04 + 0.002 * t)
+    late = ks[100:]
+    assert sum(1 for k in late if k == 0) >= 0.9 * len(late)
+    assert 0 < sum(1 for k in late if k) <= 0.1 * len(late)
+    assert c.metrics()["acceptance_per_position"][0] < 0.3
+
+
+def test_release_forgets_the_request():
+    c = controller()
+    r = req(0)
+    c.plan([r])
+    c.observe([r], [DraftTree.chain([1, 2, 3, 4])], [VerifyResult([0], [1, 2], 4, False)], 0.0, 0.02)
+    assert "r0" in c.alphas
+    c.release(r)
+    assert "r0" not in c.alphas
+
+
+def test_online_refit_learns_the_forward_shape():
+    fwd = ForwardCost(UNIT_WORK, refit=True)
+    true = lambda b, t: forward_seconds(WORK, MACHINE, b, t, 64)  # noqa: E731
+    for _ in range(4):
+        for b, t in ((1, 1), (1, 5), (4, 1), (4, 5), (16, 5)):
+            fwd.observe(b, t, 64, true(b, t))
+    for b, t in ((2, 3), (8, 2), (32, 5)):
+        assert abs(fwd.predict(b, t, 64) / true(b, t) - 1) < 0.05

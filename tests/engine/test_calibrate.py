@@ -1,0 +1,77 @@
+"""Calibration: measure + fit on a tiny model, store per model + machine, load at controller start."""
+import dataclasses
+import time
+
+import pytest
+import torch
+
+from tandem.config import EngineConfig
+from tandem.drafters import build_drafter
+from tandem.engine.calibrate import CalibrationGrid, calibrate, calibration_path, fingerprint, fit_draft_cost, resolve_calibration
+from tandem.engine.control import SpeculationController
+from tandem.engine.engine import Engine
+from tandem.errors import InvalidParameterError
+from tandem.sim.calibration import load_calibration, save_calibration
+from tandem.sim.speculative import DraftCost
+from tiny_helpers import GREEDY, load_packed, make_prompts, plain_outputs
+
+TINY_GRID = CalibrationGrid((1, 2), (1, 2, 4), (8,), 1, (1, 2), (1,))
+
+
+@pytest.fixture(scope="module")
+def record(tiny_dirs):
+    torch.set_num_threads(2)  # the fingerprint records the thread count; the autouse fixture sets 2 later
+    model = load_packed(tiny_dirs["llama"])
+    factory = lambda: build_drafter("ngram", target=model, num_draft_tokens=2)  # noqa: E731
+    return model, calibrate(model, "tiny", {"ngram": factory}, quick=True, grid=TINY_GRID)
+
+
+def test_record_has_fit_and_drafter_cost(record):
+    _, rec = record
+    assert rec.model == "tiny" and rec.fingerprint == fingerprint()
+    assert len(rec.measured["timings"]) == 2 * 3 * 1
+    assert rec.machine.bandwidth > 0 and rec.measured["fit_rms_rel_error"] >= 0
+    assert "ngram" in rec.drafters and rec.stale_reason(fingerprint()) is None
+
+
+def test_save_load_roundtrip_and_staleness(record, tmp_path):
+    _, rec = record
+    path = save_calibration(rec, tmp_path / "c.json")
+    assert load_calibration(path) == rec
+    other = dict(rec.fingerprint, cpu="another cpu")
+    assert "another machine" in rec.stale_reason(other)
+    old = dataclasses.replace(rec, created=time.time() - 90 * 86400)
+    assert "days old" in old.stale_reason(fingerprint())
+    with pytest.raises(InvalidParameterError):
+        load_calibration(tmp_path / "missing.json")
+
+
+def test_resolve_missing_falls_back_with_a_message(record, tmp_path, monkeypatch, capsys):
+    model, rec = record
+    monkeypatch.setenv("TANDEM_HOME", str(tmp_path))
+    drafter = build_drafter("ngram", target=model, num_draft_tokens=2)
+    assert resolve_calibration(model, drafter, None, "tiny", recalibrate=False) is None
+    assert "online-measured" in capsys.readouterr().err
+    save_calibration(rec, calibration_path("tiny"))
+    assert resolve_calibration(model, drafter, None, "tiny", recalibrate=False) == rec
+
+
+def test_fit_draft_cost_known_answer():
+    samples = [(d, n, 0.002 + 0.01 * d + 0.001 * n) for d, n in ((1, 1), (2, 2), (4, 4), (1, 4), (2, 8), (4, 16))] * 4
+    cost = fit_draft_cost(samples)
+    assert cost.fixed_s == pytest.approx(0.002, abs=1e-9) and cost.per_depth_s == pytest.approx(0.01, abs=1e-9)
+    assert cost.per_node_s == pytest.approx(0.001, abs=1e-9)
+
+
+def test_controller_from_calibration_keeps_greedy_identity(record, tiny_dirs):
+    model, rec = record
+    drafter = build_drafter("ngram", target=model, num_draft_tokens=4, max_batch=4, max_len=256)
+    policy = SpeculationController.for_engine(model, drafter, calibration=rec)
+    assert policy.forward.machine == rec.machine and policy.draft.current == rec.drafters["ngram"]
+    prompts = [p * 3 for p in make_prompts(4)]
+    engine = Engine(model, EngineConfig(max_batch_size=4, max_model_len=256), drafter=drafter, draft_policy=policy)
+    outs = [r.output_ids for r in engine.run(prompts, [GREEDY] * 4)]
+    assert outs == plain_outputs(model, prompts, [GREEDY] * 4)
+    m = policy.metrics()
+    assert m["steps"] > 0 and sum(m["budget_histogram"].values()) == m["steps"]
+    assert isinstance(DraftCost(**m["draft_cost"]), DraftCost)
