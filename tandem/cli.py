@@ -129,6 +129,9 @@ def _bench_commands(sub) -> None:
     from tandem.bench.serve import add_bench_serve_command
 
     add_bench_serve_command(bench)
+    from tandem.bench.batch import add_bench_batch_command
+
+    add_bench_batch_command(bench)
 
 
 def _bench_forward(args) -> int:
