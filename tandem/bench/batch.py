@@ -30,6 +30,7 @@ class BatchBenchConfig:
     max_tokens: int = 32
     prompts: str = "builtin"
     drafter_path: str | None = None
+    max_model_len: int = 512  # KV cache per request in every runner
 
     def __post_init__(self) -> None:
         if not self.batch_sizes or min(self.batch_sizes) < 1 or not self.ks or min(self.ks) < 1 or self.max_tokens < 2:
@@ -39,8 +40,12 @@ class BatchBenchConfig:
 def run_batch_bench(config: BatchBenchConfig, calibration: Calibration | None = None) -> dict:
     from tandem.llm import LLM
 
-    base = LLM(model=config.model, max_batch_size=max(config.batch_sizes))
+    # every runner holds a KV cache of max batch x max_model_len: keep it small (prompts that don't fit are skipped)
+    base = LLM(model=config.model, max_batch_size=max(config.batch_sizes), max_model_len=config.max_model_len)
     prompts = render_chat(interleave_domains(load_prompts(config.prompts, split="test" if config.prompts == "builtin" else "all")), base.tokenizer)
+    prompts = [p for p in prompts if len(p) + config.max_tokens < config.max_model_len]
+    if not prompts:
+        raise InvalidParameterError(f"no prompt fits max_model_len {config.max_model_len} with {config.max_tokens} new tokens")
     runners = {"plain": base}
     for name in config.drafters:
         for k in config.ks:
