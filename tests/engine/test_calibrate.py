@@ -75,3 +75,15 @@ def test_controller_from_calibration_keeps_greedy_identity(record, tiny_dirs):
     m = policy.metrics()
     assert m["steps"] > 0 and sum(m["budget_histogram"].values()) == m["steps"]
     assert isinstance(DraftCost(**m["draft_cost"]), DraftCost)
+
+
+def test_llm_adaptive_k_uses_the_controller(tiny_llama, tmp_path, monkeypatch, capsys):
+    from tandem.llm import LLM
+
+    monkeypatch.setenv("TANDEM_HOME", str(tmp_path))
+    llm = LLM(tiny_llama, drafter="ngram", adaptive_k=True, max_model_len=128, max_batch_size=2)
+    assert isinstance(llm.engine.draft_policy, SpeculationController)
+    assert "online-measured" in capsys.readouterr().err  # no calibration stored for this model here
+    prompt = make_prompts(1)[0] * 3
+    assert llm.generate([prompt], GREEDY)[0].token_ids == plain_outputs(llm.target, [prompt], [GREEDY])[0]
+    assert llm.engine.draft_policy.metrics()["steps"] > 0
