@@ -27,7 +27,7 @@ from tandem.errors import InvalidParameterError, TandemError
 from tandem.flywheel.buffer import TraceBuffer
 from tandem.flywheel.objective import flywheel_loss
 from tandem.flywheel.weights import WeightStore, WeightVersion
-from tandem.models.eagle import EagleHead, load_eagle, save_eagle
+from tandem.models.eagle import EagleHead, copy_head, load_eagle, save_eagle
 
 OPTIMIZER_FILE = "optimizer.safetensors"
 STATE_FILE = "trainer.json"
@@ -237,9 +237,7 @@ def target_lm_rows(target, head: EagleHead) -> torch.Tensor:  # [Vd, d]: the tar
 
 def trainer_copy(head: EagleHead) -> EagleHead:
     """A separate, trainable copy of a served head (the served one is only ever written by hot-swaps)."""
-    copy = EagleHead(head.cfg, head.embed_weight, head.draft_to_target.clone())
-    copy.load_state_dict(head.state_dict())
-    return copy
+    return copy_head(head)
 
 
 def wait_for(predicate, timeout: float, poll: float = 0.01) -> bool:

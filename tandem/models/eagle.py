@@ -385,9 +385,14 @@ def save_eagle(head: EagleHead, out_dir: str | Path, dtype: torch.dtype | None =
     """Save a head; `dtype=torch.float16` halves the file (loading casts back to fp32)."""
     if dtype is None:
         return save_head_files(out_dir, head, CONFIG_FILE, dataclasses.asdict(head.cfg), _derived_keys(head.cfg))
-    copy = EagleHead(head.cfg, head.embed_weight, head.draft_to_target, _full_lm_head(head))
-    copy.load_state_dict({k: v.to(dtype) if v.is_floating_point() else v for k, v in head.state_dict().items()})
-    return save_head_files(out_dir, copy.to(dtype), CONFIG_FILE, dataclasses.asdict(head.cfg), _derived_keys(head.cfg))
+    return save_head_files(out_dir, copy_head(head).to(dtype), CONFIG_FILE, dataclasses.asdict(head.cfg), _derived_keys(head.cfg))
+
+
+def copy_head(head: EagleHead) -> EagleHead:
+    """An independent copy (own parameters and buffers; the target embedding stays shared)."""
+    copy = EagleHead(head.cfg, head.embed_weight, head.draft_to_target.clone(), _full_lm_head(head))
+    copy.load_state_dict(head.state_dict())
+    return copy
 
 
 def _full_lm_head(head: EagleHead) -> torch.Tensor | None:  # [V, d] with the draft rows in place (enough to rebuild a shared head)

@@ -164,3 +164,14 @@ def test_exported_head_is_found_for_its_target_and_a_tampered_one_refused(target
     weights.write_bytes(weights.read_bytes()[:-8] + b"\0" * 8)
     with pytest.raises(ModelLoadError, match="sha256"):
         eagle_module.shipped_eagle_path(target.cfg)
+
+
+def test_a_copy_of_a_shared_head_trains_without_touching_the_original(target):
+    from tandem.flywheel.trainer import trainer_copy
+
+    head = head_for(target, shared=True)
+    copy = trainer_copy(head)
+    assert torch.equal(copy.lm_head.weight, head.lm_head.weight) and not copy.lm_head.weight.requires_grad
+    with torch.no_grad():
+        copy.fc.weight.add_(1.0)
+    assert not torch.equal(copy.fc.weight, head.fc.weight)
