@@ -276,9 +276,9 @@ def _train(args) -> int:
 def _demo_command(sub) -> None:
     p = sub.add_parser("demo", help="the main job: plain decoding vs the flywheel on a domain-shifting stream")
     p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--requests", type=int, default=40)
-    p.add_argument("--block", type=int, default=8, help="requests per domain block")
-    p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--requests", type=int, default=30)
+    p.add_argument("--block", type=int, default=6, help="requests per domain block")
+    p.add_argument("--max-tokens", type=int, default=40)
     p.add_argument("--batch", type=int, default=1, help="requests in flight")
     p.add_argument("--out", default="out", help="directory for the plot")
     p.set_defaults(func=_demo)

@@ -36,7 +36,7 @@ def demo_heads(target, draft_vocab: int = 8192, seed: int = 0) -> tuple[dict, st
     return {"static": scratch_head(target, draft_vocab, seed)}, "untrained day-0 EAGLE head (fallback: no shipped head yet)"
 
 
-def run_demo(model: str, requests: int = 40, block: int = 8, max_tokens: int = 48, out_dir: str = "out", batch: int = 1) -> dict:
+def run_demo(model: str, requests: int = 30, block: int = 6, max_tokens: int = 40, out_dir: str = "out", batch: int = 1) -> dict:
     import torch
 
     from tandem.bench.shift import ShiftConfig, build_stream, prompt_key
