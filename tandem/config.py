@@ -59,6 +59,7 @@ class EngineConfig:
     record_steps: bool = False  # StepRecords carry target probs / hidden states (the flywheel needs them)
     record_topk: int = 8  # detailed records keep the top-k of the target's distribution per read position (0 = none)
     hidden_taps: tuple[int, ...] = field(default_factory=tuple)  # target layers whose hidden states are kept
+    compile: bool = False  # torch.compile the decode / verify forward (tandem.models.compiled); eager where no compiler
 
     def __post_init__(self) -> None:
         _check(isinstance(self.max_batch_size, int) and self.max_batch_size >= 1, f"max_batch_size must be >= 1, got {self.max_batch_size!r}")

@@ -50,6 +50,7 @@ class LLM:
         device: str = "cpu",
         num_threads: int | None = None,
         pack_weights: bool = True,
+        compile: bool = False,
     ):
         if dtype not in DTYPES:
             raise InvalidParameterError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
@@ -63,7 +64,8 @@ class LLM:
             self.target.pack()
         self.device = device
         max_len = min(max_model_len or DEFAULT_MAX_MODEL_LEN, self.target.cfg.max_position)
-        self.config = EngineConfig(max_batch_size=max_batch_size, max_model_len=max_len, num_threads=num_threads, pack_weights=pack_weights)
+        self.config = EngineConfig(max_batch_size=max_batch_size, max_model_len=max_len, num_threads=num_threads, pack_weights=pack_weights,
+                                   compile=compile)
         self.engine = self._make_engine(drafter, num_draft_tokens, drafter_model, drafter_path, adaptive_k)
 
     def _make_engine(self, drafter, num_draft_tokens, drafter_model, drafter_path, adaptive_k) -> Engine:

@@ -9,6 +9,7 @@ Token ids only: detokenization and stop strings live at the edge (tandem.llm).
 from __future__ import annotations
 
 import itertools
+import sys
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from tandem.engine.request import FinishReason, Request
 from tandem.engine.stats import EngineStats, add_position_counts
 from tandem.engine.policy_update import copy_named_, validate_named_tensors
 from tandem.errors import InvalidParameterError, PolicyUpdateError, PromptTooLongError
+from tandem.models.compiled import CompiledForward
 from tandem.models.kv_cache import KVCache
 from tandem.models.transformer import Transformer
 from tandem.ops import tree as tree_ops
@@ -28,6 +30,10 @@ from tandem.ops.sampling import draw_uniform, sampling_probs, token_logprobs
 from tandem.ops.verify import verify_greedy, verify_tree
 from tandem.engine.records import build_prefill_record, build_step_record
 from tandem.types import DraftTree, StepRecord
+
+
+def _progress(message: str) -> None:
+    print(f"[tandem] {message}", file=sys.stderr, flush=True)
 
 
 @dataclass
@@ -56,8 +62,16 @@ class Engine:
         self.eos_ids = set(model.cfg.eos_token_ids)
         drafter_taps = tuple(drafter.taps) if drafter is not None else ()
         self.taps = tuple(sorted(set(config.hidden_taps) | set(drafter_taps)))  # target layers returned by every forward
+        self.compiled = self._compile(draft_room) if config.compile else None  # decode / verify forward; None = eager
         self._ids = itertools.count()
         self.target_version = 0  # policy version of the target's weights (update_target)
+
+    def _compile(self, draft_room: int) -> CompiledForward:
+        """The compiled forward, warmed up for batch 1 at the shapes this drafter's steps use (a progress line
+        per shape); other shapes compile on first use."""
+        compiled = CompiledForward(self.model, self.cache, self.taps, progress=_progress)
+        compiled.warmup(batches=(1,), tokens=tuple(sorted({1, min(draft_room, compiled.max_tokens)})), cache_lens=(0,))
+        return compiled
 
     # ---- requests -------------------------------------------------------------------------------
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -147,7 +161,10 @@ class Engine:
         t1 = time.perf_counter()
         starts = [int(self.cache.lengths[r.row]) for r in requests]
         ids, positions, mask = self._verify_inputs(requests, drafts, starts)
-        out = self.model(ids, positions=positions, cache=self.cache, rows=slice(0, len(requests)), tree_mask=mask, taps=self.taps)
+        if self.compiled is not None:
+            out = self.compiled(ids, positions, mask)
+        else:
+            out = self.model(ids, positions=positions, cache=self.cache, rows=slice(0, len(requests)), tree_mask=mask, taps=self.taps)
         outputs, results = [], []
         for b, (request, draft) in enumerate(zip(requests, drafts)):
             logits = out.logits[b, : len(draft) + 1]

@@ -90,8 +90,21 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None and not torch.is_grad_enabled():
             bias = None if self.bias is None else self.bias.detach()
+            if torch.compiler.is_compiling():  # an opaque call: inductor lowers mkldnn linears only for frozen constants
+                return torch.ops.tandem.linear_packed(x, self.packed, bias)
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
         return F.linear(x, self.dense_weight(), self.bias)
+
+
+@torch.library.custom_op("tandem::linear_packed", mutates_args=())
+def linear_packed(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:  # [..., out]
+    """x @ W^T + b with W in oneDNN's prepacked layout (what compiled graphs call)."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+@linear_packed.register_fake
+def _linear_packed_fake(x, packed, bias):
+    return x.new_empty((*x.shape[:-1], packed.shape[0]))
 
 
 def pack_linears(module: nn.Module, batch_hint: int, keep_dense: bool = True) -> None:
@@ -173,6 +186,18 @@ class Attention(nn.Module):
     ) -> torch.Tensor:  # [B, T, hidden]
         cfg = self.cfg
         b, t, _ = x.shape
+        q, k, v = self.project_qkv(x, cos, sin)
+        keys, values = self._keys_values(k, v, cache, batch)  # [B, Hkv, S, D]
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), keys, values, attn_mask=batch.mask, is_causal=batch.is_causal,
+            enable_gqa=cfg.num_heads != cfg.num_kv_heads,
+        )  # [B, H, T, D]
+        return self.o(out.transpose(1, 2).reshape(b, t, cfg.q_size))
+
+    def project_qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """q [B, T, H, D], k and v [B, T, Hkv, D]: projected, (q/k-normed,) rotated."""
+        cfg = self.cfg
+        b, t, _ = x.shape
         heads = cfg.num_heads + cfg.num_kv_heads
         qk, v = self.qkv(x).split([cfg.q_size + cfg.kv_size, cfg.kv_size], dim=-1)
         qk = qk.view(b, t, heads, cfg.head_dim)
@@ -181,12 +206,7 @@ class Attention(nn.Module):
             q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=2)
             qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=2)
         q, k = apply_rope(qk, cos, sin).split([cfg.num_heads, cfg.num_kv_heads], dim=2)  # rope on q and k at once
-        keys, values = self._keys_values(k, v, cache, batch)  # [B, Hkv, S, D]
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), keys, values, attn_mask=batch.mask, is_causal=batch.is_causal,
-            enable_gqa=cfg.num_heads != cfg.num_kv_heads,
-        )  # [B, H, T, D]
-        return self.o(out.transpose(1, 2).reshape(b, t, cfg.q_size))
+        return q, k, v
 
     def _keys_values(self, k: torch.Tensor, v: torch.Tensor, cache: KVCache | None, batch: AttentionBatch):
         if cache is None:
@@ -276,6 +296,22 @@ class Transformer(nn.Module):
         batch = build_attention_batch(cache, rows, t, tree_mask, b, input_ids.device)
         if positions is None:
             positions = batch.write_slots.to(input_ids.device)
+        out = self.forward_batch(input_ids, positions, cache, batch, taps, last_only)
+        if cache is not None:
+            cache.lengths[batch.rows] += t
+        return out
+
+    def forward_batch(
+        self,
+        input_ids: torch.Tensor,  # [B, T]
+        positions: torch.Tensor,  # [B, T]
+        cache: KVCache | None,
+        batch: AttentionBatch,
+        taps: tuple[int, ...] = (),
+        last_only: bool = False,
+    ) -> ForwardOutput:
+        """The forward proper, metadata given; writes K/V into the cache but leaves `cache.lengths` alone
+        (what the compiled path traces: no host syncs, no Python-side state changes)."""
         cos, sin = self._rope(positions)
         x = self.embed(input_ids)
         tapped = {}
@@ -283,8 +319,6 @@ class Transformer(nn.Module):
             x = block(x, cos, sin, cache, batch)
             if i in taps:
                 tapped[i] = x
-        if cache is not None:
-            cache.lengths[batch.rows] += t
         x = self.norm(x)
         logits = self.lm_head(x[:, -1:] if last_only else x)
         return ForwardOutput(logits.float(), tuple(tapped[i] for i in taps), x)
