@@ -7,6 +7,8 @@ engine loop keeps serving everyone else.
 """
 from __future__ import annotations
 
+import time
+
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -155,14 +157,17 @@ async def _serve(runtime: Runtime, request: Request, body, prompts: list[list[in
 
 async def _wait(request: Request, generation: Generation) -> None:
     """Fold events until every choice finished; abort the rest if the client disconnects."""
+    next_check = time.monotonic() + DISCONNECT_POLL_S
     try:
         while not generation.finished:
             event = await generation.next_event(DISCONNECT_POLL_S)
             if event is not None:
                 generation.apply(event)
-            elif await request.is_disconnected():
-                generation.abort()
-                return
+            if time.monotonic() >= next_check:  # also while tokens flow: a busy stream never times out
+                next_check = time.monotonic() + DISCONNECT_POLL_S
+                if await request.is_disconnected():
+                    generation.abort()
+                    return
     finally:
         if not generation.finished:
             generation.abort()

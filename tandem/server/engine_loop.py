@@ -1,7 +1,9 @@
 """One thread owns the engine; HTTP handlers talk to it through a thread-safe inbox and per-request sinks.
 
-Requests join (`submit`) and leave (`abort`) between steps only: the loop drains the inbox, runs one
-step (`engine.step` or `flywheel.step`), and hands each request's new tokens to its sink. Sinks are
+Requests join (`submit`) and leave (`abort`) between steps only: the loop drains the inbox, admits
+requests from its backlog into free batch rows within a prompt-token budget per step (so one step does
+not prefill a whole burst while the running requests and the first arrivals wait for all of it), runs
+one step (`engine.step` or `flywheel.step`), and hands each request's new tokens to its sink. Sinks are
 called on the engine thread and must not block (the server's sinks do `loop.call_soon_threadsafe`).
 An exception inside a step fails the requests that step was running (their sinks get an error event,
 their cache rows are freed) and the loop carries on with the next step.
@@ -12,6 +14,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -60,14 +63,17 @@ class _Entry:
 
 
 class EngineLoop:
-    def __init__(self, engine, step: Callable[[], list] | None = None, max_queue: int = 64, on_finish: Callable[[dict], None] | None = None):
+    def __init__(self, engine, step: Callable[[], list] | None = None, max_queue: int = 64, on_finish: Callable[[dict], None] | None = None,
+                 prefill_tokens_per_step: int = 512):
         self.engine = engine
         self.step = step or engine.step
+        self.prefill_tokens_per_step = prefill_tokens_per_step  # admission budget; one request is always admitted
         self.capacity = engine.config.max_batch_size + max_queue  # requests held at once (running + waiting)
         self.on_finish = on_finish  # called on the engine thread with each finished request's usage
         self.steps_failed = 0
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._entries: dict[str, _Entry] = {}  # engine thread only
+        self._entries: dict[str, _Entry] = {}  # engine thread only: requests in the engine
+        self._backlog: deque[tuple[Submission, Callable[[Event], None]]] = deque()  # engine thread only: not yet admitted
         self._held = 0  # requests submitted and not yet finished (guarded by _lock)
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -113,7 +119,8 @@ class EngineLoop:
     # ---- the engine thread -------------------------------------------------------------------------------
     def _run(self) -> None:
         while not self._stop.is_set():
-            self._drain(block=not self.engine.has_unfinished())
+            self._drain(block=not (self.engine.has_unfinished() or self._backlog))
+            self._admit()
             if not self.engine.has_unfinished():
                 continue
             try:
@@ -140,34 +147,55 @@ class EngineLoop:
 
     def _handle(self, kind: str, payload, sink) -> None:
         if kind == "add":
-            for i, sub in enumerate(payload):
-                if not self._add(sub, sink):
-                    self._release(len(payload) - i - 1)  # the rest of this submission is not queued either
-                    for other in payload[:i]:
-                        self._abort(other.request_id)
-                    return
+            self._queue_all(payload, sink)
         elif kind == "abort":
             for request_id in payload:
                 self._abort(request_id)
 
-    def _add(self, sub: Submission, sink) -> bool:
-        try:
-            self.engine.add_request(sub.prompt_ids, sub.params, request_id=sub.request_id)
-        except Exception as e:  # noqa: BLE001 - a request the handler's checks missed; tell its client
-            self._release(1)
-            _send(sink, Event(sub.index, [], True, "error", error=f"request rejected: {e}"))
-            return False
-        self._entries[sub.request_id] = _Entry(sink, sub.index, self.engine.waiting[-1])
-        return True
+    def _queue_all(self, subs: list[Submission], sink) -> None:
+        """Into the backlog, all choices or none (each is validated as the engine will)."""
+        for sub in subs:
+            try:
+                self.engine.validate(sub.prompt_ids, sub.params)
+            except Exception as e:  # noqa: BLE001 - a request the handler's checks missed; tell its client
+                self._release(len(subs))
+                for other in subs:
+                    _send(sink, Event(other.index, [], True, "error", error=f"request rejected: {e}"))
+                return
+        self._backlog.extend((sub, sink) for sub in subs)
+
+    def _admit(self) -> None:
+        """Move backlog requests into free batch rows, up to the prompt-token budget of one step."""
+        engine, budget, admitted = self.engine, self.prefill_tokens_per_step, 0
+        while self._backlog and len(engine.waiting) + len(engine.running) < engine.config.max_batch_size:
+            sub, sink = self._backlog[0]
+            if admitted and len(sub.prompt_ids) > budget:
+                return
+            self._backlog.popleft()
+            try:
+                engine.add_request(sub.prompt_ids, sub.params, request_id=sub.request_id)
+            except Exception as e:  # noqa: BLE001 - validated when queued; never let one request stop the loop
+                self._release(1)
+                _send(sink, Event(sub.index, [], True, "error", error=f"request rejected: {e}"))
+                continue
+            self._entries[sub.request_id] = _Entry(sink, sub.index, engine.waiting[-1])
+            budget -= len(sub.prompt_ids)
+            admitted += 1
 
     def _abort(self, request_id: str) -> None:
-        """Abort a request; its sink still gets a final "abort" event with the usage so far."""
+        """Abort a request; its sink still gets a final "abort" event (with the usage so far, if it ran)."""
         entry = self._entries.pop(request_id, None)
-        if entry is None:
+        if entry is not None:
+            self._release(1)
+            self.engine.abort(request_id)
+            _send(entry.sink, Event(entry.index, [], True, "abort", usage=self._usage(entry)))
             return
-        self._release(1)
-        self.engine.abort(request_id)
-        _send(entry.sink, Event(entry.index, [], True, "abort", usage=self._usage(entry)))
+        for item in self._backlog:
+            if item[0].request_id == request_id:
+                self._backlog.remove(item)
+                self._release(1)
+                _send(item[1], Event(item[0].index, [], True, "abort"))
+                return
 
     def _version(self) -> int:
         drafter = self.engine.drafter
@@ -209,6 +237,10 @@ class EngineLoop:
                 _send(entry.sink, Event(entry.index, [], True, "error", error=message))
 
     def _fail_all(self, message: str) -> None:
+        while self._backlog:
+            sub, sink = self._backlog.popleft()
+            self._release(1)
+            _send(sink, Event(sub.index, [], True, "error", error=message))
         for request_id in list(self._entries):
             entry = self._entries.pop(request_id)
             self._release(1)

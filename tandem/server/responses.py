@@ -63,11 +63,14 @@ async def stream(runtime, request, generation: Generation, chat: bool, include_u
             for i in range(len(generation.choices)):
                 started.add(i)
                 yield sse(_chunk(runtime, generation, chat, Delta(i, ""), first=True))
+        next_check = time.monotonic() + 0.5
         while not generation.finished:
             event = await generation.next_event(timeout=0.5)
-            if event is None:
+            if time.monotonic() >= next_check:  # besides Starlette's own watch, also while tokens flow
+                next_check = time.monotonic() + 0.5
                 if await request.is_disconnected():
                     return
+            if event is None:
                 continue
             delta = generation.apply(event)
             if delta is not None:

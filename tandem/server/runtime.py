@@ -39,6 +39,7 @@ class ServerConfig:
     max_queue: int = 64  # requests accepted beyond the running batch; more get 429
     max_model_len: int | None = None  # KV cache per request (None = LLM's default)
     max_body_bytes: int = DEFAULT_MAX_BODY
+    prefill_tokens_per_step: int = 512  # prompt tokens admitted per engine step (at least one request)
     threads: int | None = None
     trainer_threads: int = 1
     publish_every: int | None = None  # online: trainer steps per published version (None = the flywheel default)
@@ -75,7 +76,7 @@ class Runtime:
         self.flywheel = self._flywheel() if config.online else None
         self.control = DrafterControl.build(self.engine, self.flywheel, self.state_dir / "versions")
         step = self.flywheel.step if self.flywheel is not None else None
-        self.loop = EngineLoop(self.engine, step, config.max_queue)
+        self.loop = EngineLoop(self.engine, step, config.max_queue, prefill_tokens_per_step=config.prefill_tokens_per_step)
         self.metrics = ServerMetrics(self.engine, self.loop, self.control.swapper if self.control else None, self.flywheel)
         self.loop.on_finish = self.metrics.on_finish
         if self.flywheel is not None:
