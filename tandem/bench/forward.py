@@ -54,6 +54,66 @@ def forward_cost_ms(model: Transformer, ks=COST_KS, context: int = 64, reps: int
     return out
 
 
+def forward_cost_pair_ms(model: Transformer, ks=COST_KS, context: int = 64, reps: int = 15) -> dict[str, dict[int, float]]:
+    """Median ms of one cached forward over k new tokens, eager and compiled interleaved rep by rep."""
+    from tandem.models.compiled import CompiledForward
+
+    caches = {name: KVCache(model.cfg, 1, context + max(ks) + 1) for name in ("eager", "compiled")}
+    compiled = CompiledForward(model, caches["compiled"], progress=lambda m: print(f"[bench forward] {m}", flush=True))
+    run = {"eager": lambda ids, pos: model(ids, positions=pos, cache=caches["eager"]), "compiled": lambda ids, pos: compiled(ids, pos)}
+    gen = torch.Generator().manual_seed(0)
+    out: dict[str, dict[int, float]] = {"eager": {}, "compiled": {}}
+    with torch.inference_mode():
+        prompt = torch.randint(0, model.cfg.vocab_size, (1, context), generator=gen)
+        for cache in caches.values():
+            model(prompt, cache=cache)
+        for k in ks:
+            ids = torch.randint(0, model.cfg.vocab_size, (1, k), generator=gen)
+            pos = context + torch.arange(k).unsqueeze(0)
+            times: dict[str, list[float]] = {"eager": [], "compiled": []}
+            for _ in range(reps + 2):
+                for name in times:
+                    t = time.perf_counter()
+                    run[name](ids, pos)
+                    times[name].append(time.perf_counter() - t)
+                    caches[name].truncate(0, context)
+            for name in times:
+                out[name][k] = statistics.median(times[name][2:]) * 1000
+    return out
+
+
+def timed_engine(engine, tokenizer, prompt: str, max_tokens: int) -> tuple[float, list[int]]:
+    from tandem.config import SamplingParams
+
+    ids = tokenizer.encode(prompt, add_special_tokens=False)
+    t = time.perf_counter()
+    request = engine.run([ids], [SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)])[0]
+    return time.perf_counter() - t, request.output_ids
+
+
+def compiled_ar_comparison(llm, prompts: list[str], max_tokens: int, rounds: int = 2) -> dict:
+    """Batch-1 greedy tokens/s, eager vs compiled engines over the same target, interleaved prompt by prompt."""
+    from dataclasses import replace
+
+    from tandem.engine.engine import Engine
+
+    engines = {"eager": Engine(llm.target, replace(llm.config, compile=False)), "compiled": Engine(llm.target, replace(llm.config, compile=True))}
+    for engine in engines.values():
+        timed_engine(engine, llm.tokenizer, prompts[0], max_tokens)  # compiles the shapes this run reaches
+    totals = {name: [0.0, 0] for name in engines}
+    outputs: dict[str, list] = {name: [] for name in engines}
+    for _ in range(rounds):
+        for prompt in prompts:
+            for name, engine in engines.items():
+                seconds, ids = timed_engine(engine, llm.tokenizer, prompt, max_tokens)
+                totals[name][0] += seconds
+                totals[name][1] += len(ids)
+                outputs[name].append(ids)
+    rates = {name: n / s for name, (s, n) in totals.items()}
+    return {"eager_tokens_per_s": round(rates["eager"], 2), "compiled_tokens_per_s": round(rates["compiled"], 2),
+            "speedup": round(rates["compiled"] / rates["eager"], 3), "greedy_identical": outputs["eager"] == outputs["compiled"]}
+
+
 def timed_ours(llm, prompt: str, max_tokens: int) -> tuple[float, list[int]]:
     from tandem.config import SamplingParams
 
@@ -100,7 +160,7 @@ def ar_comparison(llm, hf, prompts: list[str], max_tokens: int, rounds: int = 2)
     return rates | {"greedy_matches_hf": matches if hf is not None else None}
 
 
-def run_forward_bench(model: str, max_tokens: int = 64, with_hf: bool = True, pack: bool = True) -> dict:
+def run_forward_bench(model: str, max_tokens: int = 64, with_hf: bool = True, pack: bool = True, compile: bool = False) -> dict:
     from tandem.llm import LLM
 
     rss_before = resident_mb()
@@ -124,6 +184,14 @@ def run_forward_bench(model: str, max_tokens: int = 64, with_hf: bool = True, pa
         "cost_ms": {k: round(v, 3) for k, v in cost.items()},
         "cost_ratio": {k: round(v / cost[1], 3) for k, v in cost.items()},
     }
+    if compile:
+        pair = forward_cost_pair_ms(llm.target, ks=(1, 2, 4, 5))
+        result["compiled"] = {
+            "ar": compiled_ar_comparison(llm, prompts, max_tokens),
+            "cost_ms": {name: {k: round(v, 3) for k, v in c.items()} for name, c in pair.items()},
+            "cost_ratio": {name: {k: round(v / c[1], 3) for k, v in c.items()} for name, c in pair.items()},
+            "forward_fraction_of_roofline": {name: round(weight_bytes / bandwidth / 1e9 * 1000 / c[1], 3) for name, c in pair.items()},
+        }
     if hf is not None:
         result |= {"hf_ar_tokens_per_s": round(rates["hf"], 2), "speedup_vs_hf": round(ours / rates["hf"], 3),
                    "greedy_matches_hf": rates["greedy_matches_hf"]}

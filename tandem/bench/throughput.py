@@ -1,0 +1,110 @@
+"""`tandem bench throughput`: many prompts served at once, tokens/s at a given concurrency.
+
+All prompts are queued at t = 0 and the engine keeps up to `concurrency` of them in flight (its batch
+path: one target forward per step over every running sequence; new requests are admitted as others
+finish). Greedy, EOS ignored, the same max_tokens for all, so every runner does the same work. With
+`compile` the same prompts also run on the compiled forward, runner after runner over one loaded target.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, replace
+
+from tandem.bench.machine import machine_info
+from tandem.bench.prompts import load_prompts, render_chat
+from tandem.config import SamplingParams
+from tandem.errors import InvalidParameterError
+
+
+@dataclass(frozen=True)
+class ThroughputConfig:
+    model: str = "smollm2-135m"
+    prompts: str = "builtin"  # "builtin" or a JSONL file of {"domain", "prompt"}
+    num_prompts: int = 60
+    concurrency: int = 8  # requests in flight (the engine's max_batch_size)
+    max_tokens: int = 64
+    max_model_len: int = 512
+    compile: bool = False  # also run on the compiled forward
+    drafter: str | None = None  # e.g. "ngram": speculative decoding in the batch
+
+    def __post_init__(self) -> None:
+        if self.num_prompts < 1 or self.concurrency < 1 or self.max_tokens < 1:
+            raise InvalidParameterError("num_prompts, concurrency and max_tokens must be >= 1")
+
+
+def run_throughput_bench(cfg: ThroughputConfig) -> dict:
+    from tandem.engine.engine import Engine
+    from tandem.llm import LLM
+
+    llm = LLM(model=cfg.model, max_batch_size=cfg.concurrency, max_model_len=cfg.max_model_len, drafter=cfg.drafter)
+    prompts = load_prompts(cfg.prompts)[: cfg.num_prompts]
+    if not prompts:
+        raise InvalidParameterError(f"no prompts in {cfg.prompts}")
+    ids = [p[: cfg.max_model_len - cfg.max_tokens] for p in render_chat(prompts, llm.tokenizer)]
+    runners = {"eager": llm.engine}
+    if cfg.compile:
+        runners["compiled"] = Engine(llm.target, replace(llm.config, compile=True), drafter=llm.engine.drafter, draft_policy=llm.engine.draft_policy)
+    params = SamplingParams(max_tokens=cfg.max_tokens, temperature=0.0, ignore_eos=True)
+    results, outputs = {}, {}
+    for name, engine in runners.items():
+        results[name], outputs[name] = serve_all(engine, ids, params)
+    result = {"model": cfg.model, "prompts": len(ids), "concurrency": cfg.concurrency, "max_tokens": cfg.max_tokens,
+              "drafter": cfg.drafter, "machine": machine_info(), "runners": results}
+    if cfg.compile:
+        result["compiled_speedup"] = round(results["compiled"]["output_tokens_per_s"] / results["eager"]["output_tokens_per_s"], 3)
+        result["greedy_identical"] = outputs["eager"] == outputs["compiled"]
+    return result
+
+
+def serve_all(engine, prompt_ids: list[list[int]], params: SamplingParams) -> tuple[dict, list[list[int]]]:
+    """Queue every prompt, step until all finished; tokens/s, time to first token, mean batch per step."""
+    steps_before, request_steps_before = engine.stats.steps, engine.stats.request_steps
+    start = time.perf_counter()
+    first = len(engine.waiting)
+    for p in prompt_ids:
+        engine.add_request(p, params)
+    requests = list(engine.waiting)[first:]
+    while engine.has_unfinished():
+        engine.step()
+    wall = time.perf_counter() - start
+    steps = engine.stats.steps - steps_before
+    ttft = sorted(r.metrics.first_token_time - start for r in requests)
+    out_tokens = sum(len(r.output_ids) for r in requests)
+    return {
+        "wall_s": round(wall, 2), "output_tokens": out_tokens, "output_tokens_per_s": round(out_tokens / wall, 2),
+        "prompt_tokens": sum(len(p) for p in prompt_ids), "steps": steps,
+        "mean_batch": round((engine.stats.request_steps - request_steps_before) / max(1, steps), 2),
+        "ttft_median_s": round(statistics.median(ttft), 3), "ttft_p90_s": round(ttft[int(0.9 * (len(ttft) - 1))], 3),
+    }, [r.output_ids for r in requests]
+
+
+def add_bench_throughput_command(bench) -> None:
+    p = bench.add_parser("throughput", help="tokens/s with many prompts in flight (batched decoding)")
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--prompts", default="builtin", help='builtin or a JSONL file of {"domain", "prompt"}')
+    p.add_argument("--num-prompts", type=int, default=60)
+    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--max-model-len", type=int, default=512)
+    p.add_argument("--drafter", default=None)
+    p.add_argument("--compile", action="store_true", help="also run on the compiled forward (same prompts, same target)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--json", dest="json_out", default=None)
+    p.set_defaults(func=_run)
+
+
+def _run(args) -> int:
+    import json
+
+    import torch
+
+    torch.set_num_threads(args.threads)
+    cfg = ThroughputConfig(args.model, args.prompts, args.num_prompts, args.concurrency, args.max_tokens, args.max_model_len, args.compile, args.drafter)
+    result = run_throughput_bench(cfg)
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            f.write(text + "\n")
+    return 0
