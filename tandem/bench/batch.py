@@ -125,7 +125,7 @@ def add_predictions(rows: list[dict], calibration: Calibration, context: int) ->
 
 def predicted_rate(forward, draft: DraftCost, batch: int, k: int, reach: list[float]) -> float:
     tokens = 1.0 + sum(reach[:k])  # E(k) = 1 + sum_j P(first j accepted)
-    return batch * tokens / (draft.seconds(k, batch * k) + forward(batch, 1 + k))
+    return batch * tokens / (draft.seconds(k, batch * k, batch) + forward(batch, 1 + k))
 
 
 def format_table(report: dict) -> str:

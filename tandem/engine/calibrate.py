@@ -98,14 +98,14 @@ class _FixedBudget:
 
     def observe(self, requests, drafts, results, draft_s: float, verify_s: float) -> None:
         depth = max((len(d.nodes_per_depth()) for d in drafts), default=0)
-        self.samples.append((depth, sum(len(d) for d in drafts), draft_s))
+        self.samples.append((depth, sum(len(d) for d in drafts), len(drafts), draft_s))
 
     def release(self, request) -> None:
         pass
 
 
-def measure_drafter(model, drafter_factory, grid: CalibrationGrid, steps: int = 6, seed: int = 0) -> list[tuple[int, int, float]]:
-    """(depth, nodes, draft seconds) per engine step with a fixed budget; prompts repeat a random
+def measure_drafter(model, drafter_factory, grid: CalibrationGrid, steps: int = 6, seed: int = 0) -> list[tuple[int, int, int, float]]:
+    """(depth, nodes, sequences, draft seconds) per engine step with a fixed budget; prompts repeat a random
     sequence over a few token ids so that lookup drafters find matches too."""
     from tandem.engine.engine import Engine
 
@@ -122,15 +122,15 @@ def measure_drafter(model, drafter_factory, grid: CalibrationGrid, steps: int = 
     return samples
 
 
-def fit_draft_cost(samples: list[tuple[int, int, float]]) -> DraftCost:
-    """Non-negative least squares over the lower quartile per (depth, nodes): steps slowed down by other
-    jobs would otherwise dominate."""
-    groups: dict[tuple[int, int], list[float]] = {}
-    for d, n, s in samples:
-        groups.setdefault((d, n), []).append(s)
+def fit_draft_cost(samples: list[tuple[int, int, int, float]]) -> DraftCost:
+    """(depth, nodes, sequences, seconds) samples -> DraftCost, by non-negative least squares over the
+    lower quartile per (depth, nodes, sequences): steps slowed down by other jobs would otherwise dominate."""
+    groups: dict[tuple[int, int, int], list[float]] = {}
+    for d, n, b, s in samples:
+        groups.setdefault((d, n, b), []).append(s)
     if not samples:
         raise InvalidParameterError("no drafter timings (the drafter never drafted)")
-    design = np.array([[1.0, d, n] for d, n in groups])
+    design = np.array([DraftCost.features(d, n, b) for d, n, b in groups])
     y = np.array([sorted(v)[len(v) // 4] for v in groups.values()])
     coef = nonneg_least_squares(design, y)
     return DraftCost(*(float(c) for c in coef)) if coef is not None else DraftCost()

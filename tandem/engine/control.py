@@ -41,6 +41,7 @@ class SpeculationController:
         self.depth_of: dict[int, float] = {}  # budget -> EMA of the depth the drafter reached
         self.on, self._streak, self._idle = True, 0, 0
         self._plan: dict[str, int] = {}
+        self._drafted_last: dict[str, bool] = {}  # request -> did its previous step draft
         self._pending: tuple[int, float, float] | None = None  # (budget, predicted speedup, plain seconds)
         self.stats = {"steps": 0, "speculative_steps": 0, "probes": 0, "switches": 0, "plain_equiv_s": 0.0, "actual_s": 0.0,
                       "predicted_sum": 0.0, "realised_sum": 0.0, "budget_hist": {}, "last": {}}
@@ -87,7 +88,9 @@ class SpeculationController:
         self.forward.observe(batch, width, max(context, 0), verify_s)
         depth = max((len(d.nodes_per_depth()) for d in drafts), default=0)
         nodes = sum(len(d) for d in drafts)
-        self.draft.observe(depth, nodes, draft_s)
+        if all(self._drafted_last.get(r.request_id, False) for r in requests):
+            self.draft.observe(depth, nodes, batch, draft_s)  # else a model drafter also caught up on skipped tokens
+        self._drafted_last = {r.request_id: len(d) > 0 for r, d in zip(requests, drafts)}
         for request, draft, result in zip(requests, drafts, results):
             if len(draft):
                 self._learn_depth(len(draft), len(draft.nodes_per_depth()))
@@ -98,6 +101,7 @@ class SpeculationController:
     def release(self, request) -> None:
         self.alphas.pop(request.request_id, None)
         self._plan.pop(request.request_id, None)
+        self._drafted_last.pop(request.request_id, None)
 
     def metrics(self) -> dict:
         """Decisions and predicted / realised speedups (for the server's /metrics and the RL loop)."""
@@ -121,7 +125,7 @@ class SpeculationController:
         depth = self._depth(budget)
         tokens = sum(expected_tokens_per_step(self.alphas.get(r.request_id, self.global_alphas), min(depth, _remaining(r)))
                      for r in requests)
-        seconds = self.draft.seconds(depth, batch * budget) + self.forward.predict(batch, 1 + budget, context)
+        seconds = self.draft.seconds(depth, batch * budget, batch) + self.forward.predict(batch, 1 + budget, context)
         return tokens / seconds
 
     def _depth(self, budget: int) -> int:

@@ -4,7 +4,7 @@ what the engine measures, and the drafter's cost fitted from its measured times.
 Forward: predict(B, T, C) = roofline(B, T, C) * scale(T), where scale(T) is an EMA of measured /
 predicted over steps whose verify width was T (nearest measured T when T was never run). Without a
 calibration the roofline is refitted from the engine's own timings once they span >= 4 token counts.
-Drafter: seconds = fixed + per_depth * depth + per_node * nodes, ridge least squares pulled toward the
+Drafter: seconds = fixed + per_depth * depth + per_node * nodes + per_sequence * B, ridge least squares pulled toward the
 calibrated (or zero) cost, with exponential forgetting so it follows load changes.
 """
 from __future__ import annotations
@@ -74,19 +74,19 @@ class ForwardCost:
 
 class DraftCostModel:
     def __init__(self, prior: DraftCost = DraftCost()):
-        self.prior = np.array([prior.fixed_s, prior.per_depth_s, prior.per_node_s])
-        self.xtx = RIDGE * np.eye(3)
+        self.prior = np.array([prior.fixed_s, prior.per_depth_s, prior.per_node_s, prior.per_sequence_s])
+        self.xtx = RIDGE * np.eye(4)
         self.xty = RIDGE * self.prior.copy()
         self.current = prior
 
-    def observe(self, depth: int, nodes: int, seconds: float) -> None:
+    def observe(self, depth: int, nodes: int, sequences: int, seconds: float) -> None:
         if depth <= 0:
             return
-        x = np.array([1.0, depth, nodes])
-        self.xtx = FORGET * self.xtx + np.outer(x, x) + (1 - FORGET) * RIDGE * np.eye(3)
+        x = np.array(DraftCost.features(depth, nodes, sequences))
+        self.xtx = FORGET * self.xtx + np.outer(x, x) + (1 - FORGET) * RIDGE * np.eye(4)
         self.xty = FORGET * self.xty + x * seconds + (1 - FORGET) * RIDGE * self.prior
         coef = np.clip(np.linalg.solve(self.xtx, self.xty), 0.0, None)
-        self.current = DraftCost(float(coef[0]), float(coef[1]), float(coef[2]))
+        self.current = DraftCost(*(float(c) for c in coef))
 
-    def seconds(self, depth: int, nodes: int) -> float:
-        return self.current.seconds(depth, nodes)
+    def seconds(self, depth: int, nodes: int, sequences: int = 1) -> float:
+        return self.current.seconds(depth, nodes, sequences)

@@ -68,7 +68,7 @@ def rollout_seconds(s: RolloutScenario, speculate: bool) -> tuple[float, int]:
         batch, context = len(remaining), s.prompt_tokens + int(generated)
         k = best_chain(forward, batch, context, list(s.acceptance), s.max_k, s.draft)[0] if speculate else 0
         per_step = expected_tokens_per_step(list(s.acceptance), k)
-        step_s = s.draft.seconds(k, batch * k) + forward(batch, 1 + k, context)
+        step_s = s.draft.seconds(k, batch * k, batch) + forward(batch, 1 + k, context)
         steps = max(1, min(s.steps_per_bucket, math.ceil(remaining[0] / per_step)))
         seconds += steps * step_s
         forwards += steps

@@ -18,17 +18,24 @@ ForwardCost = Callable[[int, int, int], float]  # (batch, tokens per sequence, c
 
 @dataclass(frozen=True)
 class DraftCost:
-    """Seconds the drafter takes per step for a batch: fixed + per depth (one drafter forward each) +
-    per drafted node (e.g. an n-gram lookup; zero for model drafters, whose depth step covers the batch)."""
+    """Seconds the drafter takes per step for a batch: fixed + per depth (one drafter forward each for
+    the whole batch) + per drafted node (e.g. an n-gram lookup) + per sequence (a model drafter first
+    catches its cache up on each request's new tokens, one forward per request)."""
 
     fixed_s: float = 0.0
     per_depth_s: float = 0.0
     per_node_s: float = 0.0
+    per_sequence_s: float = 0.0
 
-    def seconds(self, depth: int, nodes: int) -> float:
+    def seconds(self, depth: int, nodes: int, sequences: int = 1) -> float:
         if depth <= 0:
             return 0.0
-        return self.fixed_s + self.per_depth_s * depth + self.per_node_s * nodes
+        return self.fixed_s + self.per_depth_s * depth + self.per_node_s * nodes + self.per_sequence_s * sequences
+
+    @staticmethod
+    def features(depth: int, nodes: int, sequences: int) -> list[float]:
+        """The regressors, in field order (fits solve for the fields as coefficients)."""
+        return [1.0, float(depth), float(nodes), float(sequences)]
 
 
 def expected_tokens_tree(depth_acceptance: list[float]) -> float:
@@ -43,7 +50,7 @@ def step_tokens_per_s(forward: ForwardCost, batch: int, context: int, acceptance
         raise InvalidParameterError(f"acceptance has {len(acceptance)} positions, the draft {len(nodes_per_depth)} depths")
     nodes = sum(nodes_per_depth)
     tokens = expected_tokens_per_step(acceptance, len(nodes_per_depth))
-    seconds = draft.seconds(len(nodes_per_depth), batch * nodes) + forward(batch, 1 + nodes, context)
+    seconds = draft.seconds(len(nodes_per_depth), batch * nodes, batch) + forward(batch, 1 + nodes, context)
     return batch * tokens / seconds
 
 

@@ -57,10 +57,11 @@ def test_resolve_missing_falls_back_with_a_message(record, tmp_path, monkeypatch
 
 
 def test_fit_draft_cost_known_answer():
-    samples = [(d, n, 0.002 + 0.01 * d + 0.001 * n) for d, n in ((1, 1), (2, 2), (4, 4), (1, 4), (2, 8), (4, 16))] * 4
+    grid = [(d, d * b, b) for d in (1, 2, 4) for b in (1, 4)] + [(2, 3, 4), (4, 5, 1)]
+    samples = [(d, n, b, 0.002 + 0.01 * d + 0.001 * n + 0.005 * b) for d, n, b in grid] * 4
     cost = fit_draft_cost(samples)
     assert cost.fixed_s == pytest.approx(0.002, abs=1e-9) and cost.per_depth_s == pytest.approx(0.01, abs=1e-9)
-    assert cost.per_node_s == pytest.approx(0.001, abs=1e-9)
+    assert cost.per_node_s == pytest.approx(0.001, abs=1e-9) and cost.per_sequence_s == pytest.approx(0.005, abs=1e-9)
 
 
 def test_controller_from_calibration_keeps_greedy_identity(record, tiny_dirs):

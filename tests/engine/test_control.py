@@ -139,3 +139,15 @@ def test_online_refit_learns_the_forward_shape():
             fwd.observe(b, t, 64, true(b, t))
     for b, t in ((2, 3), (8, 2), (32, 5)):
         assert abs(fwd.predict(b, t, 64) / true(b, t) - 1) < 0.05
+
+
+def test_catch_up_after_plain_steps_does_not_count_as_drafting_cost():
+    """A model drafter's first draft after plain steps also processes the skipped tokens: that step's
+    draft time must not inflate the per-step drafting cost (it kept self_draft switched off)."""
+    c = controller(draft=DraftCost(per_depth_s=0.01))
+    r = req(0)
+    draft, result = DraftTree.chain([1, 2, 3, 4]), VerifyResult([0, 1], [1, 2, 3], 4, False)
+    c.observe([r], [draft], [result], 5.0, 0.1)  # first step: prefill catch-up of the whole prompt
+    assert c.draft.current == DraftCost(per_depth_s=0.01)
+    c.observe([r], [draft], [result], 0.04, 0.1)  # steady: learnt
+    assert c.draft.seconds(4, 4) == DraftCost(per_depth_s=0.01).seconds(4, 4) or c.draft.seconds(4, 4) < 0.1
