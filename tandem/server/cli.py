@@ -14,7 +14,7 @@ def add_serve_command(sub) -> None:
     p.add_argument("--num-draft-tokens", type=int, default=4)
     p.add_argument("--draft-vocab-size", type=int, default=None, help="eagle without --drafter-path: the day-0 head's draft vocabulary")
     p.add_argument("--online", action="store_true", help="the flywheel: train the eagle head on live traffic and hot-swap it")
-    p.add_argument("--state-dir", default=None, help="flywheel checkpoints, traces and drafter versions (resumed on start)")
+    p.add_argument("--state-dir", default=None, help="checkpoints, traces, drafter versions; resumed on start (default with --online: $TANDEM_HOME/serve/MODEL)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=os.environ.get("TANDEM_API_KEY"), help="require `Authorization: Bearer KEY` on /v1 (env TANDEM_API_KEY)")

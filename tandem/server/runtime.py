@@ -5,6 +5,7 @@ import each other). `Runtime.close()` stops the loop, then checkpoints the flywh
 """
 from __future__ import annotations
 
+import shutil
 import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -30,7 +31,7 @@ class ServerConfig:
     num_draft_tokens: int = 4
     draft_vocab_size: int | None = None  # eagle day-0 head: draft vocabulary size (None = the drafter's default)
     online: bool = False  # the flywheel: collect traces, train the eagle head, hot-swap validated versions
-    state_dir: str | None = None  # flywheel checkpoints, spilled traces, drafter versions (None = a temp dir)
+    state_dir: str | None = None  # checkpoints, spilled traces, drafter versions (None: $TANDEM_HOME/serve/MODEL online, else temporary)
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None  # Bearer key required on /v1 when set
@@ -62,6 +63,19 @@ class ServerConfig:
         return self.served_model_name or self.model
 
 
+def _state_dir(config: ServerConfig) -> tuple[Path, bool]:
+    """(directory, temporary): --state-dir; else with --online a per-model directory under $TANDEM_HOME/serve
+    (so a restart resumes); else a temporary directory removed on close."""
+    if config.state_dir is not None:
+        return Path(config.state_dir), False
+    if config.online:
+        from tandem.models.zoo import tandem_home
+
+        name = "".join(c if c.isalnum() or c in "-_." else "_" for c in config.model_name.strip("/"))
+        return tandem_home() / "serve" / name, False
+    return Path(tempfile.mkdtemp(prefix="tandem-serve-")), True
+
+
 class Runtime:
     """The served model: tokenizer + engine + loop (+ flywheel), and the metrics over them."""
 
@@ -69,7 +83,7 @@ class Runtime:
         from tandem.llm import LLM
 
         self.config = config
-        self.state_dir = Path(config.state_dir or tempfile.mkdtemp(prefix="tandem-serve-"))
+        self.state_dir, self._temporary_state = _state_dir(config)
         self.llm = LLM(config.model, max_batch_size=config.max_batch_size, max_model_len=config.max_model_len, num_threads=config.threads)
         self.tokenizer = self.llm.tokenizer
         self.engine = self._engine()
@@ -130,3 +144,5 @@ class Runtime:
             self.control.close()
         if self.flywheel is not None:
             self.flywheel.close()  # checkpoints the trainer
+        if self._temporary_state:
+            shutil.rmtree(self.state_dir, ignore_errors=True)
