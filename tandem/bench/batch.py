@@ -67,6 +67,8 @@ def run_batch_bench(config: BatchBenchConfig, calibration: Calibration | None = 
 
 
 def _measure(name: str, llm, wave: list[list[int]], params: SamplingParams) -> dict:
+    policy = llm.engine.draft_policy
+    before = policy.metrics() if policy is not None else None
     start = time.perf_counter()
     outs = llm.generate(wave, params)
     seconds = time.perf_counter() - start
@@ -77,12 +79,19 @@ def _measure(name: str, llm, wave: list[list[int]], params: SamplingParams) -> d
     row = {"runner": name, "batch": len(wave), "tokens": tokens, "seconds": round(seconds, 3), "tok_s": round(tokens / seconds, 2),
            "acceptance_length": round((tokens - len(wave)) / steps, 3) if steps else None,
            "reach_per_position": [round(a / d, 4) if d else 0.0 for a, d in zip(accepted, drafted)]}
-    policy = llm.engine.draft_policy
     if policy is not None:
-        m = policy.metrics()
-        row["controller"] = {key: m[key] for key in ("speculative_steps", "steps", "probes", "switches", "budget_histogram",
-                                                     "predicted_speedup_mean", "realised_speedup_mean")}
+        row["controller"] = _wave_metrics(before, policy.metrics())
     return row
+
+
+def _wave_metrics(before: dict, after: dict) -> dict:
+    """The controller persists across waves (as in a server): report this wave's decisions only."""
+    out = {key: after[key] - before[key] for key in ("speculative_steps", "steps", "probes", "switches")}
+    hist = {k: v - before["budget_histogram"].get(k, 0) for k, v in after["budget_histogram"].items()}
+    out["budget_histogram"] = {k: v for k, v in sorted(hist.items()) if v}
+    out["speculating_at_end"] = after["speculating"]
+    out["acceptance_per_position"] = after["acceptance_per_position"]
+    return out
 
 
 def _sum_lists(lists: list[list[int]]) -> list[int]:
