@@ -149,7 +149,7 @@ async def _serve(runtime: Runtime, request: Request, body, prompts: list[list[in
     except EngineFailure as e:
         runtime.metrics.request_errors.labels("engine_step").inc()
         raise ApiError(503, str(e), "server_error", code="engine_step_failed") from e
-    if generation.finished is False:
+    if not generation.finished:
         return Response(status_code=499)  # the client went away: nobody reads this
     responses.observe(runtime, generation)
     return responses.full(runtime, generation, chat)
@@ -166,10 +166,9 @@ async def _wait(request: Request, generation: Generation) -> None:
             if time.monotonic() >= next_check:  # also while tokens flow: a busy stream never times out
                 next_check = time.monotonic() + DISCONNECT_POLL_S
                 if await request.is_disconnected():
-                    generation.abort()
                     return
     finally:
-        if not generation.finished:
+        if not generation.finished:  # disconnected, or cancelled: free the rows
             generation.abort()
 
 

@@ -12,6 +12,7 @@ import asyncio
 import time
 import uuid
 from dataclasses import dataclass, field
+from typing import Callable
 
 from tandem.config import SamplingParams
 from tandem.server.engine_loop import EngineLoop, Event, Submission
@@ -34,7 +35,7 @@ class Delta:
 class ChoiceText:
     """Incremental detokenization of one choice with stop strings."""
 
-    decode: object  # callable: token ids -> text
+    decode: Callable[[list[int]], str]  # token ids -> text (the tokenizer's decode, special tokens skipped)
     stops: tuple[str, ...]
     token_ids: list[int] = field(default_factory=list)
     sent: int = 0  # characters already released

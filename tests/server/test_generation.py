@@ -1,0 +1,44 @@
+"""Incremental detokenization with stop strings (ChoiceText), over a byte-level decode like the tiny models'."""
+from tandem.server.generation import ChoiceText, spec_usage
+
+
+def byte_decode(ids):
+    return bytes(ids).decode("utf-8", errors="replace")
+
+
+def feed(choice, chunks, finish_reason="length"):
+    deltas = []
+    for i, chunk in enumerate(chunks):
+        last = i == len(chunks) - 1
+        deltas.append(choice.push(list(chunk), last, finish_reason if last else None))
+    return deltas
+
+
+def test_a_partial_utf8_character_is_held_back():
+    snow = "é".encode()  # two bytes
+    choice = ChoiceText(byte_decode, ())
+    deltas = feed(choice, [b"a", snow[:1], snow[1:], b"b"])
+    assert deltas == ["a", "", "é", "b"] and choice.text == "aéb" and choice.finish_reason == "length"
+
+
+def test_a_stop_string_across_pushes_cuts_text_and_tokens():
+    choice = ChoiceText(byte_decode, ("END",))
+    deltas = [choice.push(list(b"hello E"), False, None), choice.push(list(b"N"), False, None), choice.push(list(b"D and more"), False, None)]
+    assert deltas == ["hello", " ", ""] and "".join(deltas) == choice.text == "hello "
+    assert choice.done and choice.finish_reason == "stop" and choice.num_tokens == len(b"hello ")
+    assert choice.push(list(b"x"), True, "length") == ""  # tokens after the stop are ignored
+
+
+def test_a_held_back_prefix_is_released_when_it_does_not_become_a_stop():
+    choice = ChoiceText(byte_decode, ("STOP",))
+    assert choice.push(list(b"abcST"), False, None) == "ab"
+    assert choice.push(list(b"ay"), True, "stop") == "cSTay" and choice.text == "abcSTay"
+
+
+def test_spec_usage_sums_choices():
+    a = {"drafts": 2, "drafted_tokens": 8, "accepted_tokens": 4, "steps": 3, "output_tokens": 8, "accepted_per_position": [2, 1, 1], "drafter_versions": [0]}
+    b = {"drafts": 1, "drafted_tokens": 4, "accepted_tokens": 0, "steps": 2, "output_tokens": 3, "accepted_per_position": [0], "drafter_versions": [1]}
+    usage = spec_usage([a, b])
+    assert usage["drafted_tokens"] == 12 and usage["accepted_tokens"] == 4 and usage["verify_steps"] == 5
+    assert usage["acceptance_length"] == round((7 + 2) / 5, 4) and usage["acceptance_rate"] == round(4 / 12, 4)
+    assert usage["accepted_per_position"] == [2, 1, 1] and usage["drafter_versions"] == [0, 1]
