@@ -27,6 +27,7 @@ class ThroughputConfig:
     max_model_len: int = 512
     compile: bool = False  # also run on the compiled forward
     drafter: str | None = None  # e.g. "ngram": speculative decoding in the batch
+    prefill_batch_tokens: int = 0  # > 0: batched prefill (EngineConfig.prefill_batch_tokens)
 
     def __post_init__(self) -> None:
         if self.num_prompts < 1 or self.concurrency < 1 or self.max_tokens < 1:
@@ -42,15 +43,19 @@ def run_throughput_bench(cfg: ThroughputConfig) -> dict:
     if not prompts:
         raise InvalidParameterError(f"no prompts in {cfg.prompts}")
     ids = [p[: cfg.max_model_len - cfg.max_tokens] for p in render_chat(prompts, llm.tokenizer)]
-    runners = {"eager": llm.engine}
+    def runner(compile: bool) -> Engine:
+        config = replace(llm.config, compile=compile, prefill_batch_tokens=cfg.prefill_batch_tokens)
+        return Engine(llm.target, config, drafter=llm.engine.drafter, draft_policy=llm.engine.draft_policy)
+
+    runners = {"eager": runner(False)}
     if cfg.compile:
-        runners["compiled"] = Engine(llm.target, replace(llm.config, compile=True), drafter=llm.engine.drafter, draft_policy=llm.engine.draft_policy)
+        runners["compiled"] = runner(True)
     params = SamplingParams(max_tokens=cfg.max_tokens, temperature=0.0, ignore_eos=True)
     results, outputs = {}, {}
     for name, engine in runners.items():
         results[name], outputs[name] = serve_all(engine, ids, params)
     result = {"model": cfg.model, "prompts": len(ids), "concurrency": cfg.concurrency, "max_tokens": cfg.max_tokens,
-              "drafter": cfg.drafter, "machine": machine_info(), "runners": results}
+              "drafter": cfg.drafter, "prefill_batch_tokens": cfg.prefill_batch_tokens, "machine": machine_info(), "runners": results}
     if cfg.compile:
         result["compiled_speedup"] = round(results["compiled"]["output_tokens_per_s"] / results["eager"]["output_tokens_per_s"], 3)
         result["greedy_identical"] = outputs["eager"] == outputs["compiled"]
@@ -89,6 +94,7 @@ def add_bench_throughput_command(bench) -> None:
     p.add_argument("--max-model-len", type=int, default=512)
     p.add_argument("--drafter", default=None)
     p.add_argument("--compile", action="store_true", help="also run on the compiled forward (same prompts, same target)")
+    p.add_argument("--prefill-batch-tokens", type=int, default=0, help="> 0: batched prefill of admitted requests")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json", dest="json_out", default=None)
     p.set_defaults(func=_run)
@@ -100,7 +106,8 @@ def _run(args) -> int:
     import torch
 
     torch.set_num_threads(args.threads)
-    cfg = ThroughputConfig(args.model, args.prompts, args.num_prompts, args.concurrency, args.max_tokens, args.max_model_len, args.compile, args.drafter)
+    cfg = ThroughputConfig(args.model, args.prompts, args.num_prompts, args.concurrency, args.max_tokens, args.max_model_len, args.compile, args.drafter,
+                           args.prefill_batch_tokens)
     result = run_throughput_bench(cfg)
     text = json.dumps(result, indent=2)
     print(text)

@@ -24,12 +24,24 @@ from tandem.engine.policy_update import copy_named_, validate_named_tensors
 from tandem.errors import InvalidParameterError, PolicyUpdateError, PromptTooLongError
 from tandem.models.compiled import CompiledForward
 from tandem.models.kv_cache import KVCache
-from tandem.models.transformer import Transformer
+from tandem.models.transformer import ForwardOutput, Transformer
 from tandem.ops import tree as tree_ops
 from tandem.ops.sampling import draw_uniform, sampling_probs, token_logprobs
 from tandem.ops.verify import verify_greedy, verify_tree
 from tandem.engine.records import build_prefill_record, build_step_record
 from tandem.types import DraftTree, StepRecord
+
+
+def _prefill_groups(requests: list[Request], budget: int) -> list[list[Request]]:
+    """Consecutive groups whose padded size (count x longest prompt) stays within budget (a lone request may exceed it)."""
+    groups: list[list[Request]] = []
+    for request in requests:
+        group = groups[-1] if groups else None
+        if group and (len(group) + 1) * max(len(request.prompt_ids), *(len(r.prompt_ids) for r in group)) <= budget:
+            group.append(request)
+        else:
+            groups.append([request])
+    return groups
 
 
 def _progress(message: str) -> None:
@@ -125,13 +137,15 @@ class Engine:
         return outputs
 
     def _admit(self) -> list[StepOutput]:
-        outputs = []
+        admitted = []
         while self.waiting and len(self.running) < self.config.max_batch_size:
             request = self.waiting.popleft()
-            request.row = len(self.running)
+            request.row = len(self.running)  # admitted requests take consecutive rows
             self.running.append(request)
-            outputs.append(self._prefill(request))
-        return outputs
+            admitted.append(request)
+        if self.config.prefill_batch_tokens and len(admitted) > 1:
+            return self._prefill_batched(admitted)
+        return [self._prefill(request) for request in admitted]
 
     @torch.inference_mode()
     def _prefill(self, request: Request) -> StepOutput:
@@ -139,6 +153,31 @@ class Engine:
         self.cache.reset(request.row)
         ids = torch.tensor([request.prompt_ids], device=self.cache.k.device)
         out = self.model(ids, cache=self.cache, rows=slice(request.row, request.row + 1), last_only=True, taps=self.taps)
+        return self._first_token(request, out, start)
+
+    @torch.inference_mode()
+    def _prefill_batched(self, requests: list[Request]) -> list[StepOutput]:
+        """Prefill requests on consecutive rows in few forwards: prompts right-padded to the longest of a group
+        (<= prefill_batch_tokens padded tokens per forward); causal attention keeps padding out of every real
+        token, and the padding's K/V is rolled back. Each request then sees exactly its unbatched prefill output."""
+        outputs = []
+        for group in _prefill_groups(requests, self.config.prefill_batch_tokens):
+            start = time.perf_counter()
+            lengths = [len(r.prompt_ids) for r in group]
+            ids = torch.zeros(len(group), max(lengths), dtype=torch.long)
+            for i, request in enumerate(group):
+                ids[i, : lengths[i]] = torch.tensor(request.prompt_ids)
+                self.cache.reset(request.row)
+            rows = slice(group[0].row, group[0].row + len(group))
+            out = self.model(ids.to(self.cache.k.device), cache=self.cache, rows=rows, taps=self.taps, last_positions=torch.tensor(lengths) - 1)
+            for i, request in enumerate(group):
+                self.cache.truncate(request.row, lengths[i])
+                own = ForwardOutput(out.logits[i : i + 1], tuple(h[i : i + 1, : lengths[i]] for h in out.hidden), out.final_hidden[i : i + 1, : lengths[i]])
+                outputs.append(self._first_token(request, own, start))
+        return outputs
+
+    def _first_token(self, request: Request, out: ForwardOutput, start: float) -> StepOutput:
+        """Sample / verify the first token from a prefill's last logits, commit it, tell the drafter and observers."""
         logits = out.logits[0, -1:]
         result = self._verify(request, DraftTree.empty(), logits)[0]
         token = result.tokens[0]

@@ -291,12 +291,13 @@ class Transformer(nn.Module):
         tree_mask: torch.Tensor | None = None,  # [B, T, T] bool; default causal among new tokens
         taps: tuple[int, ...] = (),  # layers whose output hidden states to return
         last_only: bool = False,  # logits for the last position only (prefill)
+        last_positions: torch.Tensor | None = None,  # [B]: logits at this position of each row only (ragged prefill)
     ) -> ForwardOutput:
         b, t = input_ids.shape
         batch = build_attention_batch(cache, rows, t, tree_mask, b, input_ids.device)
         if positions is None:
             positions = batch.write_slots.to(input_ids.device)
-        out = self.forward_batch(input_ids, positions, cache, batch, taps, last_only)
+        out = self.forward_batch(input_ids, positions, cache, batch, taps, last_only, last_positions)
         if cache is not None:
             cache.lengths[batch.rows] += t
         return out
@@ -309,6 +310,7 @@ class Transformer(nn.Module):
         batch: AttentionBatch,
         taps: tuple[int, ...] = (),
         last_only: bool = False,
+        last_positions: torch.Tensor | None = None,  # [B]
     ) -> ForwardOutput:
         """The forward proper, metadata given; writes K/V into the cache but leaves `cache.lengths` alone
         (what the compiled path traces: no host syncs, no Python-side state changes)."""
@@ -320,7 +322,11 @@ class Transformer(nn.Module):
             if i in taps:
                 tapped[i] = x
         x = self.norm(x)
-        logits = self.lm_head(x[:, -1:] if last_only else x)
+        if last_positions is not None:
+            read = x[torch.arange(x.shape[0], device=x.device), last_positions.to(x.device)].unsqueeze(1)  # [B, 1, hidden]
+        else:
+            read = x[:, -1:] if last_only else x
+        logits = self.lm_head(read)
         return ForwardOutput(logits.float(), tuple(tapped[i] for i in taps), x)
 
     def _rope(self, positions: torch.Tensor):  # -> cos, sin_signed [B, T, 1, head_dim]

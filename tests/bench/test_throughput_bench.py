@@ -16,7 +16,7 @@ def test_bench_throughput_end_to_end(tiny_llama, tmp_path):
     prompts.write_text("\n".join(json.dumps({"domain": "chat", "prompt": p}) for p in PROMPTS))
     out = tmp_path / "out.json"
     assert main(["bench", "throughput", "--model", tiny_llama, "--prompts", str(prompts), "--concurrency", "2",
-                 "--max-tokens", "6", "--max-model-len", "128", "--threads", "1", "--json", str(out)]) == 0
+                 "--max-tokens", "6", "--max-model-len", "128", "--threads", "1", "--prefill-batch-tokens", "64", "--json", str(out)]) == 0
     result = json.loads(out.read_text())
     run = result["runners"]["eager"]
     assert result["prompts"] == 5 and result["concurrency"] == 2
