@@ -261,7 +261,7 @@ def _train(args) -> int:
     from tandem.training.offline import run_train
 
     if args.recipe:
-        from tandem.training.recipe import run_recipe
+        from tandem.training.pipeline import run_recipe
 
         if args.threads:
             import torch

@@ -27,7 +27,7 @@ from tandem.errors import ModelLoadError
 from tandem.models.eagle import EagleConfig, EagleHead, load_eagle, new_eagle_head, save_eagle, target_identity
 from tandem.training.features import DOMAIN_NAMES, FeatureStream, _shard_docs, pack_documents, read_index
 from tandem.training.packed import next_valid, packed_loss, packed_unroll, shifted
-from tandem.training.recipe import Recipe
+from tandem.training.recipes import Recipe
 
 LATEST = "LATEST"
 BEST = "best"
@@ -221,7 +221,7 @@ def sample_roots(batch, fraction: float, rng: random.Random) -> torch.Tensor | N
 
 def train_recipe(recipe: Recipe, out: Path, hours: float, log=print) -> dict:
     """Train (or resume) until `hours` of optimisation have passed in this session."""
-    from tandem.training.recipe import load_target
+    from tandem.training.recipes import load_target
 
     target, tokenizer = load_target(recipe)
     heldout = out / "features" / "heldout"

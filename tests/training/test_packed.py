@@ -150,7 +150,7 @@ def test_checkpoint_resume_and_a_corrupt_checkpoint_raises(target, tmp_path):
 
 def test_exported_head_is_found_for_its_target_and_a_tampered_one_refused(target, tmp_path, monkeypatch):
     import tandem.models.eagle as eagle_module
-    from tandem.training.recipe import export_head
+    from tandem.training.pipeline import export_head
 
     best = tmp_path / "run" / "best"
     save_eagle(head_for(target, shared=True), best, dtype=torch.float16)

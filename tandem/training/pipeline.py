@@ -1,0 +1,145 @@
+"""Named training recipes: `tandem train --recipe eagle-smollm2 --hours H --out DIR`.
+
+A recipe run has two resumable phases that can also run side by side (`--phase features` in one process,
+`--phase train` in another, the trainer picking up new shards as they appear):
+1. features: reference-answer documents (prefill speed) and target-regenerated answers (batched greedy
+   decoding), alternating in chunks so any prefix of the run mixes both, into DIR/features/{reference,
+   regenerated}; held-out prompts (test split) are regenerated once into DIR/features/heldout.
+2. train: the EAGLE head on packed batches streamed from the shards (tandem.training.trainer).
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from tandem.errors import InvalidParameterError
+from tandem.training.recipes import Recipe, describe, get_recipe, load_target
+
+
+def run_features(recipe: Recipe, out: Path, hours: float | None, chunk_docs: int = 128) -> dict:
+    """Alternate reference chunks (`chunk_docs` documents, prefill speed) and regenerated chunks (half as
+    many, decoding speed: the target's own answers, closest to what serving drafts) until both are done or
+    time runs out."""
+    from tandem.models.eagle import EagleConfig, target_identity
+    from tandem.training import sources
+    from tandem.training.features import ShardWriter, write_reference_features, write_regenerated_features
+
+    deadline = time.monotonic() + 3600 * hours if hours else float("inf")
+    target, tokenizer = load_target(recipe)
+    taps, tid = EagleConfig.for_target(target.cfg).taps, target_identity(target.cfg)
+    write_heldout(recipe, out, target, tokenizer)
+    reference = sources.reference_documents(sources.package_files())
+    regenerate = sources.regeneration_prompts(seed=recipe.seed)
+    ref_writer = ShardWriter(out / "features" / "reference", tid, taps)
+    regen_writer = ShardWriter(out / "features" / "regenerated", tid, taps, shard_tokens=8192)
+    report = {"reference": [], "regenerated": []}
+    ref_todo = [d for d in reference if not ref_writer.has(_key(d))]
+    regen_todo = [d for d in regenerate if not regen_writer.has(_key(d))]
+    while (ref_todo or regen_todo) and time.monotonic() < deadline:
+        if ref_todo:
+            part, ref_todo = ref_todo[:chunk_docs], ref_todo[chunk_docs:]
+            report["reference"].append(write_reference_features(ref_writer, target, tokenizer, part, recipe.max_doc_tokens).as_dict())
+        if regen_todo and time.monotonic() < deadline:
+            part, regen_todo = regen_todo[: chunk_docs // 2], regen_todo[chunk_docs // 2 :]
+            report["regenerated"].append(write_regenerated_features(regen_writer, target, tokenizer, part, recipe.max_new_tokens).as_dict())
+    return report
+
+
+def write_heldout(recipe: Recipe, out: Path, target, tokenizer) -> Path:
+    """Target-regenerated answers to test-split prompts, `heldout_per_domain` per domain (written once)."""
+    from tandem.bench.prompts import load_prompts
+    from tandem.models.eagle import EagleConfig, target_identity
+    from tandem.training.features import ShardWriter, write_regenerated_features
+    from tandem.training.sources import Document
+
+    directory = out / "features" / "heldout"
+    writer = ShardWriter(directory, target_identity(target.cfg), EagleConfig.for_target(target.cfg).taps, shard_tokens=1 << 30)
+    if writer.index["shards"]:
+        return directory
+    prompts = load_prompts("builtin", per_domain=recipe.heldout_per_domain, split="test", seed=recipe.seed)
+    docs = [Document(p.domain, p.source, p.id, p.prompt, None) for p in prompts]
+    write_regenerated_features(writer, target, tokenizer, docs, 96, chunk=len(docs))
+    return directory
+
+
+def _key(doc) -> str:
+    from tandem.training.features import doc_key
+
+    return doc_key(doc)
+
+
+
+
+# ---- one command: features and training side by side, then the exported head ------------------------------
+PHASES = ("all", "features", "train")
+
+
+def run_recipe(name: str, out: str | Path, hours: float, phase: str = "all", export: str | Path | None = None, log=print) -> dict:
+    """`tandem train --recipe NAME --hours H --out DIR [--phase P] [--export DEST]`.
+
+    phase "all" runs the features phase in a child process (one thread) next to the trainer (one
+    thread), both resumable, for `hours` of wall time; then the best head is exported to DEST.
+    """
+    import json
+    import subprocess
+    import sys
+
+    from tandem.training.trainer import train_recipe
+
+    if phase not in PHASES:
+        raise InvalidParameterError(f"phase must be one of {PHASES}, got {phase!r}")
+    if hours <= 0:
+        raise InvalidParameterError(f"hours must be > 0, got {hours}")
+    recipe, out = get_recipe(name), Path(out).expanduser()
+    out.mkdir(parents=True, exist_ok=True)
+    report: dict = {"recipe": name}
+    if phase == "features":
+        report["features"] = run_features(recipe, out, hours)
+    elif phase == "train":
+        report["train"] = train_recipe(recipe, out, hours, log=log)
+    else:
+        cmd = [sys.executable, "-m", "tandem.cli", "train", "--recipe", name, "--out", str(out), "--hours", str(hours), "--phase", "features", "--threads", "1"]
+        child = subprocess.Popen(cmd, env=_one_thread_env())
+        try:
+            report["train"] = train_recipe(recipe, out, hours, log=log)
+        finally:
+            child.terminate()  # features are resumable: a later run continues where this one stopped
+            child.wait(timeout=60)
+    if export is not None:
+        report["exported"] = str(export_head(out / "best", Path(export), name))
+    (out / "report.json").write_text(json.dumps(report, indent=1))
+    return report
+
+
+def _one_thread_env() -> dict:
+    import os
+
+    return os.environ | {"OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
+
+
+HEAD_CARD = "recipe.json"
+
+
+def export_head(best: Path, dest: Path, recipe_name: str) -> Path:
+    """Copy the best head (fp16 safetensors + config) to `dest` with a card: recipe, held-out report, sha256."""
+    import hashlib
+    import json
+    import shutil
+
+    if not (best / "model.safetensors").exists():
+        raise InvalidParameterError(f"no trained head in {best}: run the train phase first")
+    tmp = dest.with_name(dest.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for name in ("model.safetensors", "eagle_config.json"):
+        shutil.copy2(best / name, tmp / name)
+    card = {
+        "recipe": recipe_name, "settings": describe(get_recipe(recipe_name)),
+        "sha256": hashlib.sha256((tmp / "model.safetensors").read_bytes()).hexdigest(),
+        "heldout": json.loads((best / "report.json").read_text()) if (best / "report.json").exists() else None,
+        "rebuild": f"make head  (tandem train --recipe {recipe_name} --hours H --out DIR --export {dest})",
+    }
+    (tmp / HEAD_CARD).write_text(json.dumps(card, indent=1) + "\n")
+    shutil.rmtree(dest, ignore_errors=True)
+    tmp.rename(dest)
+    return dest

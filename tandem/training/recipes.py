@@ -1,0 +1,60 @@
+"""Named training recipes (frozen settings) and the target they train for.
+
+`tandem train --recipe NAME` runs one (tandem.training.pipeline); the settings live here so the trainer
+and the pipeline both read them without importing each other.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+from tandem.errors import InvalidParameterError
+
+
+@dataclass(frozen=True)
+class Recipe:
+    model: str = "smollm2-135m"
+    draft_vocab: int = 16384  # reduced draft vocabulary (chosen by coverage and cost: docs/BENCHMARKS.md)
+    shared_lm_head: bool = True  # LM head rows are the target's (frozen, not saved): keeps the artifact small
+    unroll: int = 4  # training-time-test steps
+    chain_fraction: float = 0.25  # share of roots unrolled past step 0
+    rows: int = 4  # packed rows per batch
+    row_len: int = 1024  # tokens per packed row
+    lr: float = 1.5e-3
+    warmup: int = 30
+    max_doc_tokens: int = 1024  # documents are cut here
+    max_new_tokens: int = 192  # regenerated answer length
+    heldout_per_domain: int = 8
+    eval_every: int = 60  # optimiser steps between held-out evaluations / checkpoints
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("draft_vocab", "unroll", "rows", "row_len", "max_doc_tokens", "max_new_tokens", "eval_every"):
+            if getattr(self, name) < 1:
+                raise InvalidParameterError(f"recipe {name} must be >= 1, got {getattr(self, name)}")
+
+
+RECIPES = {"eagle-smollm2": Recipe()}
+
+
+def get_recipe(name: str, **overrides) -> Recipe:
+    if name not in RECIPES:
+        raise InvalidParameterError(f"unknown recipe {name!r}; known: {sorted(RECIPES)}")
+    return replace(RECIPES[name], **{k: v for k, v in overrides.items() if v is not None})
+
+
+def load_target(recipe: Recipe):
+    from tandem.llm import load_tokenizer
+    from tandem.models.loader import load_transformer
+    from tandem.models.zoo import resolve_model
+
+    model_dir = resolve_model(recipe.model)
+    target = load_transformer(model_dir)
+    target.pack()
+    return target, load_tokenizer(model_dir)
+
+
+
+def describe(recipe: Recipe) -> dict:
+    return asdict(recipe)
