@@ -174,6 +174,7 @@ class OnlineTrainer:
         name = f"step-{self.steps:08d}-{time.time_ns()}"
         tmp = path / (name + ".tmp")
         with self._lock:
+            self._apply_restore()  # a checkpoint never holds weights serving already rolled back from
             save_eagle(self.head, tmp)
             state = self.optimizer.state_dict()
             tensors = {f"{i}.{key}": value.detach().cpu().contiguous().reshape(value.shape) for i, s in state["state"].items() for key, value in s.items() if torch.is_tensor(value)}

@@ -158,6 +158,21 @@ def test_a_restore_from_serving_resets_weights_and_moments(target, traces):
     assert all(int(s["step"]) == 1 for s in trainer.optimizer.state.values())  # fresh moments
 
 
+
+def test_a_pending_restore_is_applied_before_a_checkpoint(target, traces, tmp_path):
+    trainer = make_trainer(target, traces, publish_every=1)
+    trainer.train_step()
+    good = trainer.store.latest()
+    with torch.no_grad():
+        for p in trainer.head.parameters():
+            p.add_(1.0)
+    trainer.request_restore(good)
+    resumed = OnlineTrainer.resume(trainer.save_checkpoint(tmp_path / "ckpt").parent, target, trainer.buffer, WeightStore(), trainer.cfg)
+    assert resumed.restores == 1
+    for name, tensor in good.tensors.items():
+        assert torch.equal(resumed.head.state_dict()[name], tensor)
+
+
 def test_trainer_crash_leaves_serving_on_the_last_good_weights(target, traces):
     engine = eagle_engine(target)
     store = WeightStore()
