@@ -24,7 +24,7 @@ MODES = ("off", "on")
 @dataclass(frozen=True)
 class ServeBenchConfig:
     model: str = "smollm2-135m"
-    drafter: str = "self_draft"  # the drafter of mode "on"
+    drafter: str = "ngram"  # the drafter of mode "on" (prompt lookup: the fastest untrained drafter here)
     drafter_path: str | None = None
     num_draft_tokens: int = 4
     prompts: str = "builtin"  # or a JSONL file of {"domain", "prompt"}
