@@ -174,8 +174,12 @@ async def _wait(request: Request, generation: Generation) -> None:
 
 def serve(config, log_level: str = "info") -> None:
     """Load the model, start the engine loop, serve until interrupted, then close (checkpointing)."""
+    import logging
+
     import uvicorn
 
+    if config.host not in ("127.0.0.1", "localhost", "::1") and config.api_key is None:
+        logging.getLogger("tandem.server").warning("serving on %s without --api-key: anyone who can reach this port can use it", config.host)
     runtime = Runtime(config)
     try:
         uvicorn.run(create_app(runtime), host=config.host, port=config.port, log_level=log_level, timeout_graceful_shutdown=5)
