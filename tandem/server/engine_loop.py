@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
@@ -253,10 +252,3 @@ def _send(sink, event: Event) -> None:
     except Exception:  # noqa: BLE001 - a dead client (closed event loop) must not stop the engine loop
         log.exception("delivering an event failed")
 
-
-def wait_idle(loop: EngineLoop, timeout: float) -> bool:
-    """True once the loop holds no requests (tests, shutdown)."""
-    deadline = time.monotonic() + timeout
-    while loop.held and time.monotonic() < deadline:
-        time.sleep(0.01)
-    return loop.held == 0
