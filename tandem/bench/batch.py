@@ -74,10 +74,12 @@ def _measure(name: str, llm, wave: list[list[int]], params: SamplingParams) -> d
     seconds = time.perf_counter() - start
     tokens = sum(len(o.token_ids) for o in outs)
     steps = sum(o.metrics["steps"] for o in outs)
+    drafts = sum(o.metrics["drafts"] for o in outs)
     accepted = _sum_lists([o.metrics["accepted_per_position"] for o in outs])
     drafted = _sum_lists([o.metrics["drafted_per_position"] for o in outs])
     row = {"runner": name, "batch": len(wave), "tokens": tokens, "seconds": round(seconds, 3), "tok_s": round(tokens / seconds, 2),
            "acceptance_length": round((tokens - len(wave)) / steps, 3) if steps else None,
+           "draft_fill": round(drafts / steps, 4) if steps else 0.0,
            "reach_per_position": [round(a / d, 4) if d else 0.0 for a, d in zip(accepted, drafted)]}
     if policy is not None:
         row["controller"] = _wave_metrics(before, policy.metrics())
@@ -122,7 +124,7 @@ def add_predictions(rows: list[dict], calibration: Calibration, context: int) ->
         elif " k=" in r["runner"]:
             name, k = r["runner"].split(" k=")
             draft = calibration.drafters.get(name, DraftCost())
-            rate = predicted_rate(forward, draft, b, int(k), r["reach_per_position"])
+            rate = predicted_rate(forward, draft, b, int(k), r["reach_per_position"], r["draft_fill"])
             r["predicted_tok_s"], r["predicted_speedup"] = round(rate, 2), round(rate / plain, 3)
     for r in rows:
         if r["runner"].endswith(" controller"):
@@ -132,9 +134,13 @@ def add_predictions(rows: list[dict], calibration: Calibration, context: int) ->
             r["predicted_tok_s"], r["predicted_speedup"] = best["predicted_tok_s"], best["predicted_speedup"]
 
 
-def predicted_rate(forward, draft: DraftCost, batch: int, k: int, reach: list[float]) -> float:
-    tokens = 1.0 + sum(reach[:k])  # E(k) = 1 + sum_j P(first j accepted)
-    return batch * tokens / (draft.seconds(k, batch * k, batch) + forward(batch, 1 + k))
+def predicted_rate(forward, draft: DraftCost, batch: int, k: int, reach: list[float], fill: float = 1.0) -> float:
+    """reach[j] = P(the first j + 1 drafted tokens accepted | a draft was made); fill = the fraction of
+    request-steps that got a draft (lookup drafters find none on some steps)."""
+    tokens = 1.0 + fill * sum(reach[:k])  # E(k) = 1 + sum_j P(first j accepted)
+    wide = 1 - (1 - fill) ** batch  # the verify is 1 + k wide if any row drafted
+    seconds = draft.seconds(k, batch * k, batch) + wide * forward(batch, 1 + k) + (1 - wide) * forward(batch, 1)
+    return batch * tokens / seconds
 
 
 def format_table(report: dict) -> str:

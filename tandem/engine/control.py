@@ -42,6 +42,7 @@ class SpeculationController:
         self.on, self._streak, self._idle = True, 0, 0
         self._plan: dict[str, int] = {}
         self._drafted_last: dict[str, bool] = {}  # request -> did its previous step draft
+        self.fill = 1.0  # EMA: fraction of requests that got a non-empty draft when the budget was > 0
         self._pending: tuple[int, float, float] | None = None  # (budget, predicted speedup, plain seconds)
         self.stats = {"steps": 0, "speculative_steps": 0, "probes": 0, "switches": 0, "plain_equiv_s": 0.0, "actual_s": 0.0,
                       "predicted_sum": 0.0, "realised_sum": 0.0, "budget_hist": {}, "last": {}}
@@ -91,6 +92,9 @@ class SpeculationController:
         if all(self._drafted_last.get(r.request_id, False) for r in requests):
             self.draft.observe(depth, nodes, batch, draft_s)  # else a model drafter also caught up on skipped tokens
         self._drafted_last = {r.request_id: len(d) > 0 for r, d in zip(requests, drafts)}
+        if self._pending is not None and self._pending[0] > 0:
+            filled = sum(1 for d in drafts if len(d)) / batch
+            self.fill = (1 - self.ema) * self.fill + self.ema * filled
         for request, draft, result in zip(requests, drafts, results):
             if len(draft):
                 self._learn_depth(len(draft), len(draft.nodes_per_depth()))
@@ -113,7 +117,7 @@ class SpeculationController:
             "predicted_speedup_mean": s["predicted_sum"] / spec if s["speculative_steps"] else 1.0,
             "realised_speedup_mean": s["realised_sum"] / spec if s["speculative_steps"] else 1.0,
             "realised_speedup_overall": s["plain_equiv_s"] / s["actual_s"] if s["actual_s"] else 1.0,
-            "acceptance_per_position": [round(a, 4) for a in self.global_alphas],
+            "acceptance_per_position": [round(a, 4) for a in self.global_alphas], "draft_fill": round(self.fill, 4),
             "draft_cost": asdict(self.draft.current),
             "last": dict(s["last"]),
         }
@@ -123,9 +127,14 @@ class SpeculationController:
         """Predicted tokens per second of the whole batch if every request drafts `budget` nodes."""
         batch = len(requests)
         depth = self._depth(budget)
-        tokens = sum(expected_tokens_per_step(self.alphas.get(r.request_id, self.global_alphas), min(depth, _remaining(r)))
+        if not budget:
+            return batch / self.forward.predict(batch, 1, context)
+        fill = self.fill  # a lookup drafter finds nothing to propose on some steps: those emit 1 token
+        tokens = sum(1 + fill * (expected_tokens_per_step(self.alphas.get(r.request_id, self.global_alphas), min(depth, _remaining(r))) - 1)
                      for r in requests)
-        seconds = self.draft.seconds(depth, batch * budget, batch) + self.forward.predict(batch, 1 + budget, context)
+        wide = 1 - (1 - fill) ** batch  # the verify is 1 + budget wide if any row drafted
+        seconds = (self.draft.seconds(depth, batch * budget, batch) + wide * self.forward.predict(batch, 1 + budget, context)
+                   + (1 - wide) * self.forward.predict(batch, 1, context))
         return tokens / seconds
 
     def _depth(self, budget: int) -> int:

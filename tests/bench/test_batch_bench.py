@@ -36,3 +36,10 @@ def test_bench_batch_on_a_tiny_model(tiny_llama, tmp_path, monkeypatch):
     assert all(r["speedup"] == 1.0 and r["predicted_speedup"] == 1.0 for r in rows if r["runner"] == "plain")
     assert "controller" in next(r for r in rows if r["runner"] == "ngram controller")
     assert png.stat().st_size > 1000
+
+
+def test_predicted_rate_counts_steps_without_a_draft():
+    forward = lambda b, t: 0.01 * t  # noqa: E731
+    # batch 1, half the steps draft (2 tokens, both accepted when drafted): E = 1 + 0.5 x 2 = 2 tokens,
+    # time = 0.5 x 0.03 + 0.5 x 0.01 = 0.02 s
+    assert predicted_rate(forward, DraftCost(), 1, 2, [1.0, 1.0], fill=0.5) == pytest.approx(2 / 0.02)

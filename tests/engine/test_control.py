@@ -1,6 +1,8 @@
 """The speculation controller: off when compute-bound, on when memory-bound, hysteresis, the tail of a
 shrinking batch, learning acceptance and drafter costs from what the engine measures."""
 import random
+
+import pytest
 from types import SimpleNamespace
 
 from tandem.engine.control import AdaptiveDraftLength, SpeculationController, PATIENCE
@@ -151,3 +153,13 @@ def test_catch_up_after_plain_steps_does_not_count_as_drafting_cost():
     assert c.draft.current == DraftCost(per_depth_s=0.01)
     c.observe([r], [draft], [result], 0.04, 0.1)  # steady: learnt
     assert abs(c.draft.seconds(4, 4) - 0.04) < 0.005
+
+
+def test_a_lookup_drafter_that_rarely_finds_a_draft_is_discounted():
+    c = controller()
+    r = req(0)
+    for _ in range(20):  # budget 4 planned, the drafter returned nothing
+        c.plan([r])
+        c.observe([r], [DraftTree.empty()], [VerifyResult([], [7], 0, False)], 0.0, 0.11)
+    assert c.fill < 0.01
+    assert c.metrics()["draft_fill"] < 0.01 and c._rate([r], 4, 64) == pytest.approx(c._rate([r], 0, 64), rel=0.01)
