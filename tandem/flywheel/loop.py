@@ -27,6 +27,7 @@ class FlywheelOptions:
     checkpoint_dir: str | None = None  # trainer checkpoints; resumed from when present
     checkpoint_every: int = 100  # trainer steps
     trainer_threads: int = 1
+    trainer_duty: float = 1.0  # the trainer thread's busy share of wall time (it rests between steps below 1)
     collapse_ratio: float = 0.5
     window: int = 64  # request-steps a swapped-in version is watched over
     branch_depth: int = 1  # branch nodes kept per trace: levels below the accepted path (0 = none; > 1 also keeps tapped states)
@@ -73,7 +74,8 @@ class Flywheel:
 
     def start(self) -> "Flywheel":
         if self.trainer is not None:
-            self.trainer.start(self.options.trainer_threads, checkpoint_dir=self.options.checkpoint_dir, checkpoint_every=self.options.checkpoint_every)
+            self.trainer.start(self.options.trainer_threads, checkpoint_dir=self.options.checkpoint_dir, checkpoint_every=self.options.checkpoint_every,
+                               duty=self.options.trainer_duty)
         return self
 
     def step(self):

@@ -60,11 +60,12 @@ class FlywheelSetup:
     branch_weight: float = 0.5
     collapse_ratio: float = 0.5  # rollback when a new version's acceptance falls below this x the old one's
     watch_window: int = 64  # request-steps a swapped-in version is watched over (live)
+    trainer_duty: float = 1.0  # live: the trainer thread's busy share of wall time
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.num_draft_tokens < 1 or not 0 < self.collapse_ratio <= 1 or self.watch_window < 1:
-            raise InvalidParameterError("num_draft_tokens >= 1, collapse_ratio in (0, 1] and watch_window >= 1 are required")
+        if self.num_draft_tokens < 1 or not 0 < self.collapse_ratio <= 1 or self.watch_window < 1 or not 0 < self.trainer_duty <= 1:
+            raise InvalidParameterError("num_draft_tokens >= 1, collapse_ratio and trainer_duty in (0, 1] and watch_window >= 1 are required")
 
     def loss(self, switches: dict) -> FlywheelConfig:
         base = {"unroll": self.num_draft_tokens, "batch_size": self.batch_size, "lr": self.lr, "publish_every": self.publish_every,
@@ -166,7 +167,8 @@ def live_engine(mode: str, target, heads: dict[str, EagleHead], setup: FlywheelS
         return Engine(target, EngineConfig(max_batch_size=batch, max_model_len=max_len)), None
     drafter = EagleDrafter(serving_copy(heads[init]), setup.num_draft_tokens, batch, max_len)
     engine = Engine(target, EngineConfig(max_batch_size=batch, max_model_len=max_len, record_steps=True), drafter=drafter)
-    options = FlywheelOptions(loss=setup.loss(switches or {}), train=switches is not None, collapse_ratio=setup.collapse_ratio, window=setup.watch_window)
+    options = FlywheelOptions(loss=setup.loss(switches or {}), train=switches is not None, collapse_ratio=setup.collapse_ratio, window=setup.watch_window,
+                              trainer_duty=setup.trainer_duty)
     return engine, Flywheel(engine, target, options).start()
 
 

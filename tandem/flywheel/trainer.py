@@ -132,25 +132,34 @@ class OnlineTrainer:
         return version.version
 
     # ---- background thread --------------------------------------------------------------------------------
-    def start(self, threads: int | None = 1, idle_s: float = 0.05, checkpoint_dir: str | Path | None = None, checkpoint_every: int = 100) -> "OnlineTrainer":
-        """Train in a daemon thread (with its own torch thread count), checkpointing every `checkpoint_every` steps."""
+    def start(
+        self, threads: int | None = 1, idle_s: float = 0.05, checkpoint_dir: str | Path | None = None, checkpoint_every: int = 100, duty: float = 1.0,
+    ) -> "OnlineTrainer":
+        """Train in a daemon thread (with its own torch thread count), checkpointing every `checkpoint_every`
+        steps, busy at most a `duty` share of wall time (it rests after each step; the engine thread in the
+        same process competes with it for the CPU and the interpreter lock)."""
+        if not 0 < duty <= 1:
+            raise InvalidParameterError(f"duty must be in (0, 1], got {duty}")
         if self._thread is not None and self._thread.is_alive():
             return self
         self._stop.clear()
-        args = (threads, idle_s, checkpoint_dir, checkpoint_every)
+        args = (threads, idle_s, checkpoint_dir, checkpoint_every, duty)
         self._thread = threading.Thread(target=self._loop, args=args, name="tandem-trainer", daemon=True)
         self._thread.start()
         return self
 
-    def _loop(self, threads: int | None, idle_s: float, checkpoint_dir, checkpoint_every: int) -> None:
+    def _loop(self, threads: int | None, idle_s: float, checkpoint_dir, checkpoint_every: int, duty: float) -> None:
         if threads:
             torch.set_num_threads(threads)
         try:
             while not self._stop.is_set():
+                began = time.perf_counter()
                 if self.train_step() is None:
                     self._stop.wait(idle_s)
-                elif checkpoint_dir is not None and self.steps % checkpoint_every == 0:
+                    continue
+                if checkpoint_dir is not None and self.steps % checkpoint_every == 0:
                     self.save_checkpoint(checkpoint_dir)
+                self._stop.wait(rest_after(time.perf_counter() - began, duty))
         except BaseException as e:  # the engine keeps serving the last published weights
             self.error = e
 
@@ -221,6 +230,11 @@ class OnlineTrainer:
         except Exception as e:  # safetensors / json raise their own error types on a corrupt file
             raise TandemError(f"cannot resume the trainer from {checkpoint}: {e}") from e
         return trainer
+
+
+def rest_after(busy_s: float, duty: float) -> float:
+    """Seconds to rest after `busy_s` of work so that work is a `duty` share of the time."""
+    return busy_s * (1.0 / duty - 1.0)
 
 
 def latest_checkpoint(path: str | Path) -> Path | None:

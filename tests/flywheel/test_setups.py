@@ -35,8 +35,8 @@ def test_replay_flywheel_trains_publishes_and_serves_each_version(target, heads)
 def test_live_serving_of_a_stream_is_lossless(target, heads, mode):
     prompts = make_prompts(5, seed=9)
     params = SamplingParams(max_tokens=12, temperature=0.0)
-    engine, flywheel = live_engine(mode, target, heads, FlywheelSetup(publish_every=1, watch_window=4), batch=2, max_len=256)
-    assert (flywheel is None) == (mode == "plain")
+    engine, flywheel = live_engine(mode, target, heads, FlywheelSetup(publish_every=1, watch_window=4, trainer_duty=0.5), batch=2, max_len=256)
+    assert (flywheel is None) == (mode == "plain") and (flywheel is None or flywheel.options.trainer_duty == 0.5)
     seen = []
     result = serve_stream(engine, flywheel, [(p, "code" if i < 3 else "sql") for i, p in enumerate(prompts)], params, 2, on_finish=seen.append)
     if flywheel is not None:
@@ -52,6 +52,8 @@ def test_live_serving_of_a_stream_is_lossless(target, heads, mode):
 def test_unknown_modes_and_replaying_plain_are_refused(target, heads):
     with pytest.raises(InvalidParameterError, match="telepathy"):
         check_modes(["static", "telepathy"])
+    with pytest.raises(InvalidParameterError, match="trainer_duty"):
+        FlywheelSetup(trainer_duty=1.5)
     with pytest.raises(InvalidParameterError, match="no drafter"):
         ReplayFlywheel("plain", target, heads, FlywheelSetup())
     assert MODES["plain"] == (None, None) and MODES["online"] == ("static", {})

@@ -8,7 +8,7 @@ import torch
 from tandem.errors import InvalidParameterError, TandemError
 from tandem.flywheel.buffer import TraceBuffer
 from tandem.flywheel.objective import flywheel_loss
-from tandem.flywheel.trainer import FlywheelConfig, OnlineTrainer, latest_checkpoint, target_lm_rows, trainer_copy, wait_for
+from tandem.flywheel.trainer import FlywheelConfig, OnlineTrainer, latest_checkpoint, rest_after, target_lm_rows, trainer_copy, wait_for
 from tandem.flywheel.weights import HotSwapper, WeightStore
 from tandem.models.eagle import target_to_draft
 
@@ -79,6 +79,13 @@ def test_batches_come_from_the_whole_buffer(target, traces, monkeypatch):
     for _ in range(50):
         trainer.train_step()
     assert len(drawn) == 200 and len(trainer.buffer) == 600 and min(drawn) < 88
+
+
+def test_the_trainer_rests_to_keep_its_duty_share():
+    assert rest_after(0.2, 1.0) == 0.0 and rest_after(0.2, 0.5) == pytest.approx(0.2) and rest_after(0.3, 0.25) == pytest.approx(0.9)
+    trainer = OnlineTrainer.__new__(OnlineTrainer)
+    with pytest.raises(InvalidParameterError, match="duty"):
+        OnlineTrainer.start(trainer, duty=0.0)
 
 
 def test_waits_for_traces():
