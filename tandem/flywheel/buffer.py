@@ -1,8 +1,10 @@
 """The trace buffer: in process, bounded by bytes, never blocks the producer; optional Parquet spill.
 
-`put` is O(1) under a lock and never waits: when the buffer is over its byte budget it drops by policy
+`put` never waits (a short lock): when the buffer is over its byte budget it drops by policy
 (`drop_oldest`: evict old traces, the default, since fresh traffic is what the drafter should follow;
-`drop_newest`: refuse the new one) and counts the drops (`stats()`). With `spill_dir`, every accepted
+`balance_domains`: evict the oldest trace of the domain holding the most bytes, so a long run of one
+domain does not erase the others (the flywheel's default); `drop_newest`: refuse the new one) and
+counts the drops (`stats()`). With `spill_dir`, every accepted
 trace is also appended to Parquet shards (one row per trace, tensors as raw bytes + dtype + shape) by a
 background writer, so traces survive a restart (`load_traces`) and can train a drafter offline
 (`tandem train --data DIR`). The interface (put / sample / stats / close) is what a Ray-backed buffer
@@ -23,7 +25,7 @@ import torch
 from tandem.errors import InvalidParameterError, TandemError
 from tandem.flywheel.traces import TRACE_SCHEMA, SequenceTrace
 
-POLICIES = ("drop_oldest", "drop_newest")
+POLICIES = ("drop_oldest", "balance_domains", "drop_newest")
 SHARD_ROWS = 64  # traces per Parquet shard
 
 
@@ -61,7 +63,7 @@ class TraceBuffer:
                 self._dropped += 1
                 return False
             while self._bytes + size > self.capacity_bytes:
-                self._bytes -= self._items.popleft().num_bytes
+                self._bytes -= self._evict(trace.domain).num_bytes
                 self._dropped += 1
             self._items.append(trace)
             self._bytes += size
@@ -69,6 +71,20 @@ class TraceBuffer:
         if spill and self._spill is not None:
             self._spill.put(trace)
         return True
+
+    def _evict(self, incoming: str) -> SequenceTrace:
+        """Remove and return one trace by policy (under the lock)."""
+        if self.policy != "balance_domains":
+            return self._items.popleft()
+        held: dict[str, int] = {incoming: 0}
+        for t in self._items:
+            held[t.domain] = held.get(t.domain, 0) + t.num_bytes
+        held[incoming] += 1  # ties: the incoming trace's domain gives way first
+        largest = max(held, key=held.get)
+        index = next((i for i, t in enumerate(self._items) if t.domain == largest), 0)
+        trace = self._items[index]
+        del self._items[index]
+        return trace
 
     def sample(self, n: int, rng: random.Random, recent: int | None = None) -> list[SequenceTrace]:
         """n traces drawn uniformly with replacement (from the `recent` newest only, if given); [] if empty."""

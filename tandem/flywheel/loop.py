@@ -22,7 +22,7 @@ class FlywheelOptions:
     loss: FlywheelConfig = field(default_factory=FlywheelConfig)
     train: bool = True  # False: collect traces and watch acceptance, but never train (a static drafter)
     buffer_bytes: int = 256 << 20
-    buffer_policy: str = "drop_oldest"
+    buffer_policy: str = "balance_domains"  # when full: evict from the domain holding the most bytes
     spill_dir: str | None = None  # Parquet shards of every trace (restart, offline training)
     checkpoint_dir: str | None = None  # trainer checkpoints; resumed from when present
     checkpoint_every: int = 100  # trainer steps

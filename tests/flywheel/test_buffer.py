@@ -27,6 +27,20 @@ def test_bounded_by_bytes_drop_oldest(traces):
     assert kept <= {traces[-1].request_id, traces[-2].request_id}  # the newest survive
 
 
+def test_balance_domains_keeps_every_domain(traces):
+    """A long run of one domain evicts its own oldest traces, not the other domain's."""
+    import dataclasses
+
+    size = max(t.num_bytes for t in traces)
+    buffer = TraceBuffer(capacity_bytes=4 * size, policy="balance_domains")
+    buffer.put(dataclasses.replace(traces[0], request_id="sql-0", domain="sql"))
+    for i in range(10):
+        buffer.put(dataclasses.replace(traces[i % len(traces)], request_id=f"code-{i}", domain="code"))
+    ids = [t.request_id for t in buffer._items]
+    assert "sql-0" in ids and ids[1:] == [f"code-{i}" for i in range(10 - len(ids) + 1, 10)]
+    assert buffer.stats().dropped == 11 - len(ids)
+
+
 def test_drop_newest_refuses_and_counts(traces):
     buffer = TraceBuffer(capacity_bytes=traces[0].num_bytes, policy="drop_newest")
     assert buffer.put(traces[0])
