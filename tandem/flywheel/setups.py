@@ -130,7 +130,7 @@ class ReplayFlywheel:
         self.setup, self.steps_per_request = setup, train_steps_per_request
         self.served = serving_copy(heads[init])
         self.drafter = ServedHead(self.served)
-        self.store, self.buffer = WeightStore(), TraceBuffer()
+        self.store, self.buffer = WeightStore(), TraceBuffer(policy="balance_domains")
         self.trainer: OnlineTrainer | None = None
         self.swapper: HotSwapper | None = None
         if switches is not None:
