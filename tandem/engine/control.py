@@ -26,6 +26,7 @@ OFF_MARGIN = 0.02
 PATIENCE = 3
 PROBE_BUDGET = 0.05
 PRIOR_ACCEPTANCE = 0.8
+MAX_BACKOFF = 8
 
 
 class SpeculationController:
@@ -39,7 +40,7 @@ class SpeculationController:
         self.global_alphas = [prior_acceptance] * max_k
         self.alphas: dict[str, list[float]] = {}
         self.depth_of: dict[int, float] = {}  # budget -> EMA of the depth the drafter reached
-        self.on, self._streak, self._idle = True, 0, 0
+        self.on, self._streak, self._idle, self._backoff = True, 0, 0, 1
         self._plan: dict[str, int] = {}
         self._drafted_last: dict[str, bool] = {}  # request -> did its previous step draft
         self.fill = 1.0  # EMA: fraction of requests that got a non-empty draft when the budget was > 0
@@ -70,9 +71,10 @@ class SpeculationController:
         """Draft budget per request for this step (one decision for the whole batch)."""
         batch = len(requests)
         context = round(sum(len(r.all_ids) for r in requests) / batch)
-        rates = [self._rate(requests, n, context) for n in range(self.max_nodes + 1)]
+        steps = [self._step(requests, n, context) for n in range(self.max_nodes + 1)]  # (tokens, seconds)
+        rates = [tokens / seconds for tokens, seconds in steps]
         best = max(range(1, len(rates)), key=lambda n: (rates[n], -n))  # the best speculative budget
-        budget = self._decide(best, rates[best] / rates[0], rates)
+        budget = self._decide(best, rates[best] / rates[0], steps)
         self._plan = {r.request_id: min(budget, _remaining(r)) for r in requests}
         self._pending = (budget, rates[budget] / rates[0], self.forward.predict(batch, 1, context))
         return [self._plan[r.request_id] for r in requests]
@@ -125,43 +127,53 @@ class SpeculationController:
     # ---- prediction -------------------------------------------------------------------------------
     def _rate(self, requests, budget: int, context: int) -> float:
         """Predicted tokens per second of the whole batch if every request drafts `budget` nodes."""
+        tokens, seconds = self._step(requests, budget, context)
+        return tokens / seconds
+
+    def _step(self, requests, budget: int, context: int) -> tuple[float, float]:
+        """Predicted (tokens emitted, seconds) of one step of the batch at this budget."""
         batch = len(requests)
         depth = self._depth(budget)
         if not budget:
-            return batch / self.forward.predict(batch, 1, context)
+            return float(batch), self.forward.predict(batch, 1, context)
         fill = self.fill  # a lookup drafter finds nothing to propose on some steps: those emit 1 token
         tokens = sum(1 + fill * (expected_tokens_per_step(self.alphas.get(r.request_id, self.global_alphas), min(depth, _remaining(r))) - 1)
                      for r in requests)
         wide = 1 - (1 - fill) ** batch  # the verify is 1 + budget wide if any row drafted
         seconds = (self.draft.seconds(depth, batch * budget, batch) + wide * self.forward.predict(batch, 1 + budget, context)
                    + (1 - wide) * self.forward.predict(batch, 1, context))
-        return tokens / seconds
+        return tokens, seconds
 
     def _depth(self, budget: int) -> int:
         if budget <= self.max_k and budget not in self.depth_of:
             return budget  # a chain until the drafter shows a tree
         return min(self.max_k, max(1, round(self.depth_of.get(budget, self.max_k)))) if budget else 0
 
-    def _decide(self, best: int, predicted: float, rates: list[float]) -> int:
+    def _decide(self, best: int, predicted: float, steps: list[tuple[float, float]]) -> int:
         """Hysteresis on / off (predicted = best speculative rate / plain rate), then probes while off;
         returns this step's budget."""
         wants_change = predicted < 1 - OFF_MARGIN if self.on else predicted >= 1 + ON_MARGIN
         self._streak = self._streak + 1 if wants_change else 0
         if self._streak >= PATIENCE:
-            self.on, self._streak = not self.on, 0
+            self.on, self._streak, self._idle, self._backoff = not self.on, 0, 0, 1
             self.stats["switches"] += 1
         if self.on:
             return best
         self._idle += 1
         probe = min(3, self.max_nodes)
-        if self._idle % self._probe_interval(rates, probe) == 0:
+        if self._idle >= self._probe_interval(steps, probe) * self._backoff:
+            self._idle, self._backoff = 0, min(self._backoff * 2, MAX_BACKOFF)
             self.stats["probes"] += 1
             return probe
         return 0
 
-    def _probe_interval(self, rates: list[float], probe: int) -> int:
-        """Plain steps between probes so that a probe's extra time is <= PROBE_BUDGET of plain time."""
-        extra = max(1.0 / rates[probe] - 1.0 / rates[0], 0.0) * rates[0]  # probe step time / plain step time - 1
+    def _probe_interval(self, steps: list[tuple[float, float]], probe: int) -> int:
+        """Plain steps between probes so that a probe's net extra time (its time minus the plain time
+        its tokens would have taken) is <= PROBE_BUDGET of plain decoding time. Each probe that does not
+        turn speculation back on doubles the next interval (MAX_BACKOFF at most): a model drafter's probe
+        also catches up on every token skipped since its last draft, which the model does not price."""
+        (plain_tokens, plain_s), (probe_tokens, probe_s) = steps[0], steps[probe]
+        extra = max(probe_s - plain_s * probe_tokens / plain_tokens, 0.0) / plain_s
         return max(8, math.ceil(extra / PROBE_BUDGET))
 
     # ---- learning ---------------------------------------------------------------------------------

@@ -121,6 +121,7 @@ def test_drafter_that_never_pays_is_switched_off_and_probed_rarely():
     assert sum(1 for k in late if k == 0) >= 0.9 * len(late)
     assert 0 < sum(1 for k in late if k) <= 0.1 * len(late)
     assert c.metrics()["acceptance_per_position"][0] < 0.3
+    assert c.metrics()["probes"] >= 2 and c._backoff >= 4  # each unsuccessful probe doubled the next interval
 
 
 def test_release_forgets_the_request():
