@@ -249,15 +249,16 @@ def train_recipe(recipe: Recipe, out: Path, hours: float, log=print) -> dict:
         load_optimizer_tensors(optimizer, opt_tensors, groups)
     target_rows = target.lm_head.weight.detach().float()[head.draft_to_target]  # [Vd, d]
     rng = random.Random(f"{recipe.seed}:{state.step}")
-    budget = 3600 * hours
-    start = time.monotonic()
+    budget = 3600 * hours  # this session's wall time; the schedule spans all sessions' time
+    session_start = start = time.monotonic()
+    total = state.seconds + budget
     stream = FeatureStream(feature_dirs, target_identity(target.cfg))
     batches = stream.batches(recipe.rows, recipe.row_len, rng)
     window_tokens, window_start = 0, time.monotonic()
     bar = tqdm(desc="train eagle", unit="step", disable=None)
-    while time.monotonic() - start < budget:
+    while time.monotonic() - session_start < budget:
         batch = next(batches)
-        progress = (state.seconds + time.monotonic() - start) / max(budget + state.seconds, 1e-9)
+        progress = (state.seconds + time.monotonic() - start) / max(total, 1e-9)
         for group in optimizer.param_groups:
             group["lr"] = lr_at(state.step, progress, recipe.lr, recipe.warmup)
         loss, stats = packed_loss(head, target_rows, batch, recipe.unroll, sample_roots(batch, recipe.chain_fraction, rng))
