@@ -27,6 +27,7 @@ class Recipe:
     max_new_tokens: int = 192  # regenerated answer length
     heldout_per_domain: int = 8
     eval_every: int = 60  # optimiser steps between held-out evaluations / checkpoints
+    feature_kinds: tuple[str, ...] = ("reference", "regenerated")  # feature directories the trainer streams
     seed: int = 0
 
     def __post_init__(self) -> None:

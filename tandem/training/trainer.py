@@ -184,13 +184,13 @@ def resume(ckpt_root: Path, target) -> tuple[EagleHead, dict[str, torch.Tensor],
 
 
 # ---- the loop ----------------------------------------------------------------------------------------------
-def wait_for_features(out: Path, log, timeout_s: float = 3600.0, poll_s: float = 10.0) -> list[Path]:
+def wait_for_features(out: Path, log, kinds: tuple[str, ...] = ("reference", "regenerated"), timeout_s: float = 3600.0, poll_s: float = 10.0) -> list[Path]:
     """Feature directories with at least one shard (and the held-out set), waiting while a concurrent
     `--phase features` process writes the first ones."""
     deadline = time.monotonic() + timeout_s
     announced = False
     while True:
-        ready = [out / "features" / k for k in ("reference", "regenerated") if _has_shards(out / "features" / k)]
+        ready = [out / "features" / k for k in kinds if _has_shards(out / "features" / k)]
         if ready and _has_shards(out / "features" / "heldout"):
             return ready
         if time.monotonic() > deadline:
@@ -225,7 +225,7 @@ def train_recipe(recipe: Recipe, out: Path, hours: float, log=print) -> dict:
 
     target, tokenizer = load_target(recipe)
     heldout = out / "features" / "heldout"
-    feature_dirs = wait_for_features(out, log)
+    feature_dirs = wait_for_features(out, log, recipe.feature_kinds)
     ckpt_root = out / "ckpt"
     ckpt_root.mkdir(parents=True, exist_ok=True)
     resumed = resume(ckpt_root, target)
@@ -277,7 +277,7 @@ def train_recipe(recipe: Recipe, out: Path, hours: float, log=print) -> dict:
             entry = _checkpoint_and_eval(head, optimizer, state, heldout, ckpt_root, out, recipe, float(loss), stats, window_tokens / max(elapsed, 1e-9))
             log(json.dumps(entry))
             window_tokens, window_start = 0, time.monotonic()
-            feature_dirs = wait_for_features(out, log)
+            feature_dirs = wait_for_features(out, log, recipe.feature_kinds)
             stream = FeatureStream(feature_dirs, target_identity(target.cfg))  # pick up shards written meanwhile
             batches = stream.batches(recipe.rows, recipe.row_len, rng)
     state.seconds += time.monotonic() - start
