@@ -191,13 +191,15 @@ class OnlineTrainer:
             meta = {"steps": self.steps, "published": self.published, "restores": self.restores, "config": asdict(self.cfg), "param_groups": [
                 {k: v for k, v in g.items() if k != "params"} for g in state["param_groups"]]}
             (tmp / STATE_FILE).write_text(json.dumps(meta, indent=2) + "\n")
-        tmp.rename(path / name)
-        pointer = path / (LATEST_FILE + ".tmp")
-        pointer.write_text(name + "\n")
-        os.replace(pointer, path / LATEST_FILE)
-        for old in path.iterdir():  # earlier checkpoints and leftovers of interrupted saves
-            if old.is_dir() and old.name != name and old.name.startswith("step-"):
-                shutil.rmtree(old, ignore_errors=True)
+            # still under the lock: a concurrent save (the trainer's periodic one vs admin's "checkpoint now")
+            # must not see this save's .tmp directory as a leftover and delete it
+            tmp.rename(path / name)
+            pointer = path / (LATEST_FILE + ".tmp")
+            pointer.write_text(name + "\n")
+            os.replace(pointer, path / LATEST_FILE)
+            for old in path.iterdir():  # earlier checkpoints and leftovers of interrupted saves
+                if old.is_dir() and old.name != name and old.name.startswith("step-"):
+                    shutil.rmtree(old, ignore_errors=True)
         return path / name
 
     def load_optimizer(self, path: str | Path) -> None:
