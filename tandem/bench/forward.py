@@ -54,29 +54,35 @@ def forward_cost_ms(model: Transformer, ks=COST_KS, context: int = 64, reps: int
     return out
 
 
-def forward_cost_pair_ms(model: Transformer, ks=COST_KS, context: int = 64, reps: int = 15) -> dict[str, dict[int, float]]:
-    """Median ms of one cached forward over k new tokens, eager and compiled interleaved rep by rep."""
+def forward_cost_pair_ms(model: Transformer, ks=COST_KS, context: int = 64, reps: int = 15, batch: int = 1) -> dict[str, dict[int, float]]:
+    """Median ms of one cached forward over k new tokens per row (`batch` rows), eager and compiled
+    interleaved rep by rep, on the model's device (CUDA: synchronised, compiled = CUDA graphs)."""
     from tandem.models.compiled import CompiledForward
 
-    caches = {name: KVCache(model.cfg, 1, context + max(ks) + 1) for name in ("eager", "compiled")}
+    device = model.embed.weight.device
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    caches = {name: KVCache(model.cfg, batch, context + max(ks) + 1, model.embed.weight.dtype, device) for name in ("eager", "compiled")}
     compiled = CompiledForward(model, caches["compiled"], progress=lambda m: print(f"[bench forward] {m}", flush=True))
-    run = {"eager": lambda ids, pos: model(ids, positions=pos, cache=caches["eager"]), "compiled": lambda ids, pos: compiled(ids, pos)}
+    run = {"eager": lambda ids, pos: model(ids, positions=pos, cache=caches["eager"], rows=slice(0, batch)), "compiled": lambda ids, pos: compiled(ids, pos)}
     gen = torch.Generator().manual_seed(0)
     out: dict[str, dict[int, float]] = {"eager": {}, "compiled": {}}
     with torch.inference_mode():
-        prompt = torch.randint(0, model.cfg.vocab_size, (1, context), generator=gen)
+        prompt = torch.randint(0, model.cfg.vocab_size, (batch, context), generator=gen).to(device)
         for cache in caches.values():
-            model(prompt, cache=cache)
+            model(prompt, cache=cache, rows=slice(0, batch))
         for k in ks:
-            ids = torch.randint(0, model.cfg.vocab_size, (1, k), generator=gen)
-            pos = context + torch.arange(k).unsqueeze(0)
+            ids = torch.randint(0, model.cfg.vocab_size, (batch, k), generator=gen).to(device)
+            pos = (context + torch.arange(k)).expand(batch, k).to(device)
             times: dict[str, list[float]] = {"eager": [], "compiled": []}
             for _ in range(reps + 2):
                 for name in times:
+                    sync()
                     t = time.perf_counter()
                     run[name](ids, pos)
+                    sync()
                     times[name].append(time.perf_counter() - t)
-                    caches[name].truncate(0, context)
+                    for row in range(batch):
+                        caches[name].truncate(row, context)
             for name in times:
                 out[name][k] = statistics.median(times[name][2:]) * 1000
     return out

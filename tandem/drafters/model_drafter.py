@@ -52,7 +52,7 @@ class ModelDrafter(DrafterBase):
         tokens, probs = [], []
         for step in range(max(ks)):
             if step:
-                out = self.model(tokens[-1].unsqueeze(1), cache=self.cache, rows=slice(0, len(requests)))
+                out = self.model(tokens[-1].unsqueeze(1).to(self.cache.k.device), cache=self.cache, rows=slice(0, len(requests)))
                 logits = out.logits[:, -1]
             token, prob = self._pick(requests, logits)
             tokens.append(token)
