@@ -267,7 +267,8 @@ def _train(args) -> int:
             import torch
 
             torch.set_num_threads(args.threads)
-        report = run_recipe(args.recipe, args.out, args.hours or 1.0, args.phase, args.export)
+        kinds = tuple(k.strip() for k in args.kinds.split(",")) if args.kinds else None
+        report = run_recipe(args.recipe, args.out, args.hours or 1.0, args.phase, args.export, kinds=kinds)
         print(json.dumps(report, indent=1)[-4000:])
         return 0
     if Path(args.data).expanduser().is_dir():  # a directory of flywheel trace shards

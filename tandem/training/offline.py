@@ -363,6 +363,7 @@ def add_train_command(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--recipe", default=None, help="a named recipe (eagle-smollm2): feature shards + packed training, resumable")
     p.add_argument("--hours", type=float, default=None, help="with --recipe: wall-clock budget")
     p.add_argument("--phase", default="all", help="with --recipe: all | features | train")
+    p.add_argument("--kinds", default=None, help="with --recipe: feature kinds to produce/train on (reference,regenerated)")
     p.add_argument("--export", default=None, help="with --recipe: copy the best head here (fp16 + card)")
     p.set_defaults(func=run_train)
     return p

@@ -33,15 +33,18 @@ def run_features(recipe: Recipe, out: Path, hours: float | None, chunk_docs: int
     ref_writer = ShardWriter(out / "features" / "reference", tid, taps)
     regen_writer = ShardWriter(out / "features" / "regenerated", tid, taps, shard_tokens=8192)
     report = {"reference": [], "regenerated": []}
-    ref_todo = [d for d in reference if not ref_writer.has(_key(d))]
-    regen_todo = [d for d in regenerate if not regen_writer.has(_key(d))]
+    kinds = recipe.feature_kinds  # `--kinds regenerated` spends the whole budget on the target's own answers
+    ref_todo = [d for d in reference if not ref_writer.has(_key(d))] if "reference" in kinds else []
+    regen_todo = [d for d in regenerate if not regen_writer.has(_key(d))] if "regenerated" in kinds else []
     while (ref_todo or regen_todo) and time.monotonic() < deadline:
         if ref_todo:
             part, ref_todo = ref_todo[:chunk_docs], ref_todo[chunk_docs:]
             report["reference"].append(write_reference_features(ref_writer, target, tokenizer, part, recipe.max_doc_tokens).as_dict())
         if regen_todo and time.monotonic() < deadline:
-            part, regen_todo = regen_todo[: chunk_docs // 2], regen_todo[chunk_docs // 2 :]
-            report["regenerated"].append(write_regenerated_features(regen_writer, target, tokenizer, part, recipe.max_new_tokens).as_dict())
+            n = chunk_docs // 2 if ref_todo else chunk_docs
+            part, regen_todo = regen_todo[:n], regen_todo[n:]
+            stats = write_regenerated_features(regen_writer, target, tokenizer, part, recipe.max_new_tokens, recipe.regen_batch, chunk=len(part))
+            report["regenerated"].append(stats.as_dict())
     return report
 
 
@@ -74,11 +77,12 @@ def _key(doc) -> str:
 PHASES = ("all", "features", "train")
 
 
-def run_recipe(name: str, out: str | Path, hours: float, phase: str = "all", export: str | Path | None = None, log=print) -> dict:
+def run_recipe(name: str, out: str | Path, hours: float, phase: str = "all", export: str | Path | None = None, log=print, kinds: tuple[str, ...] | None = None) -> dict:
     """`tandem train --recipe NAME --hours H --out DIR [--phase P] [--export DEST]`.
 
     phase "all" runs the features phase in a child process (one thread) next to the trainer (one
-    thread), both resumable, for `hours` of wall time; then the best head is exported to DEST.
+    thread), both resumable, for `hours` of wall time; then the best head is exported to DEST. `kinds`
+    narrows the feature kinds both phases use (e.g. ("regenerated",)).
     """
     import json
     import subprocess
@@ -90,7 +94,9 @@ def run_recipe(name: str, out: str | Path, hours: float, phase: str = "all", exp
         raise InvalidParameterError(f"phase must be one of {PHASES}, got {phase!r}")
     if hours <= 0:
         raise InvalidParameterError(f"hours must be > 0, got {hours}")
-    recipe, out = get_recipe(name), Path(out).expanduser()
+    if kinds is not None and (not kinds or set(kinds) - {"reference", "regenerated"}):
+        raise InvalidParameterError(f"kinds must be a non-empty subset of reference,regenerated; got {kinds}")
+    recipe, out = get_recipe(name, feature_kinds=tuple(kinds) if kinds else None), Path(out).expanduser()
     out.mkdir(parents=True, exist_ok=True)
     report: dict = {"recipe": name}
     if phase == "features":
@@ -98,7 +104,7 @@ def run_recipe(name: str, out: str | Path, hours: float, phase: str = "all", exp
     elif phase == "train":
         report["train"] = _train_then_finetune(recipe, out, hours, log)
     else:
-        cmd = [sys.executable, "-m", "tandem.cli", "train", "--recipe", name, "--out", str(out), "--hours", str(hours), "--phase", "features", "--threads", "1"]
+        cmd = [sys.executable, "-m", "tandem.cli", "train", "--recipe", name, "--out", str(out), "--hours", str(hours), "--phase", "features", "--threads", "1", "--kinds", ",".join(recipe.feature_kinds)]
         child = subprocess.Popen(cmd, env=_one_thread_env())
         try:
             report["train"] = _train_then_finetune(recipe, out, hours, log)

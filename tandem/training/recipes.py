@@ -25,6 +25,7 @@ class Recipe:
     warmup: int = 30
     max_doc_tokens: int = 1024  # documents are cut here
     max_new_tokens: int = 192  # regenerated answer length
+    regen_batch: int = 32  # sequences decoded at once when regenerating answers
     heldout_per_domain: int = 8
     eval_every: int = 60  # optimiser steps between held-out evaluations / checkpoints
     feature_kinds: tuple[str, ...] = ("reference", "regenerated")  # feature directories the trainer streams
@@ -32,7 +33,7 @@ class Recipe:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("draft_vocab", "unroll", "rows", "row_len", "max_doc_tokens", "max_new_tokens", "eval_every"):
+        for name in ("draft_vocab", "unroll", "rows", "row_len", "max_doc_tokens", "max_new_tokens", "regen_batch", "eval_every"):
             if getattr(self, name) < 1:
                 raise InvalidParameterError(f"recipe {name} must be >= 1, got {getattr(self, name)}")
 
