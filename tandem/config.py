@@ -61,10 +61,13 @@ class EngineConfig:
     hidden_taps: tuple[int, ...] = field(default_factory=tuple)  # target layers whose hidden states are kept
     compile: bool = False  # torch.compile the decode / verify forward (tandem.models.compiled); eager where no compiler
     prefill_batch_tokens: int = 0  # > 0: requests admitted together prefill in shared forwards of <= this many padded tokens
+    prefill_chunk_tokens: int = 0  # > 0: at most this many prompt tokens prefill per step, long prompts in chunks between decode steps
 
     def __post_init__(self) -> None:
         _check(isinstance(self.max_batch_size, int) and self.max_batch_size >= 1, f"max_batch_size must be >= 1, got {self.max_batch_size!r}")
         _check(self.max_model_len is None or (isinstance(self.max_model_len, int) and self.max_model_len >= 2), f"max_model_len must be >= 2, got {self.max_model_len!r}")
         _check(isinstance(self.record_topk, int) and self.record_topk >= 0, f"record_topk must be >= 0, got {self.record_topk!r}")
         _check(isinstance(self.prefill_batch_tokens, int) and self.prefill_batch_tokens >= 0, f"prefill_batch_tokens must be >= 0, got {self.prefill_batch_tokens!r}")
+        _check(isinstance(self.prefill_chunk_tokens, int) and self.prefill_chunk_tokens >= 0, f"prefill_chunk_tokens must be >= 0, got {self.prefill_chunk_tokens!r}")
+        _check(not (self.prefill_chunk_tokens and self.prefill_batch_tokens), "prefill_chunk_tokens and prefill_batch_tokens are exclusive: choose chunked or batched prefill")
         _check(self.num_threads is None or (isinstance(self.num_threads, int) and self.num_threads >= 1), f"num_threads must be >= 1, got {self.num_threads!r}")

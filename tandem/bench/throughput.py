@@ -28,6 +28,7 @@ class ThroughputConfig:
     compile: bool = False  # also run on the compiled forward
     drafter: str | None = None  # e.g. "ngram": speculative decoding in the batch
     prefill_batch_tokens: int = 0  # > 0: batched prefill (EngineConfig.prefill_batch_tokens)
+    prefill_chunk_tokens: int = 0  # > 0: chunked prefill (EngineConfig.prefill_chunk_tokens)
 
     def __post_init__(self) -> None:
         if self.num_prompts < 1 or self.concurrency < 1 or self.max_tokens < 1:
@@ -44,7 +45,7 @@ def run_throughput_bench(cfg: ThroughputConfig) -> dict:
         raise InvalidParameterError(f"no prompts in {cfg.prompts}")
     ids = [p[: cfg.max_model_len - cfg.max_tokens] for p in render_chat(prompts, llm.tokenizer)]
     def runner(compile: bool) -> Engine:
-        config = replace(llm.config, compile=compile, prefill_batch_tokens=cfg.prefill_batch_tokens)
+        config = replace(llm.config, compile=compile, prefill_batch_tokens=cfg.prefill_batch_tokens, prefill_chunk_tokens=cfg.prefill_chunk_tokens)
         return Engine(llm.target, config, drafter=llm.engine.drafter, draft_policy=llm.engine.draft_policy)
 
     runners = {"eager": runner(False)}
@@ -55,7 +56,7 @@ def run_throughput_bench(cfg: ThroughputConfig) -> dict:
     for name, engine in runners.items():
         results[name], outputs[name] = serve_all(engine, ids, params)
     result = {"model": cfg.model, "prompts": len(ids), "concurrency": cfg.concurrency, "max_tokens": cfg.max_tokens,
-              "drafter": cfg.drafter, "prefill_batch_tokens": cfg.prefill_batch_tokens, "machine": machine_info(), "runners": results}
+              "drafter": cfg.drafter, "prefill_batch_tokens": cfg.prefill_batch_tokens, "prefill_chunk_tokens": cfg.prefill_chunk_tokens, "machine": machine_info(), "runners": results}
     if cfg.compile:
         result["compiled_speedup"] = round(results["compiled"]["output_tokens_per_s"] / results["eager"]["output_tokens_per_s"], 3)
         result["greedy_identical"] = outputs["eager"] == outputs["compiled"]
@@ -63,16 +64,21 @@ def run_throughput_bench(cfg: ThroughputConfig) -> dict:
 
 
 def serve_all(engine, prompt_ids: list[list[int]], params: SamplingParams) -> tuple[dict, list[list[int]]]:
-    """Queue every prompt, step until all finished; tokens/s, time to first token, mean batch per step."""
+    """Queue every prompt, step until all finished; tokens/s, time to first token, mean batch per step, and
+    the longest steps (a step that prefills a long prompt whole stalls every running request that long)."""
     steps_before, request_steps_before = engine.stats.steps, engine.stats.request_steps
     start = time.perf_counter()
     first = len(engine.waiting)
     for p in prompt_ids:
         engine.add_request(p, params)
     requests = list(engine.waiting)[first:]
+    step_s = []
     while engine.has_unfinished():
+        t = time.perf_counter()
         engine.step()
+        step_s.append(time.perf_counter() - t)
     wall = time.perf_counter() - start
+    step_s.sort()
     steps = engine.stats.steps - steps_before
     ttft = sorted(r.metrics.first_token_time - start for r in requests)
     out_tokens = sum(len(r.output_ids) for r in requests)
@@ -81,6 +87,7 @@ def serve_all(engine, prompt_ids: list[list[int]], params: SamplingParams) -> tu
         "prompt_tokens": sum(len(p) for p in prompt_ids), "steps": steps,
         "mean_batch": round((engine.stats.request_steps - request_steps_before) / max(1, steps), 2),
         "ttft_median_s": round(statistics.median(ttft), 3), "ttft_p90_s": round(ttft[int(0.9 * (len(ttft) - 1))], 3),
+        "step_p99_s": round(step_s[int(0.99 * (len(step_s) - 1))], 3), "max_step_s": round(step_s[-1], 3),
     }, [r.output_ids for r in requests]
 
 
@@ -95,6 +102,7 @@ def add_bench_throughput_command(bench) -> None:
     p.add_argument("--drafter", default=None)
     p.add_argument("--compile", action="store_true", help="also run on the compiled forward (same prompts, same target)")
     p.add_argument("--prefill-batch-tokens", type=int, default=0, help="> 0: batched prefill of admitted requests")
+    p.add_argument("--prefill-chunk-tokens", type=int, default=0, help="> 0: at most this many prompt tokens per step (long prompts in chunks)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json", dest="json_out", default=None)
     p.set_defaults(func=_run)
@@ -107,7 +115,7 @@ def _run(args) -> int:
 
     torch.set_num_threads(args.threads)
     cfg = ThroughputConfig(args.model, args.prompts, args.num_prompts, args.concurrency, args.max_tokens, args.max_model_len, args.compile, args.drafter,
-                           args.prefill_batch_tokens)
+                           args.prefill_batch_tokens, args.prefill_chunk_tokens)
     result = run_throughput_bench(cfg)
     text = json.dumps(result, indent=2)
     print(text)

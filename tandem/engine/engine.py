@@ -68,6 +68,9 @@ class Engine:
         self.cache = KVCache(model.cfg, config.max_batch_size, self.max_model_len + draft_room, model.embed.weight.dtype, device)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # running[i] lives in cache row i
+        self.prefilling: Request | None = None  # chunked prefill in progress, in cache row len(running)
+        self._prefill_parts: list[ForwardOutput] = []  # its chunks' outputs so far
+        self._prefill_start = 0.0
         self.observers: list[Callable[[StepRecord], None]] = []  # called after each forward committed (must not block)
         self.between_steps: list[Callable[["Engine"], None]] = []  # called before each step (weight hot-swap)
         self.stats = EngineStats()
@@ -117,13 +120,17 @@ class Engine:
             if request.request_id == request_id:
                 self.waiting.remove(request)
                 request.finish_reason = FinishReason.ABORT
-        for request in self.running:
-            if request.request_id == request_id:
+        for request in [*self.running, self.prefilling]:
+            if request is not None and request.request_id == request_id:
                 request.finish_reason = FinishReason.ABORT
         self._release_finished()
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.prefilling)
+
+    def in_flight(self) -> int:
+        """Requests queued, prefilling or decoding."""
+        return len(self.waiting) + len(self.running) + (self.prefilling is not None)
 
     # ---- the step loop ----------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
@@ -137,6 +144,8 @@ class Engine:
         return outputs
 
     def _admit(self) -> list[StepOutput]:
+        if self.config.prefill_chunk_tokens:
+            return self._admit_chunked(self.config.prefill_chunk_tokens)
         admitted = []
         while self.waiting and len(self.running) < self.config.max_batch_size:
             request = self.waiting.popleft()
@@ -146,6 +155,41 @@ class Engine:
         if self.config.prefill_batch_tokens and len(admitted) > 1:
             return self._prefill_batched(admitted)
         return [self._prefill(request) for request in admitted]
+
+    @torch.inference_mode()
+    def _admit_chunked(self, budget: int) -> list[StepOutput]:
+        """Prefill at most `budget` prompt tokens this step, first-come first-served: a prompt longer than what
+        is left continues next step (in row len(running), outside the decode batch), so running requests keep
+        decoding every step while a long prompt is read. A finished prefill joins the decode batch."""
+        outputs = []
+        while budget > 0:
+            if self.prefilling is None:
+                if not self.waiting or len(self.running) >= self.config.max_batch_size:
+                    break
+                self._start_prefill(self.waiting.popleft())
+            request = self.prefilling
+            done = int(self.cache.lengths[request.row])
+            take = min(budget, len(request.prompt_ids) - done)
+            ids = torch.tensor([request.prompt_ids[done : done + take]], device=self.cache.k.device)
+            rows = slice(request.row, request.row + 1)
+            self._prefill_parts.append(self.model(ids, cache=self.cache, rows=rows, last_only=True, taps=self.taps))
+            budget -= take
+            if done + take == len(request.prompt_ids):
+                outputs.append(self._finish_prefill())
+        return outputs
+
+    def _start_prefill(self, request: Request) -> None:
+        request.row = len(self.running)
+        self.cache.reset(request.row)
+        self.prefilling, self._prefill_parts, self._prefill_start = request, [], time.perf_counter()
+
+    def _finish_prefill(self) -> StepOutput:
+        request, parts = self.prefilling, self._prefill_parts
+        self.prefilling, self._prefill_parts = None, []
+        whole = ForwardOutput(parts[-1].logits, tuple(torch.cat(h, dim=1) for h in zip(*(p.hidden for p in parts))),
+                              torch.cat([p.final_hidden for p in parts], dim=1))
+        self.running.append(request)  # its row is len(running) before the append
+        return self._first_token(request, whole, self._prefill_start)
 
     @torch.inference_mode()
     def _prefill(self, request: Request) -> StepOutput:
@@ -314,6 +358,12 @@ class Engine:
                 last.row = request.row
                 self.running[request.row] = last
             request.row = -1
+        if self.prefilling is not None and self.prefilling.finished:  # aborted mid-prefill
+            self.prefilling.metrics.finish_time, self.prefilling.row = now, -1
+            self.prefilling, self._prefill_parts = None, []
+        if self.prefilling is not None and self.prefilling.row != len(self.running):  # keep it right after the decode rows
+            self.cache.move_row(self.prefilling.row, len(self.running))
+            self.prefilling.row = len(self.running)
 
     # ---- accounting ---------------------------------------------------------------------------------
     def _account(self, requests, drafts, results, draft_s: float, verify_s: float) -> None:

@@ -197,7 +197,7 @@ def serve_stream(
     outputs: dict[int, list[int]] = {}
     output_tokens, start = 0, time.perf_counter()
     while pending or engine.has_unfinished():
-        while pending and len(engine.waiting) + len(engine.running) < batch:
+        while pending and engine.in_flight() < batch:
             i, (ids, domain) = pending.pop()
             by_id[engine.add_request(ids, params, request_id=f"{prefix}-{i}", tags={"domain": domain})] = (i, domain)
         requests = {r.request_id: r for r in itertools.chain(engine.waiting, engine.running)}

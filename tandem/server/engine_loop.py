@@ -166,7 +166,7 @@ class EngineLoop:
     def _admit(self) -> None:
         """Move backlog requests into free batch rows, up to the prompt-token budget of one step."""
         engine, budget, admitted = self.engine, self.prefill_tokens_per_step, 0
-        while self._backlog and len(engine.waiting) + len(engine.running) < engine.config.max_batch_size:
+        while self._backlog and engine.in_flight() < engine.config.max_batch_size:
             sub, sink = self._backlog[0]
             if admitted and len(sub.prompt_ids) > budget:
                 return

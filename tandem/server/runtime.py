@@ -40,7 +40,7 @@ class ServerConfig:
     max_queue: int = 64  # requests accepted beyond the running batch; more get 429
     max_model_len: int | None = None  # KV cache per request (None = LLM's default)
     max_body_bytes: int = DEFAULT_MAX_BODY
-    prefill_tokens_per_step: int = 512  # prompt tokens admitted per engine step (at least one request)
+    prefill_tokens_per_step: int = 512  # prompt tokens prefilled per engine step (a longer prompt in chunks: running requests never stall)
     threads: int | None = None
     trainer_threads: int = 1
     publish_every: int | None = None  # online: trainer steps per published version (None = the flywheel default)
@@ -110,7 +110,7 @@ class Runtime:
             extra = {"draft_vocab_size": c.draft_vocab_size} if c.draft_vocab_size else {}
             drafter = build_drafter(c.drafter, target=llm.target, num_draft_tokens=c.num_draft_tokens, drafter_path=c.drafter_path,
                                     device=llm.device, max_batch=llm.config.max_batch_size, max_len=llm.config.max_model_len, **extra)
-        engine_config = replace(llm.config, record_steps=c.online)
+        engine_config = replace(llm.config, record_steps=c.online, prefill_chunk_tokens=c.prefill_tokens_per_step)
         llm.engine = Engine(llm.target, engine_config, drafter=drafter)
         return llm.engine
 

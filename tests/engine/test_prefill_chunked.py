@@ -1,0 +1,98 @@
+"""Chunked prefill (EngineConfig.prefill_chunk_tokens): a long prompt is read a few tokens per step while
+running requests keep decoding every step; outputs equal whole-prompt prefill (greedy, sampled, with
+drafters), the chunks' taps add up to the whole prompt's, and aborting mid-prefill loses nothing else."""
+import pytest
+import torch
+
+from tandem.config import EngineConfig, SamplingParams
+from tandem.drafters import build_drafter
+from tandem.engine.engine import Engine
+from tandem.errors import InvalidParameterError
+from tandem.models.loader import load_transformer
+
+LENGTHS = [3, 29, 8, 1, 22, 5]
+
+
+def prompts(seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 256, (k,), generator=gen).tolist() + [5, 6, 7, 5, 6] for k in LENGTHS]
+
+
+def engine_for(path, chunk, drafter=None, batch=3):
+    model = load_transformer(path)
+    model.pack()
+    draft = build_drafter(drafter, target=model, num_draft_tokens=3, max_batch=batch, max_len=128) if drafter else None
+    return Engine(model, EngineConfig(max_batch_size=batch, max_model_len=96, prefill_chunk_tokens=chunk), drafter=draft)
+
+
+@pytest.mark.parametrize("drafter", [None, "ngram", "eagle"])
+def test_greedy_outputs_equal_whole_prompt_prefill(tiny_dirs, drafter):
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (4, 12, 7, 15, 3, 9)]  # finish at different steps
+    want = [r.output_ids for r in engine_for(tiny_dirs["qwen2"], 0, drafter).run(prompts(), params)]
+    engine = engine_for(tiny_dirs["qwen2"], 4, drafter)
+    assert [r.output_ids for r in engine.run(prompts(), params)] == want
+    assert engine.stats.prefill_tokens == sum(len(p) for p in prompts())
+    assert engine.prefilling is None and not engine.has_unfinished()
+
+
+def test_sampled_outputs_equal_whole_prompt_prefill(tiny_dirs):
+    params = [SamplingParams(max_tokens=10, temperature=0.9, top_k=20, seed=s) for s in range(len(LENGTHS))]
+    want = [r.output_ids for r in engine_for(tiny_dirs["llama"], 0).run(prompts(), params)]
+    assert [r.output_ids for r in engine_for(tiny_dirs["llama"], 5).run(prompts(), params)] == want
+
+
+def test_chunks_add_up_to_the_whole_prompt_forward(tiny_dirs):
+    """What drafters and trace recording see at the first token: last logits, taps and final hidden states of
+    every prompt position, equal to one whole-prompt forward."""
+    seen = {}
+    for chunk in (0, 4):
+        engine = engine_for(tiny_dirs["llama"], chunk)
+        engine.taps = (0, 2)
+        first_token = engine._first_token
+        engine._first_token = lambda request, out, start, chunk=chunk: seen.setdefault(chunk, out) and first_token(request, out, start)
+        engine.run([prompts()[1]], [SamplingParams(max_tokens=2, temperature=0.0)])
+    whole, chunked = seen[0], seen[4]
+    assert chunked.final_hidden.shape == whole.final_hidden.shape == (1, len(prompts()[1]), 64)
+    assert torch.allclose(chunked.logits[0, -1], whole.logits[0, -1], atol=1e-4)
+    assert all(torch.allclose(c, w, atol=1e-4) for c, w in zip(chunked.hidden, whole.hidden, strict=True))
+    assert torch.allclose(chunked.final_hidden, whole.final_hidden, atol=1e-4)
+
+
+def test_running_requests_decode_every_step_while_a_long_prompt_is_read(tiny_dirs):
+    engine = engine_for(tiny_dirs["llama"], 4)
+    short = engine.add_request([1, 2, 3], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
+    engine.step()
+    long_prompt = list(range(10, 40))  # 30 tokens: 8 steps of 4 (the short one's decode shares no budget)
+    long = engine.add_request(long_prompt, SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    for step in range(1, 9):
+        out = {o.request_id: o for o in engine.step()}
+        assert len(out[short].new_token_ids) == 1  # never stalled
+        assert (long in out) == (step == 8)  # first token after the last chunk
+        assert engine.prefilling is None if step == 8 else engine.prefilling.request_id == long
+
+
+def test_abort_mid_prefill_frees_the_row_and_keeps_the_rest(tiny_dirs):
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    want = engine_for(tiny_dirs["llama"], 0).run([[1, 2, 3], [7, 8, 9, 10]], [params] * 2)
+    engine = engine_for(tiny_dirs["llama"], 4)
+    a = engine.add_request([1, 2, 3], params)
+    b = engine.add_request(list(range(10, 40)), params)
+    outputs: dict[str, list[int]] = {}
+    for o in engine.step():
+        outputs.setdefault(o.request_id, []).extend(o.new_token_ids)
+    assert engine.prefilling.request_id == b
+    engine.abort(b)
+    assert engine.prefilling is None
+    c = engine.add_request([7, 8, 9, 10], params)
+    while engine.has_unfinished():
+        for o in engine.step():
+            outputs.setdefault(o.request_id, []).extend(o.new_token_ids)
+    assert outputs[a] == want[0].output_ids and outputs[c] == want[1].output_ids
+    assert b not in outputs
+
+
+def test_chunk_budget_is_validated():
+    with pytest.raises(InvalidParameterError):
+        EngineConfig(prefill_chunk_tokens=-1)
+    with pytest.raises(InvalidParameterError):
+        EngineConfig(prefill_chunk_tokens=64, prefill_batch_tokens=64)
