@@ -9,10 +9,13 @@ from tandem.rl.rollout import RolloutEngine
 MAX_PROMPT_TOKENS = 128  # chat-rendered task prompts are far shorter
 
 
-def build_engines(target, drafters: list[str], max_batch: int, max_len: int, num_draft_tokens: int = 4, adaptive_k: bool = True) -> list[RolloutEngine]:
-    """One RolloutEngine per drafter name ("ar" = plain decoding), all sharing `target`."""
+def build_engines(target, drafters: list[str], max_batch: int, max_len: int, num_draft_tokens: int = 4, adaptive_k: bool = True,
+                  model_name: str | None = None) -> list[RolloutEngine]:
+    """One RolloutEngine per drafter name ("ar" = plain decoding), all sharing `target`. With adaptive_k each
+    speculative engine gets the speculation controller `LLM` uses (calibrated costs for `model_name` on this
+    machine when recorded, else measured online): draft length and on/off follow the live rollout batch."""
     from tandem.drafters import build_drafter
-    from tandem.engine.control import AdaptiveDraftLength
+    from tandem.engine.control import SpeculationController
 
     if len(set(drafters)) != len(drafters) or not drafters:
         raise InvalidParameterError(f"drafters must be distinct and non-empty, got {drafters}")
@@ -20,7 +23,9 @@ def build_engines(target, drafters: list[str], max_batch: int, max_len: int, num
     engines = []
     for name in drafters:
         drafter = None if name == "ar" else build_drafter(name, target=target, num_draft_tokens=num_draft_tokens, max_batch=max_batch, max_len=max_len)
-        policy = AdaptiveDraftLength(num_draft_tokens) if drafter is not None and adaptive_k else None
+        policy = None
+        if drafter is not None and adaptive_k:
+            policy = SpeculationController.for_engine(target, drafter, model_name=model_name, max_k=num_draft_tokens)
         engines.append(RolloutEngine(target, drafter, config, draft_policy=policy, name=name))
     return engines
 
@@ -38,7 +43,7 @@ def build_trainer(model: str, drafters: list[str], cfg: GRPOConfig, num_draft_to
     target.pack()
     max_len = min(MAX_PROMPT_TOKENS + cfg.max_tokens, target.cfg.max_position)
     batch = max_batch or min(cfg.prompts_per_step * cfg.group_size, 64)
-    engines = build_engines(target, drafters, batch, max_len, num_draft_tokens, adaptive_k)
+    engines = build_engines(target, drafters, batch, max_len, num_draft_tokens, adaptive_k, model_name=model)
     eagle = next((e for e in engines if e.name in ("eagle", "eagle_tree")), None)
     online = OnlineEagle(eagle.drafter, lr=eagle_lr, seed=cfg.seed) if eagle is not None else None
     learner = Learner(load_transformer(path), cfg, taps=online.taps if online is not None else ())
