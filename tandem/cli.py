@@ -183,7 +183,7 @@ def _bench_decode(args) -> int:
 
 
 def _bench_shift_command(bench) -> None:
-    from tandem.bench.prompts import DOMAINS
+    from tandem.data.prompts import DOMAINS
     from tandem.bench.shift import MODES, ShiftConfig
 
     d = ShiftConfig()
@@ -245,7 +245,7 @@ def _prompts_command(sub) -> None:
 
 
 def _prompts_fetch(args) -> int:
-    from tandem.bench.prompts import ensure_builtin_prompts
+    from tandem.data.prompts import ensure_builtin_prompts
 
     print(ensure_builtin_prompts())
     return 0

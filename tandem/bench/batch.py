@@ -13,7 +13,7 @@ import time
 from dataclasses import asdict, dataclass
 
 from tandem.bench.machine import machine_info
-from tandem.bench.prompts import load_prompts, render_chat
+from tandem.data.prompts import load_prompts, render_chat
 from tandem.config import SamplingParams
 from tandem.errors import InvalidParameterError
 from tandem.sim.calibration import Calibration

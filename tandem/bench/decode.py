@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass
 from tqdm import tqdm
 
 from tandem.bench.machine import machine_info
-from tandem.bench.prompts import Prompt, load_prompts, render_chat
+from tandem.data.prompts import Prompt, load_prompts, render_chat
 from tandem.config import SamplingParams
 from tandem.errors import InvalidParameterError
 

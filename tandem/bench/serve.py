@@ -14,7 +14,7 @@ import time
 from dataclasses import asdict, dataclass
 
 from tandem.bench.machine import machine_info
-from tandem.bench.prompts import load_prompts
+from tandem.data.prompts import load_prompts
 from tandem.config import SamplingParams
 from tandem.errors import InvalidParameterError
 

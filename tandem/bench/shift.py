@@ -32,7 +32,7 @@ import torch
 from tqdm import tqdm
 
 from tandem.bench.machine import machine_info
-from tandem.bench.prompts import DOMAINS, Prompt, domain_stream, load_prompts, prompt_split, render_chat
+from tandem.data.prompts import DOMAINS, Prompt, domain_stream, load_prompts, prompt_split, render_chat
 from tandem.bench.shift_stats import summarize
 from tandem.config import SamplingParams
 from tandem.errors import InvalidParameterError

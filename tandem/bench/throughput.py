@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, replace
 
 from tandem.bench.machine import machine_info
-from tandem.bench.prompts import load_prompts, render_chat
+from tandem.data.prompts import load_prompts, render_chat
 from tandem.config import SamplingParams
 from tandem.errors import InvalidParameterError
 

@@ -61,7 +61,7 @@ def pure_forward(
     taps: tuple[int, ...],
 ):  # -> logits [B, T, V], new_k / new_v [L, B, T, Hkv, D], taps, final hidden [B, T, hidden]
     """The model's forward with a read-only cache: what gets compiled (the eager forward is its reference)."""
-    cos, sin = model._rope(positions)
+    cos, sin = model.rope(positions)
     x = model.embed(ids)
     new_k, new_v, tapped = [], [], []
     for i, block in enumerate(model.blocks):

@@ -273,8 +273,8 @@ class EagleHead(nn.Module):
         batch = build_attention_batch(cache, rows, t, tree_mask, b, input_ids.device)
         if cache_mask is not None:
             batch = dataclasses.replace(batch, mask=cache_mask.to(input_ids.device), is_causal=False)
-        cos, sin = self._rope(batch.write_slots.to(input_ids.device) if positions is None else positions)
-        hidden = self._residual(features, self.attn(self._layer_input(input_ids, features), cos, sin, cache, batch))
+        cos, sin = self.rope(batch.write_slots.to(input_ids.device) if positions is None else positions)
+        hidden = self.residual(features, self.attn(self.layer_input(input_ids, features), cos, sin, cache, batch))
         if cache is not None:
             cache.lengths[batch.rows] += t
         if logits_at is not None:
@@ -304,25 +304,25 @@ class EagleHead(nn.Module):
                 roots = chain_roots.cpu()
                 features = features[:, chain_roots.to(features.device)]
             index = (roots + step).to(fused.device)
-            cos, sin = self._rope(index.unsqueeze(0))
-            q, k, v = self.attn.project(self._layer_input(input_ids[:, index], features), cos, sin)
+            cos, sin = self.rope(index.unsqueeze(0))
+            q, k, v = self.attn.project(self.layer_input(input_ids[:, index], features), cos, sin)
             keys.append(k.transpose(1, 2))
             values.append(v.transpose(1, 2))
             mask = unroll_mask(roots, t, step).to(fused.device).view(1, 1, len(roots), -1)
-            features = self._residual(features, self.attn.attend(q, torch.cat(keys, 2), torch.cat(values, 2), mask, False))
+            features = self.residual(features, self.attn.attend(q, torch.cat(keys, 2), torch.cat(values, 2), mask, False))
             wanted = features[:, first_roots.to(features.device)] if step == 0 and first_roots is not None else features
             logits.append(self.lm_head(self.norm(wanted)))
         return logits
 
-    def _layer_input(self, input_ids: torch.Tensor, features: torch.Tensor) -> torch.Tensor:  # -> [B, T, 2d]
+    def layer_input(self, input_ids: torch.Tensor, features: torch.Tensor) -> torch.Tensor:  # -> [B, T, 2d]
         embeds = F.embedding(input_ids, self.embed_weight).to(features.dtype)
         return torch.cat([self.input_norm(embeds), self.hidden_norm(features)], dim=-1)
 
-    def _residual(self, features: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:  # -> [B, T, d]
+    def residual(self, features: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:  # -> [B, T, d]
         hidden = features + attn_out
         return hidden + self.mlp(self.mlp_norm(hidden))
 
-    def _rope(self, positions: torch.Tensor):  # [B, T] -> cos, sin_signed [B, T, 1, head_dim]
+    def rope(self, positions: torch.Tensor):  # [B, T] -> cos, sin_signed [B, T, 1, head_dim]
         freqs = positions.float().unsqueeze(-1) * self.inv_freq
         cos, sin = freqs.cos(), freqs.sin()
         return torch.cat((cos, cos), -1).unsqueeze(2), torch.cat((-sin, sin), -1).unsqueeze(2)

@@ -314,7 +314,7 @@ class Transformer(nn.Module):
     ) -> ForwardOutput:
         """The forward proper, metadata given; writes K/V into the cache but leaves `cache.lengths` alone
         (what the compiled path traces: no host syncs, no Python-side state changes)."""
-        cos, sin = self._rope(positions)
+        cos, sin = self.rope(positions)
         x = self.embed(input_ids)
         tapped = {}
         for i, block in enumerate(self.blocks):
@@ -329,7 +329,7 @@ class Transformer(nn.Module):
         logits = self.lm_head(read)
         return ForwardOutput(logits.float(), tuple(tapped[i] for i in taps), x)
 
-    def _rope(self, positions: torch.Tensor):  # -> cos, sin_signed [B, T, 1, head_dim]
+    def rope(self, positions: torch.Tensor):  # -> cos, sin_signed [B, T, 1, head_dim]
         freqs = positions.float().unsqueeze(-1) * self.inv_freq  # [B, T, D/2], fp32 as in HF
         cos, sin = freqs.cos(), freqs.sin()
         dtype = self.embed.weight.dtype

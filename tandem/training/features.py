@@ -201,7 +201,7 @@ def write_reference_features(writer: ShardWriter, target: Transformer, tokenizer
 
 def write_regenerated_features(writer: ShardWriter, target: Transformer, tokenizer, docs, max_new_tokens: int, batch_size: int = 16, chunk: int = 64) -> ProduceStats:
     """The target's own greedy answers (batched decoding), then one teacher-forced forward each."""
-    from tandem.bench.prompts import Prompt, render_chat
+    from tandem.data.prompts import Prompt, render_chat
 
     stats, start = ProduceStats(), time.perf_counter()
     todo = [d for d in docs if not writer.has(doc_key(d))]
@@ -282,12 +282,12 @@ class FeatureStream:
         """Endless: shards in a fresh random order each pass, documents shuffled within a shard."""
         while True:
             for path, _, names in rng.sample(self.shards, len(self.shards)):
-                docs = _shard_docs(path, names, self.domains)
+                docs = shard_docs(path, names, self.domains)
                 rng.shuffle(docs)
                 yield from pack_documents(docs, rows, row_len)
 
 
-def _shard_docs(path: Path, names: list[str], domains: tuple[str, ...] | None) -> list[dict]:
+def shard_docs(path: Path, names: list[str], domains: tuple[str, ...] | None) -> list[dict]:
     from safetensors.torch import load_file
 
     t = load_file(str(path))

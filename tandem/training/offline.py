@@ -108,7 +108,7 @@ def build_examples(target: Transformer, prompts: list[list[int]], max_tokens: in
 
 
 def load_prompt_ids(cfg: TrainConfig, tokenizer) -> list[list[int]]:
-    from tandem.bench.prompts import load_prompts, render_chat
+    from tandem.data.prompts import load_prompts, render_chat
 
     domains = cfg.domains or None
     per_domain = max(1, math.ceil(cfg.max_prompts / len(cfg.domains))) if cfg.domains else None

@@ -82,25 +82,25 @@ def packed_unroll(
     heads = cfg.num_heads
     fed = shifted(batch.tokens, 1)  # x_{t+1}
     features = head.fuse([batch.taps.float()])  # [B, L, d]
-    cos, sin = head._rope(batch.position)
-    q, k, v = head.attn.project(head._layer_input(fed, features), cos, sin)
+    cos, sin = head.rope(batch.position)
+    q, k, v = head.attn.project(head.layer_input(fed, features), cos, sin)
     keys0, values0 = _expand_kv(k.transpose(1, 2), heads), _expand_kv(v.transpose(1, 2), heads)
     mask = step0_mask(batch.segment)
     attn = F.scaled_dot_product_attention(q.transpose(1, 2), keys0, values0, attn_mask=mask)
-    hidden = head._residual(features, head.attn.o(attn.transpose(1, 2).reshape(b, length, cfg.q_size)))
+    hidden = head.residual(features, head.attn.o(attn.transpose(1, 2).reshape(b, length, cfg.q_size)))
     outputs, indices = [hidden], [torch.arange(length)]
     roots = torch.arange(length) if roots is None else roots
     mask_r = mask[:, :, roots]  # [B, 1, R, L]
     own_k, own_v = [], []
     features = hidden[:, roots]
     for s in range(1, steps):
-        cos, sin = head._rope(batch.position[:, roots] + s)
+        cos, sin = head.rope(batch.position[:, roots] + s)
         tokens = shifted(batch.tokens, s + 1)[:, roots]  # x_{t+s+1}
-        q, k, v = head.attn.project(head._layer_input(tokens, features), cos, sin)
+        q, k, v = head.attn.project(head.layer_input(tokens, features), cos, sin)
         own_k.append(_expand_kv(k.transpose(1, 2), heads))
         own_v.append(_expand_kv(v.transpose(1, 2), heads))
         attn = chain_attention(q.transpose(1, 2), keys0, values0, mask_r, own_k, own_v)
-        features = head._residual(features, head.attn.o(attn.transpose(1, 2).reshape(b, len(roots), cfg.q_size)))
+        features = head.residual(features, head.attn.o(attn.transpose(1, 2).reshape(b, len(roots), cfg.q_size)))
         outputs.append(features)
         indices.append(roots)
     return outputs, indices

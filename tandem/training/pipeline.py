@@ -21,6 +21,7 @@ def run_features(recipe: Recipe, out: Path, hours: float | None, chunk_docs: int
     many, decoding speed: the target's own answers, closest to what serving drafts) until both are done or
     time runs out."""
     from tandem.models.eagle import EagleConfig, target_identity
+    from tandem.data.packages import package_files
     from tandem.training import sources
     from tandem.training.features import ShardWriter, write_reference_features, write_regenerated_features
 
@@ -28,7 +29,7 @@ def run_features(recipe: Recipe, out: Path, hours: float | None, chunk_docs: int
     target, tokenizer = load_target(recipe)
     taps, tid = EagleConfig.for_target(target.cfg).taps, target_identity(target.cfg)
     write_heldout(recipe, out, target, tokenizer)
-    reference = sources.reference_documents(sources.package_files())
+    reference = sources.reference_documents(package_files())
     regenerate = sources.regeneration_prompts(seed=recipe.seed)
     ref_writer = ShardWriter(out / "features" / "reference", tid, taps)
     regen_writer = ShardWriter(out / "features" / "regenerated", tid, taps, shard_tokens=8192)
@@ -50,7 +51,7 @@ def run_features(recipe: Recipe, out: Path, hours: float | None, chunk_docs: int
 
 def write_heldout(recipe: Recipe, out: Path, target, tokenizer) -> Path:
     """Target-regenerated answers to test-split prompts, `heldout_per_domain` per domain (written once)."""
-    from tandem.bench.prompts import load_prompts
+    from tandem.data.prompts import load_prompts
     from tandem.models.eagle import EagleConfig, target_identity
     from tandem.training.features import ShardWriter, write_regenerated_features
     from tandem.training.sources import Document
@@ -87,8 +88,6 @@ def run_recipe(name: str, out: str | Path, hours: float, phase: str = "all", exp
     import json
     import subprocess
     import sys
-
-    from tandem.training.trainer import train_recipe
 
     if phase not in PHASES:
         raise InvalidParameterError(f"phase must be one of {PHASES}, got {phase!r}")

