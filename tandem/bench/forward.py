@@ -166,12 +166,25 @@ def ar_comparison(llm, hf, prompts: list[str], max_tokens: int, rounds: int = 2)
     return rates | {"greedy_matches_hf": matches if hf is not None else None}
 
 
+def model_resident_mb(model_dir, pack: bool) -> float:
+    """Resident memory of one more copy of the target (+ its packed weights), loaded in this process
+    after everything else: the RSS it adds, without the engine's KV cache, the tokenizer or libraries."""
+    from tandem.models.loader import load_transformer
+
+    before = resident_mb()
+    target = load_transformer(model_dir)
+    if pack:
+        target.pack()
+    added = resident_mb() - before
+    del target
+    return added
+
+
 def run_forward_bench(model: str, max_tokens: int = 64, with_hf: bool = True, pack: bool = True, compile: bool = False) -> dict:
     from tandem.llm import LLM
 
-    rss_before = resident_mb()
     llm = LLM(model=model, pack_weights=pack)
-    rss_model = resident_mb() - rss_before  # target + packed weights (+ the tokenizer)
+    rss_model = model_resident_mb(llm.model_dir, pack)
     hf = load_hf(llm.model_dir) if with_hf else None
     prompts = list(BENCH_PROMPTS)
     bandwidth = memory_bandwidth_gbps()

@@ -14,6 +14,7 @@ from safetensors import SafetensorError
 
 from tandem.errors import ModelLoadError
 from tandem.models.config import ModelConfig
+from tandem.models.memory import release_freed_memory
 from tandem.models.transformer import Transformer
 
 
@@ -92,7 +93,9 @@ def load_transformer(model_dir: str | Path, dtype: torch.dtype = torch.float32, 
     missing = [n for n, p in model.named_parameters() if p.is_meta]
     if missing:
         raise ModelLoadError(f"checkpoint lacks parameters {missing[:5]}")
-    return model.to(device).eval().requires_grad_(False)
+    model = model.to(device).eval().requires_grad_(False)
+    release_freed_memory()  # the copies out of the mmap and the q/k/v, gate/up sources
+    return model
 
 
 def _check_shapes(state: dict[str, torch.Tensor], cfg: ModelConfig) -> None:

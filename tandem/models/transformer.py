@@ -14,6 +14,7 @@ from torch import nn
 
 from tandem.models.config import ModelConfig
 from tandem.models.kv_cache import AttentionBatch, KVCache, build_attention_batch
+from tandem.models.memory import release_freed_memory
 
 
 class Linear(nn.Module):
@@ -278,6 +279,7 @@ class Transformer(nn.Module):
         pack_linears(self, batch_hint, keep_dense)
         if self.cfg.tie_embeddings and self.lm_head.dense_dropped:  # the embedding still holds it: keep them tied
             self.lm_head._restore_weight(self.embed.weight)
+        release_freed_memory()  # the dropped dense copies
 
     def unpack(self) -> None:
         unpack_linears(self)
