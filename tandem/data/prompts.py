@@ -274,10 +274,16 @@ _GSM_VARIANTS = 4
 
 def _math(archives: _Archives) -> Iterator[Prompt]:
     """GSM8K-derived word problems: a few seeded variants of each of reasoning-gym's working templates."""
-    wheel = archives["reasoning-gym"]
+    return math_prompts(archives["reasoning-gym"], range(_GSM_VARIANTS))
+
+
+def math_prompts(wheel: Path, variants: range) -> Iterator[Prompt]:
+    """Seeded variants of every working gsm_symbolic template. Variant v of a template is the same text on every
+    machine; its id `gsm_symbolic/{task}#{v}` splits by template (`prompt_split`), so variants beyond the built-in
+    set's stay on their template's side of the train/test split."""
     generators = _gsm_generators(wheel)
     for task in _gsm_working_tasks(wheel):
-        for variant in range(_GSM_VARIANTS):
+        for variant in variants:
             question = generators[task](random.Random(task * 1000 + variant), 1.0)["question"]
             yield Prompt("math", question, "reasoning-gym/gsm_symbolic", f"gsm_symbolic/{task}#{variant}")
 

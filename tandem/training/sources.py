@@ -42,9 +42,23 @@ def reference_documents(archives: dict[str, Path]) -> list[Document]:
     return round_robin(docs)
 
 
+EXTRA_MATH_VARIANTS = range(4, 12)  # the built-in set holds variants 0-3 of each template
+
+
 def regeneration_prompts(domains: tuple[str, ...] = P.DOMAINS, seed: int = 0) -> list[Document]:
-    """The built-in train-split prompts, round-robin over domains so any prefix mixes them all."""
+    """The built-in train-split prompts, then more seeded variants of the train-split math templates (the
+    generator is unlimited, the other domains' data sets are used up), round-robin over domains so any
+    prefix mixes them all."""
     prompts = P.load_prompts("builtin", domains=domains, split="train", seed=seed)
+    if "math" in domains:
+        from tandem.data.packages import package_files
+
+        extra = P.math_prompts(package_files()["reasoning-gym"], EXTRA_MATH_VARIANTS)
+        seen = {p.prompt for p in prompts}
+        for p in extra:  # a template with few free numbers repeats texts across seeds: keep each text once
+            if P.prompt_split(p) == "train" and p.prompt not in seen:
+                prompts.append(p)
+                seen.add(p.prompt)
     return round_robin([Document(p.domain, p.source, p.id, p.prompt, None) for p in prompts])
 
 

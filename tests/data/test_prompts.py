@@ -200,3 +200,21 @@ def test_real_fetch_yields_all_domains(tmp_path: Path, monkeypatch: pytest.Monke
     assert set(counts) == set(DOMAINS)
     assert all(counts[d] >= 50 for d in DOMAINS), counts
     assert all(len(p.prompt) <= 1500 for p in load_prompts("builtin"))
+
+
+@pytest.mark.slow
+def test_extra_math_variants_are_new_texts_on_their_templates_side_of_the_split() -> None:
+    from tandem.data.packages import package_files
+    from tandem.training import sources
+
+    wheel = package_files()["reasoning-gym"]
+    builtin = list(prompts_mod.math_prompts(wheel, range(4)))
+    extra = list(prompts_mod.math_prompts(wheel, sources.EXTRA_MATH_VARIANTS))
+    assert list(prompts_mod.math_prompts(wheel, range(4))) == builtin  # seeded: same text on every run
+    assert len(extra) == 2 * len(builtin)
+    split_of = {p.id.split("#")[0]: prompt_split(p) for p in builtin}
+    assert all(prompt_split(p) == split_of[p.id.split("#")[0]] for p in extra)
+    regen = [d for d in sources.regeneration_prompts(domains=("math",)) if d.domain == "math"]
+    test_templates = {t for t, s in split_of.items() if s == "test"}
+    assert test_templates and not any(d.id.split("#")[0] in test_templates for d in regen)
+    assert len({d.prompt for d in regen}) == len(regen) > 2 * sum(s == "train" for s in split_of.values()) * 4
