@@ -29,6 +29,7 @@ class ThroughputConfig:
     drafter: str | None = None  # e.g. "ngram": speculative decoding in the batch
     prefill_batch_tokens: int = 0  # > 0: batched prefill (EngineConfig.prefill_batch_tokens)
     prefill_chunk_tokens: int = 0  # > 0: chunked prefill (EngineConfig.prefill_chunk_tokens)
+    stop_at_eos: bool = False  # like the peer harness (vllm batched); default: every request emits max_tokens
 
     def __post_init__(self) -> None:
         if self.num_prompts < 1 or self.concurrency < 1 or self.max_tokens < 1:
@@ -51,12 +52,12 @@ def run_throughput_bench(cfg: ThroughputConfig) -> dict:
     runners = {"eager": runner(False)}
     if cfg.compile:
         runners["compiled"] = runner(True)
-    params = SamplingParams(max_tokens=cfg.max_tokens, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=cfg.max_tokens, temperature=0.0, ignore_eos=not cfg.stop_at_eos)
     results, outputs = {}, {}
     for name, engine in runners.items():
         results[name], outputs[name] = serve_all(engine, ids, params)
     result = {"model": cfg.model, "prompts": len(ids), "concurrency": cfg.concurrency, "max_tokens": cfg.max_tokens,
-              "drafter": cfg.drafter, "prefill_batch_tokens": cfg.prefill_batch_tokens, "prefill_chunk_tokens": cfg.prefill_chunk_tokens, "machine": machine_info(), "runners": results}
+              "drafter": cfg.drafter, "prefill_batch_tokens": cfg.prefill_batch_tokens, "prefill_chunk_tokens": cfg.prefill_chunk_tokens, "stop_at_eos": cfg.stop_at_eos, "machine": machine_info(), "runners": results}
     if cfg.compile:
         result["compiled_speedup"] = round(results["compiled"]["output_tokens_per_s"] / results["eager"]["output_tokens_per_s"], 3)
         result["greedy_identical"] = outputs["eager"] == outputs["compiled"]
@@ -103,6 +104,7 @@ def add_bench_throughput_command(bench) -> None:
     p.add_argument("--compile", action="store_true", help="also run on the compiled forward (same prompts, same target)")
     p.add_argument("--prefill-batch-tokens", type=int, default=0, help="> 0: batched prefill of admitted requests")
     p.add_argument("--prefill-chunk-tokens", type=int, default=0, help="> 0: at most this many prompt tokens per step (long prompts in chunks)")
+    p.add_argument("--stop-at-eos", action="store_true", help="requests end at EOS (as in the peer harness); default: all emit --max-tokens")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json", dest="json_out", default=None)
     p.set_defaults(func=_run)
@@ -115,7 +117,7 @@ def _run(args) -> int:
 
     torch.set_num_threads(args.threads)
     cfg = ThroughputConfig(args.model, args.prompts, args.num_prompts, args.concurrency, args.max_tokens, args.max_model_len, args.compile, args.drafter,
-                           args.prefill_batch_tokens, args.prefill_chunk_tokens)
+                           args.prefill_batch_tokens, args.prefill_chunk_tokens, args.stop_at_eos)
     result = run_throughput_bench(cfg)
     text = json.dumps(result, indent=2)
     print(text)

@@ -189,10 +189,15 @@ class Attention(nn.Module):
         b, t, _ = x.shape
         q, k, v = self.project_qkv(x, cos, sin)
         keys, values = self._keys_values(k, v, cache, batch)  # [B, Hkv, S, D]
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), keys, values, attn_mask=batch.mask, is_causal=batch.is_causal,
-            enable_gqa=cfg.num_heads != cfg.num_kv_heads,
-        )  # [B, H, T, D]
+        q, gqa = q.transpose(1, 2), cfg.num_heads != cfg.num_kv_heads
+        parts = []
+        for first, end, keys_needed in batch.groups():  # one group unless the batch is large and ragged
+            mask = batch.mask[first:end, :, :, :keys_needed] if batch.mask is not None else None
+            parts.append(F.scaled_dot_product_attention(
+                q[first:end], keys[first:end, :, :keys_needed], values[first:end, :, :keys_needed], attn_mask=mask,
+                is_causal=batch.is_causal, enable_gqa=gqa,
+            ))  # [b, H, T, D]
+        out = parts[0] if len(parts) == 1 else torch.cat(parts)
         return self.o(out.transpose(1, 2).reshape(b, t, cfg.q_size))
 
     def project_qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):

@@ -56,12 +56,13 @@ def test_incremental_decode_with_cache_matches_hf(tiny_dirs, arch):
 def test_ragged_batch_decode_matches_single_sequences(tiny_dirs, arch):
     model = ours(tiny_dirs[arch])
     gen = torch.Generator().manual_seed(2)
-    prompts = [torch.randint(0, 300, (1, n), generator=gen) for n in (5, 11, 8)]
-    nxt = torch.randint(0, 300, (3, 2), generator=gen)
-    cache = KVCache(model.cfg, max_batch=3, max_len=32)
+    lengths = (5, 11, 8, 3, 17, 9, 2, 6, 12, 4, 20)  # > ATTENTION_GROUP_ROWS rows: attention runs per row group
+    prompts = [torch.randint(0, 300, (1, n), generator=gen) for n in lengths]
+    nxt = torch.randint(0, 300, (len(lengths), 2), generator=gen)
+    cache = KVCache(model.cfg, max_batch=len(lengths), max_len=32)
     for row, p in enumerate(prompts):
         model(p, cache=cache, rows=slice(row, row + 1))
-    batched = model(nxt, cache=cache, rows=slice(0, 3)).logits
+    batched = model(nxt, cache=cache, rows=slice(0, len(lengths))).logits
     for row, p in enumerate(prompts):
         single = model(torch.cat([p, nxt[row : row + 1]], 1)).logits[:, -2:]
         assert max_diff(batched[row : row + 1], single) <= TOL
