@@ -242,6 +242,7 @@ class GRPOTrainer:
             "profiles": {n: [(p.batch, round(p.seconds, 5)) for p in b.profile] for n, b in batches.items()},  # live batch per engine step
             "drafter_versions": {e.name: (e.drafter.version if e.drafter is not None else 0) for e in self.engines},
             "tokens": sum(len(r.completion_ids) for r in primary.rollouts),
+            "rollout_tokens": {n: sum(len(r.completion_ids) for r in b.rollouts) for n, b in batches.items()},
         } | stats
         if self.online is not None:
             record["eagle_staleness"] = self.online.staleness(self.learner.version)

@@ -7,6 +7,11 @@ where update (the learner's forward/backward/optimiser, incl. online EAGLE train
 rollout share of a plain-decoding step is f = rollout_ar / step_ar, s = rollout_ar / rollout_d, and
 Amdahl's prediction of the step speedup is 1 / (f / s + 1 - f); the measured step speedup is
 step_ar / step_d, which also pays d's re-sync.
+
+At temperature > 0 the drafters' rollouts have different lengths (speculative sampling draws its random
+numbers differently, so the samples differ from the first token on, with the same distribution): wall
+times then compare different amounts of work, so the token rate (completion tokens / rollout time) is
+reported next to them and the batch sweep's speedup is a ratio of token rates.
 """
 from __future__ import annotations
 
@@ -40,6 +45,9 @@ def summarize(history: list[dict], baseline: str = "ar") -> dict:
             "measured_vs_amdahl": round(measured / amdahl - 1.0, 4),
             "acceptance_length": round(sum(h["acceptance_length"][d] for h in history) / len(history), 3),
         }
+        if all("rollout_tokens" in h for h in history):
+            rate = {k: sum(h["rollout_tokens"][k] for h in history) / rollout[k] for k in (base, d)}
+            out["per_drafter"][d] |= {"rollout_tokens_per_s": round(rate[d], 2), "rollout_rate_speedup": round(rate[d] / rate[base], 3)}
     out["step_wall_s_mean"] = round(sum(h["step_wall_s"] for h in history) / len(history), 3)
     out["eagle_staleness"] = [h.get("eagle_staleness") for h in history] if "eagle_staleness" in history[0] else None
     return out
@@ -59,7 +67,8 @@ def batch_sweep(engines, prompts: list[list[int]], sizes: list[int], max_tokens:
                                 "tokens": sum(len(r.completion_ids) for r in batch.rollouts), "decisions": batch.decisions()}
         base = row.get("ar")
         for name, r in row.items():
-            r["speedup"] = round(base["wall_s"] / r["wall_s"], 3) if base else None
+            r["tokens_per_s"] = round(r["tokens"] / r["wall_s"], 2)
+            r["speedup"] = round(r["tokens_per_s"] / base["tokens_per_s"], 3) if base else None  # token rates: lengths differ
         out[str(size)] = row
     return out
 

@@ -18,3 +18,12 @@ def test_summary_speedups_and_amdahl():
     assert d["step_speedup"] == pytest.approx(20 / 14.5, abs=1e-3)  # (6+4) / (3+4+0.25) per step
     assert d["resync_share_of_step"] == pytest.approx(0.5 / 14.5, abs=1e-4)
     assert s["per_drafter"]["ar"]["step_speedup"] == 1.0
+
+
+def test_token_rate_speedup_when_rollout_lengths_differ():
+    history = [step(0) | {"rollout_tokens": {"ar": 100, "self_draft": 80}}]
+    d = summarize(history)["per_drafter"]["self_draft"]
+    assert d["rollout_speedup"] == pytest.approx(2.0)  # wall times: 6 s vs 3 s
+    assert d["rollout_tokens_per_s"] == pytest.approx(80 / 3, abs=0.01)
+    assert d["rollout_rate_speedup"] == pytest.approx((80 / 3) / (100 / 6), abs=1e-3)  # 1.6: less work was done
+    assert "rollout_rate_speedup" not in summarize([step(0)])["per_drafter"]["self_draft"]

@@ -1,6 +1,8 @@
 """`tandem rl --compare` end to end on the tiny model: JSON summary, sweep, plot, checkpoint + resume."""
 import json
 
+import pytest
+
 from tandem.cli import main
 
 
@@ -16,6 +18,10 @@ def test_rl_compare_writes_summary_sweep_plot_and_checkpoint(tiny_llama, tmp_pat
     assert summary["per_drafter"]["ar"]["rollout_speedup"] == 1.0 and summary["per_drafter"]["ar"]["step_speedup"] == 1.0
     assert 0 < summary["generation_share"] < 1
     assert set(result["sweep"]) == {"1", "4"} and set(result["sweep"]["4"]) == {"ar", "ngram", "self_draft", "eagle"}
+    for row in result["sweep"].values():  # the sweep's speedup is a ratio of token rates
+        for r in row.values():
+            assert r["speedup"] == pytest.approx(r["tokens_per_s"] / row["ar"]["tokens_per_s"], rel=0.01)
+    assert summary["per_drafter"]["ar"]["rollout_rate_speedup"] == 1.0
     assert [e["step"] for e in result["evals"]] == [0, 1, 2]
     assert png.stat().st_size > 10_000 and (ckpt / "state.json").exists() and (ckpt / "eagle" / "model.safetensors").exists()
     capsys.readouterr()
