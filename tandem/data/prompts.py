@@ -73,7 +73,7 @@ def load_prompts(
     if per_domain is not None and per_domain < 1:
         raise InvalidParameterError(f"per_domain must be >= 1 or None, got {per_domain}")
     path = ensure_builtin_prompts() if str(source) == "builtin" else Path(source)
-    by_domain = _group_by_domain(read_promptsread_jsonl(path))
+    by_domain = _group_by_domain(read_prompts_jsonl(path))
     wanted = _resolve_domains(domains, by_domain, path)
     selected: list[Prompt] = []
     for domain in wanted:
@@ -129,7 +129,7 @@ def domain_stream(
     return [next(draws[order[(i // block) % len(order)]]) for i in range(num_requests)]
 
 
-def read_promptsread_jsonl(path: Path) -> list[Prompt]:
+def read_prompts_jsonl(path: Path) -> list[Prompt]:
     """Parse and validate a prompt file; a bad line raises an error naming the file and line."""
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
