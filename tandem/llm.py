@@ -6,6 +6,7 @@ The engine underneath sees token ids only.
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -67,6 +68,11 @@ class LLM:
         self.config = EngineConfig(max_batch_size=max_batch_size, max_model_len=max_len, num_threads=num_threads, pack_weights=pack_weights,
                                    compile=compile)
         self.engine = self._make_engine(drafter, num_draft_tokens, drafter_model, drafter_path, adaptive_k)
+        if drafter and dtype != "float32":
+            warnings.warn(
+                f"speculative decoding with a {dtype} target is not bit-exact: a k-token verify and 1-token steps round "
+                "differently (attention, and single-row GEMMs), so outputs can differ from plain decoding of the same "
+                f"{dtype} model (docs/BENCHMARKS.md 1.3); float32 is the exact mode", stacklevel=2)
 
     def _make_engine(self, drafter, num_draft_tokens, drafter_model, drafter_path, adaptive_k) -> Engine:
         draft, policy = None, None

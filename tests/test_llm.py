@@ -1,4 +1,6 @@
 """The public API on a tiny model: shapes of outputs, chat, stop strings, and typed errors on bad input."""
+import warnings
+
 import pytest
 
 from tandem import LLM, SamplingParams
@@ -75,3 +77,11 @@ def test_corrupt_weights(tiny_dirs, tmp_path):
 def test_unknown_drafter(tiny_dirs):
     with pytest.raises(InvalidParameterError, match="ngram"):
         LLM(tiny_dirs["llama"], drafter="nope")
+
+
+def test_speculation_on_a_non_fp32_target_warns_that_it_is_not_bit_exact(tiny_dirs):
+    with pytest.warns(UserWarning, match="not bit-exact"):
+        LLM(tiny_dirs["llama"], dtype="bfloat16", drafter="ngram", max_model_len=64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        LLM(tiny_dirs["llama"], dtype="bfloat16", max_model_len=64)  # plain decoding: nothing to warn about

@@ -51,7 +51,7 @@ class Linear(nn.Module):
 
     def pack(self, batch_hint: int = 8, keep_dense: bool = True) -> None:
         weight = self.dense_weight()
-        usable = weight.device.type == "cpu" and weight.dtype == torch.float32 and torch.backends.mkldnn.is_available()
+        usable = weight.device.type == "cpu" and weight.dtype in packable_dtypes() and torch.backends.mkldnn.is_available()
         if not usable:
             self.unpack()
             return
@@ -95,6 +95,12 @@ class Linear(nn.Module):
                 return torch.ops.tandem.linear_packed(x, self.packed, bias)
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
         return F.linear(x, self.dense_weight(), self.bias)
+
+
+def packable_dtypes() -> tuple[torch.dtype, ...]:
+    """fp32 always; bf16 where oneDNN has bf16 kernels for this CPU (AVX-512 BF16 / AMX): there a packed
+    bf16 forward reads half the bytes (121 GEMMs of SmolLM2 at M = 1: 6.4 vs 13.3 ms on a Zen 5 box)."""
+    return (torch.float32, torch.bfloat16) if torch.ops.mkldnn._is_mkldnn_bf16_supported() else (torch.float32,)
 
 
 @torch.library.custom_op("tandem::linear_packed", mutates_args=())

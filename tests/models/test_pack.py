@@ -109,3 +109,18 @@ def test_weight_bytes_count_one_copy_packed_or_not(tiny_dirs, arch):
     model.pack()
     assert weight_bytes_total(model) == dense
     assert weight_bytes_per_token(model) == per_token
+
+
+@pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="oneDNN has no bf16 kernels on this CPU")
+def test_bf16_target_is_packed_where_onednn_supports_it(tiny_dirs):
+    model = load_transformer(tiny_dirs["llama"], torch.bfloat16)
+    ids = torch.randint(0, 300, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        want = model(ids).logits
+    model.pack()
+    assert all(lin.packed is not None and lin.packed.dtype == torch.bfloat16 for lin in model.modules() if isinstance(lin, Linear))
+    with torch.inference_mode():
+        got = model(ids).logits
+    assert (got - want).abs().max().item() <= 0.05 * want.abs().max().item()  # bf16: kernels round differently
+    model.unpack()
+    assert all(lin.packed is None and lin.weight.dtype == torch.bfloat16 for lin in model.modules() if isinstance(lin, Linear))
