@@ -76,6 +76,7 @@ class OnlineTrainer:
         self.generator = torch.Generator().manual_seed(cfg.seed)
         self.rng = random.Random(cfg.seed)
         self.steps = 0
+        self.resumed_from_step: int | None = None  # the checkpoint's step count, when resumed
         self.published: int | None = None  # last version published
         self.losses: deque[dict] = deque(maxlen=200)
         self.error: BaseException | None = None
@@ -214,7 +215,7 @@ class OnlineTrainer:
             state.setdefault(int(index), {})[key] = value
         groups = [dict(g, params=list(range(len(self.params)))) for g in meta["param_groups"]]
         self.optimizer.load_state_dict({"state": state, "param_groups": groups})
-        self.steps = int(meta["steps"])
+        self.steps = self.resumed_from_step = int(meta["steps"])
         self.published = meta.get("published")
         self.restores = int(meta.get("restores", 0))
 
