@@ -24,16 +24,20 @@ demo: assets
 
 # The strong static EAGLE head, in the stages the shipped head was made with (docs/BENCHMARKS.md 3.1):
 # 1. reference + regenerated features and training side by side (HEAD_HOURS), 2. one more hour of batched
-# regeneration (the target's own answers), 3. training on regenerated answers only (REGEN_TRAIN_HOURS); the
-# best head is exported to tandem/heads/eagle-smollm2 (fp16, sha256 card). Every stage resumes; ~5 h here.
+# regeneration (the target's own answers), 3. training on regenerated answers only (REGEN_TRAIN_HOURS), 4. the
+# rest of the regeneration prompts (more math variants, the last code) beside more training on them
+# (MORE_HOURS); the best head is exported to tandem/heads/eagle-smollm2 (fp16, sha256 card). Every stage
+# resumes; ~6.4 h on the slower box.
 HEAD_HOURS ?= 2.5
 REGEN_HOURS ?= 1.05
 REGEN_TRAIN_HOURS ?= 1.6
+MORE_HOURS ?= 1.2
 HEAD_RUN = $${TANDEM_HOME:-$$HOME/.cache/tandem}/runs/eagle-smollm2
 head: assets
 	$(PY) -m tandem.cli train --recipe eagle-smollm2 --hours $(HEAD_HOURS) --threads 1 --out $(HEAD_RUN)
 	$(PY) -m tandem.cli train --recipe eagle-smollm2 --hours $(REGEN_HOURS) --threads 1 --out $(HEAD_RUN) --phase features --kinds regenerated
-	$(PY) -m tandem.cli train --recipe eagle-smollm2 --hours $(REGEN_TRAIN_HOURS) --threads 1 --out $(HEAD_RUN) --phase train --kinds regenerated \
+	$(PY) -m tandem.cli train --recipe eagle-smollm2 --hours $(REGEN_TRAIN_HOURS) --threads 1 --out $(HEAD_RUN) --phase train --kinds regenerated
+	$(PY) -m tandem.cli train --recipe eagle-smollm2 --hours $(MORE_HOURS) --threads 1 --out $(HEAD_RUN) --phase all --kinds regenerated \
 		--export tandem/heads/eagle-smollm2
 
 test: assets
