@@ -16,6 +16,7 @@ and the same greedy outputs), and writes the plot.
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import tandem
@@ -70,7 +71,8 @@ def run_demo(model: str, requests: int = 30, block: int = 6, max_tokens: int = 4
 
     print(f"[2/2] the flywheel, starting from the {label}; trainer in the background\n")
     print(HEADER)
-    engine, flywheel = live_engine("online", target, heads, cfg.setup, batch, longest)
+    setup = replace(cfg.setup, adaptive_k=True)  # speculate where it pays: k (or plain) per step from measured acceptance
+    engine, flywheel = live_engine("online", target, heads, setup, batch, longest)
     online = serve_stream(engine, flywheel, pairs, params, batch, on_finish=lambda row: _show(row, flywheel), prefix="online")
     flywheel.close()
     metrics = flywheel.metrics()

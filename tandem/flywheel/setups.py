@@ -61,6 +61,7 @@ class FlywheelSetup:
     collapse_ratio: float = 0.5  # rollback when a new version's acceptance falls below this x the old one's
     watch_window: int = 64  # request-steps a swapped-in version is watched over (live)
     trainer_duty: float = 1.0  # live: the trainer thread's busy share of wall time
+    adaptive_k: bool = False  # live: the speculation controller picks k (0 = plain) per step from measured acceptance
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -166,7 +167,12 @@ def live_engine(mode: str, target, heads: dict[str, EagleHead], setup: FlywheelS
     if init is None:
         return Engine(target, EngineConfig(max_batch_size=batch, max_model_len=max_len)), None
     drafter = EagleDrafter(serving_copy(heads[init]), setup.num_draft_tokens, batch, max_len)
-    engine = Engine(target, EngineConfig(max_batch_size=batch, max_model_len=max_len, record_steps=True), drafter=drafter)
+    policy = None
+    if setup.adaptive_k:
+        from tandem.engine.control import SpeculationController
+
+        policy = SpeculationController.for_engine(target, drafter, max_k=setup.num_draft_tokens)
+    engine = Engine(target, EngineConfig(max_batch_size=batch, max_model_len=max_len, record_steps=True), drafter=drafter, draft_policy=policy)
     options = FlywheelOptions(loss=setup.loss(switches or {}), train=switches is not None, collapse_ratio=setup.collapse_ratio, window=setup.watch_window,
                               trainer_duty=setup.trainer_duty)
     return engine, Flywheel(engine, target, options).start()

@@ -31,12 +31,16 @@ def test_replay_flywheel_trains_publishes_and_serves_each_version(target, heads)
     assert online.trainer.published == 2 and versions[0] == 0 and versions == sorted(versions) and versions[-1] >= 1
 
 
-@pytest.mark.parametrize("mode", ["plain", "online_scratch"])
-def test_live_serving_of_a_stream_is_lossless(target, heads, mode):
+@pytest.mark.parametrize("mode,adaptive_k", [("plain", False), ("online_scratch", False), ("online_scratch", True)])
+def test_live_serving_of_a_stream_is_lossless(target, heads, mode, adaptive_k):
+    from tandem.engine.control import SpeculationController
+
     prompts = make_prompts(5, seed=9)
     params = SamplingParams(max_tokens=12, temperature=0.0)
-    engine, flywheel = live_engine(mode, target, heads, FlywheelSetup(publish_every=1, watch_window=4, trainer_duty=0.5), batch=2, max_len=256)
+    setup = FlywheelSetup(publish_every=1, watch_window=4, trainer_duty=0.5, adaptive_k=adaptive_k)
+    engine, flywheel = live_engine(mode, target, heads, setup, batch=2, max_len=256)
     assert (flywheel is None) == (mode == "plain") and (flywheel is None or flywheel.options.trainer_duty == 0.5)
+    assert isinstance(engine.draft_policy, SpeculationController) == adaptive_k
     seen = []
     result = serve_stream(engine, flywheel, [(p, "code" if i < 3 else "sql") for i, p in enumerate(prompts)], params, 2, on_finish=seen.append)
     if flywheel is not None:
@@ -47,6 +51,8 @@ def test_live_serving_of_a_stream_is_lossless(target, heads, mode):
     assert result.outputs == expected and result.output_tokens == sum(len(o) for o in expected) and result.seconds > 0
     if mode == "plain":
         assert all(r["acceptance_length"] == 1.0 and r["version"] == 0 for r in result.rows)
+    if adaptive_k:
+        assert engine.draft_policy.metrics()["steps"] > 0  # the controller decided the steps
 
 
 def test_unknown_modes_and_replaying_plain_are_refused(target, heads):
