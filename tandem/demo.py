@@ -7,7 +7,8 @@ chat -> translation), greedy, `batch` requests in flight, 1 torch thread for the
 2. the flywheel: the EAGLE drafter starts from the strong static head shipped in tandem/heads/ (or, if
    none is shipped yet, from an untrained day-0 head, with a warning), the engine records traces, the
    trainer (1 more thread) learns from them in the background, and new drafter versions are hot-swapped
-   between steps (rollback on an acceptance collapse).
+   between steps (rollback on an acceptance collapse); the speculation controller drafts k tokens, or none,
+   per step from the measured acceptance.
 
 A row per finished request shows domain, acceptance length, tokens/s and the drafter version; the end
 prints per-block means for both, the speedup over plain decoding (stream tokens / wall time, same prompts
