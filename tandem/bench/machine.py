@@ -30,7 +30,7 @@ def memory_bandwidth_gbps(size_mb: int = 512, reps: int = 5) -> float:
     AR decoding does) and a plain reduction, best of `reps`.
 
     Which one reads faster depends on the machine: on one 2-core box the gemv read ~2x faster than `sum`,
-    on another `sum` read 34 GB/s and the gemv 24 GB/s while decoding streamed its weights at 33 GB/s.
+    on another (quiet) `sum` read 79 GB/s and the gemv 24 GB/s while decoding streamed its weights at 33 GB/s.
     Taking either alone would understate the roofline somewhere.
     """
     x = torch.ones(size_mb * 1024 * 1024 // 4).view(-1, 4096)

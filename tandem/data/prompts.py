@@ -269,12 +269,12 @@ def _sql(archives: _Archives) -> Iterator[Prompt]:
 
 _GSM_DIR = "reasoning_gym/arithmetic/gsm_symbolic/"
 _GSM_IMPORT = "from reasoning_gym.utils import format_number, is_integer\n"
-_GSM_VARIANTS = 4
+GSM_VARIANTS = 4
 
 
 def _math(archives: _Archives) -> Iterator[Prompt]:
     """GSM8K-derived word problems: a few seeded variants of each of reasoning-gym's working templates."""
-    return math_prompts(archives["reasoning-gym"], range(_GSM_VARIANTS))
+    return math_prompts(archives["reasoning-gym"], range(GSM_VARIANTS))
 
 
 def math_prompts(wheel: Path, variants: range) -> Iterator[Prompt]:

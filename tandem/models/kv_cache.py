@@ -100,7 +100,7 @@ def build_attention_batch(
     return AttentionBatch(rows, starts, slots, total, mask, False, uniform, _row_groups(starts, num_new))
 
 
-ATTENTION_GROUP_ROWS = 8  # measured: 60-row decode over ragged lengths 1.99 -> 1.13 ms per layer (BENCHMARKS 1.1)
+ATTENTION_GROUP_ROWS = 8  # measured: 60-row decode over ragged lengths 1.99 -> 1.13 ms per layer (BENCHMARKS 1.3)
 
 
 def _row_groups(starts: torch.Tensor, num_new: int) -> tuple[tuple[int, int, int], ...]:

@@ -2,8 +2,8 @@
 
 Loading and packing a model frees large temporaries (safetensors copies, fused q/k/v and gate/up
 sources, dense weights replaced by their oneDNN copies). glibc keeps such freed blocks in its arenas, so
-they stay resident; `malloc_trim(0)` returns them. Measured on SmolLM2-135M: 694 -> 629 MB resident for
-target + packs (docs/BENCHMARKS.md 1.1). A no-op where glibc is absent.
+they stay resident; `malloc_trim(0)` returns them. Measured on SmolLM2-135M: 694 -> 622 MB resident for
+target + packs (docs/BENCHMARKS.md 1.3). A no-op where glibc is absent.
 """
 from __future__ import annotations
 

@@ -42,7 +42,7 @@ def reference_documents(archives: dict[str, Path]) -> list[Document]:
     return round_robin(docs)
 
 
-EXTRA_MATH_VARIANTS = range(4, 12)  # the built-in set holds variants 0-3 of each template
+EXTRA_MATH_VARIANTS = range(P.GSM_VARIANTS, 3 * P.GSM_VARIANTS)  # the built-in set holds the first GSM_VARIANTS of each template
 
 
 def regeneration_prompts(domains: tuple[str, ...] = P.DOMAINS, seed: int = 0) -> list[Document]:
