@@ -62,6 +62,7 @@ class ShiftConfig:
     publish_every: int = 10
     batch_size: int = 4  # trainer batch (traces)
     lr: float = 1e-3
+    anchor: float = 0.0
     discard_weight: float = 0.5
     branch_weight: float = 0.5
     window: int = 20  # rolling window (requests) of the recovery measure
@@ -71,7 +72,7 @@ class ShiftConfig:
 
     @property
     def setup(self) -> FlywheelSetup:
-        return FlywheelSetup(num_draft_tokens=self.num_draft_tokens, batch_size=self.batch_size, lr=self.lr, publish_every=self.publish_every,
+        return FlywheelSetup(num_draft_tokens=self.num_draft_tokens, batch_size=self.batch_size, lr=self.lr, anchor=self.anchor, publish_every=self.publish_every,
                              discard_weight=self.discard_weight, branch_weight=self.branch_weight, collapse_ratio=self.collapse_ratio, seed=self.seed)
 
     def __post_init__(self) -> None:

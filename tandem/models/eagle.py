@@ -395,6 +395,26 @@ def copy_head(head: EagleHead) -> EagleHead:
     return copy
 
 
+def resize_draft_vocab(head: EagleHead, size: int, target_lm_head: torch.Tensor) -> EagleHead:  # target_lm_head [V, d]
+    """The same trained head over another draft vocabulary: the first `size` tokens of its own (most frequent
+    first), or all of them followed by the remaining target ids (lowest first) when `size` is larger.
+
+    Only a head whose LM head is the target's frozen rows (`shared_lm_head`) can be resized: its trained
+    weights do not depend on the vocabulary, which only chooses the rows the draft softmax runs over."""
+    if not head.cfg.shared_lm_head:
+        raise InvalidParameterError("only a head with a shared (target) LM head can change its draft vocabulary")
+    if not 1 <= size <= head.cfg.target_vocab_size:
+        raise InvalidParameterError(f"draft vocabulary size must be in [1, {head.cfg.target_vocab_size}], got {size}")
+    own = head.draft_to_target.cpu()
+    chosen = torch.zeros(head.cfg.target_vocab_size, dtype=torch.bool)
+    chosen[own] = True
+    vocab = torch.cat([own, torch.nonzero(~chosen).flatten()])[:size]
+    resized = EagleHead(dataclasses.replace(head.cfg, draft_vocab_size=size), head.embed_weight, vocab, target_lm_head)
+    state = {k: v for k, v in head.state_dict().items() if k not in ("draft_to_target", "lm_head.weight")}
+    resized.load_state_dict(state, strict=False)
+    return resized.train(head.training)
+
+
 def _full_lm_head(head: EagleHead) -> torch.Tensor | None:  # [V, d] with the draft rows in place (enough to rebuild a shared head)
     if not head.cfg.shared_lm_head:
         return None

@@ -9,6 +9,7 @@ import pytest
 from tandem.data import prompts as prompts_mod
 from tandem.data.prompts import (
     DOMAINS,
+    UNSEEN_DOMAINS,
     Prompt,
     domain_stream,
     ensure_builtin_prompts,
@@ -177,7 +178,7 @@ def test_builtin_cache_is_written_atomically_and_reused(tmp_path: Path, monkeypa
     fetched = [Prompt("code", "def f():", "fake", "f/0"), Prompt("chat", "hi", "fake", "c/0")]
     monkeypatch.setattr(prompts_mod, "_fetch_builtin", lambda tmp, progress: fetched)
     path = ensure_builtin_prompts(progress=False)
-    assert path == tmp_path / "data" / "prompts-v1.jsonl"
+    assert path == tmp_path / "data" / "prompts-v2.jsonl"
     assert [p.name for p in path.parent.iterdir()] == [path.name]
 
     def no_fetch(tmp: Path, progress: bool) -> list[Prompt]:
@@ -185,6 +186,14 @@ def test_builtin_cache_is_written_atomically_and_reused(tmp_path: Path, monkeypa
 
     monkeypatch.setattr(prompts_mod, "_fetch_builtin", no_fetch)
     assert load_prompts("builtin") == fetched
+
+
+def test_unseen_domains_load_only_when_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TANDEM_HOME", str(tmp_path))
+    fetched = [Prompt("code", "def f():", "fake", "f/0"), Prompt(UNSEEN_DOMAINS[0], "sum up", "fake", "s/0")]
+    monkeypatch.setattr(prompts_mod, "_fetch_builtin", lambda tmp, progress: fetched)
+    assert load_prompts("builtin") == fetched[:1]
+    assert load_prompts("builtin", domains=UNSEEN_DOMAINS) == fetched[1:]
 
 
 def test_clean_drops_empty_long_and_duplicate_prompts() -> None:
@@ -198,6 +207,8 @@ def test_real_fetch_yields_all_domains(tmp_path: Path, monkeypatch: pytest.Monke
     ensure_builtin_prompts(progress=False)
     counts = Counter(p.domain for p in load_prompts("builtin"))
     assert set(counts) == set(DOMAINS)
+    unseen = load_prompts("builtin", domains=UNSEEN_DOMAINS, split="test")
+    assert {p.domain for p in unseen} == set(UNSEEN_DOMAINS) and len(unseen) >= 100
     assert all(counts[d] >= 50 for d in DOMAINS), counts
     assert all(len(p.prompt) <= 1500 for p in load_prompts("builtin"))
 

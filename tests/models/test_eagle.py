@@ -7,7 +7,7 @@ import torch
 from tandem.errors import InvalidParameterError, ModelLoadError
 from tandem.models.eagle import (
     CONFIG_FILE, EagleConfig, default_taps, draft_vocab_from_tokens, expand_to_target, load_eagle, new_eagle_head,
-    save_eagle, target_to_draft, tree_cache_mask,
+    resize_draft_vocab, save_eagle, target_to_draft, tree_cache_mask,
 )
 from tandem.models.kv_cache import KVCache
 from tandem.models.loader import load_transformer
@@ -55,6 +55,28 @@ def test_vocab_maps_invert_and_expanded_probs_are_zero_outside():
 def test_head_lm_rows_come_from_the_target(target):
     head = head_for(target)
     assert torch.equal(head.lm_head.weight, target.lm_head.weight[head.draft_to_target])
+
+
+def test_resized_vocabulary_keeps_the_trained_weights_and_takes_target_rows(target):
+    cfg = EagleConfig.for_target(target.cfg, 100, shared_lm_head=True)
+    vocab = draft_vocab_from_tokens([list(range(50, 150))], 100, target.cfg.vocab_size)
+    head = new_eagle_head(target, cfg, vocab, torch.Generator().manual_seed(0)).eval()
+    ex = sequence(target)
+    ids, feats = ex.tokens[None, 1:], head.fuse(ex.taps.split(target.cfg.hidden_size, -1))[None, :-1]
+    logits, hidden = head(ids, feats)
+    V = target.cfg.vocab_size
+    small, large = resize_draft_vocab(head, 40, target.lm_head.weight), resize_draft_vocab(head, V, target.lm_head.weight)
+    assert small.draft_to_target.tolist() == vocab[:40].tolist()
+    assert large.draft_to_target[:100].tolist() == vocab.tolist() and sorted(large.draft_to_target.tolist()) == list(range(V))
+    for resized in (small, large):
+        got, got_hidden = resized(ids, feats)
+        assert torch.equal(got_hidden, hidden)
+        assert torch.allclose(got, head.norm(hidden) @ target.lm_head.weight[resized.draft_to_target].T, atol=TOL)
+    assert torch.allclose(small(ids, feats)[0], logits[..., :40], atol=TOL)
+    with pytest.raises(InvalidParameterError):
+        resize_draft_vocab(head_for(target), 40, target.lm_head.weight)  # its LM head is trained: rows cannot be swapped
+    with pytest.raises(InvalidParameterError):
+        resize_draft_vocab(head, V + 1, target.lm_head.weight)
 
 
 def test_config_validates():
