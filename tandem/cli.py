@@ -136,6 +136,9 @@ def _bench_commands(sub) -> None:
     from tandem.bench.throughput import add_bench_throughput_command
 
     add_bench_throughput_command(bench)
+    from tandem.bench.vocab import add_bench_vocab_command
+
+    add_bench_vocab_command(bench)
 
 
 def _bench_forward(args) -> int:

@@ -30,6 +30,7 @@ from tandem.flywheel.weights import WeightStore, WeightVersion
 from tandem.models.eagle import EagleHead, copy_head, load_eagle, save_eagle
 
 OPTIMIZER_FILE = "optimizer.safetensors"
+ANCHOR_FILE = "anchor.safetensors"  # the weights FlywheelConfig.anchor pulls toward (when on)
 STATE_FILE = "trainer.json"
 LATEST_FILE = "LATEST"  # in a checkpoint directory: the name of the current checkpoint's subdirectory
 
@@ -204,6 +205,8 @@ class OnlineTrainer:
             state = self.optimizer.state_dict()
             tensors = {f"{i}.{key}": value.detach().cpu().contiguous().reshape(value.shape) for i, s in state["state"].items() for key, value in s.items() if torch.is_tensor(value)}
             save_file(tensors, str(tmp / OPTIMIZER_FILE))
+            if self.anchor is not None:
+                save_file({str(i): a.contiguous() for i, a in enumerate(self.anchor)}, str(tmp / ANCHOR_FILE))
             meta = {"steps": self.steps, "published": self.published, "restores": self.restores, "config": asdict(self.cfg), "param_groups": [
                 {k: v for k, v in g.items() if k != "params"} for g in state["param_groups"]]}
             (tmp / STATE_FILE).write_text(json.dumps(meta, indent=2) + "\n")
@@ -230,6 +233,9 @@ class OnlineTrainer:
             state.setdefault(int(index), {})[key] = value
         groups = [dict(g, params=list(range(len(self.params)))) for g in meta["param_groups"]]
         self.optimizer.load_state_dict({"state": state, "param_groups": groups})
+        if self.anchor is not None and (path / ANCHOR_FILE).is_file():  # else: the resumed weights are the anchor
+            anchor = load_file(str(path / ANCHOR_FILE))
+            self.anchor = [anchor[str(i)].to(p.dtype) for i, p in enumerate(self.params)]
         self.steps = self.resumed_from_step = int(meta["steps"])
         self.published = meta.get("published")
         self.restores = int(meta.get("restores", 0))

@@ -94,6 +94,22 @@ def test_waits_for_traces():
     assert OnlineTrainer.train_step(trainer) is None
 
 
+def test_the_anchor_pulls_each_step_toward_the_starting_weights_and_survives_a_resume(target, traces, tmp_path):
+    free, anchored = make_trainer(target, traces, lr=1e-3, warmup=1), make_trainer(target, traces, lr=1e-3, warmup=1, anchor=200.0)
+    start = [p.detach().clone() for p in anchored.params]
+    free.train_step()
+    anchored.train_step()
+    for p, q, s in zip(free.params, anchored.params, start):  # same batch, same Adam step, then the pull
+        torch.testing.assert_close(q, p - 1e-3 * 200.0 * (p - s))
+    assert any(not torch.equal(p, q) for p, q in zip(free.params, anchored.params))
+    anchored.save_checkpoint(tmp_path / "ckpt")
+    resumed = OnlineTrainer.resume(tmp_path / "ckpt", target, anchored.buffer, WeightStore(), anchored.cfg)
+    for a, s in zip(resumed.anchor, start):  # the head training started from, not the resumed weights
+        assert torch.equal(a, s)
+    with pytest.raises(InvalidParameterError, match="anchor"):
+        FlywheelConfig(lr=1e-2, anchor=100.0)
+
+
 def test_checkpoint_resumes_optimizer_state(target, traces, tmp_path):
     trainer = make_trainer(target, traces, publish_every=100)
     for _ in range(3):
