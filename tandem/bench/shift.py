@@ -4,9 +4,11 @@ The stream is N requests in blocks of B per domain (code -> sql -> math -> chat 
 greedy. Modes (`tandem.flywheel.setups.MODES`, where the flywheel's composition lives):
 - plain: no drafter (replay: modelled as one verify forward per token);
 - static: an EAGLE head trained offline on the first domain only (its train split), or --static-head, frozen;
-- online: that head, then the flywheel (traces -> buffer -> trainer -> hot-swap);
-- online_scratch: the flywheel from an untrained head (day-0 deployment);
-- online_no_discard / online_no_branch / online_scratch_no_discard: ablations of the loss terms.
+- online: that head, then the flywheel (traces -> buffer -> trainer -> hot-swap), fine-tuned at
+  `finetune_lr` and anchored to its starting weights;
+- online_scratch: the flywheel from an untrained head (day-0 deployment), at `lr`;
+- online_discard / online_no_discard / online_no_branch / online_scratch_no_discard: ablations of the loss
+  terms (the discard term is off by default: it lowered greedy acceptance in every replay measured).
 
 `--replay` (the default on this CPU): the target's greedy continuations and hidden states are computed
 once per prompt and cached (tandem.flywheel.replay); each mode replays its drafter's acceptance exactly,
@@ -49,7 +51,7 @@ class ShiftConfig:
     requests: int = 2000
     block: int = 200
     domains: tuple[str, ...] = DOMAINS
-    modes: tuple[str, ...] = ("static", "online", "online_scratch", "online_no_discard")
+    modes: tuple[str, ...] = ("static", "online", "online_scratch", "online_discard")
     replay: bool = True
     max_tokens: int = 64
     num_draft_tokens: int = 4
@@ -61,9 +63,10 @@ class ShiftConfig:
     train_steps_per_request: float = 0.5  # replay: trainer steps after each request (the trainer's share of compute)
     publish_every: int = 10
     batch_size: int = 4  # trainer batch (traces)
-    lr: float = 1e-3
-    anchor: float = 0.0
-    discard_weight: float = 0.5
+    lr: float = 1e-3  # online_scratch (a day-0 head)
+    finetune_lr: float = 1e-4  # online modes starting from the static head
+    anchor: float = 100.0  # ... pulled toward it (FlywheelSetup.anchor)
+    discard_weight: float = 0.0  # FlywheelSetup's default; mode online_discard turns it on
     branch_weight: float = 0.5
     window: int = 20  # rolling window (requests) of the recovery measure
     collapse_ratio: float = 0.5
@@ -72,7 +75,7 @@ class ShiftConfig:
 
     @property
     def setup(self) -> FlywheelSetup:
-        return FlywheelSetup(num_draft_tokens=self.num_draft_tokens, batch_size=self.batch_size, lr=self.lr, anchor=self.anchor, publish_every=self.publish_every,
+        return FlywheelSetup(num_draft_tokens=self.num_draft_tokens, batch_size=self.batch_size, lr=self.lr, finetune_lr=self.finetune_lr, anchor=self.anchor, publish_every=self.publish_every,
                              discard_weight=self.discard_weight, branch_weight=self.branch_weight, collapse_ratio=self.collapse_ratio, seed=self.seed)
 
     def __post_init__(self) -> None:

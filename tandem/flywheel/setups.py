@@ -42,6 +42,7 @@ MODES: dict[str, tuple[str | None, dict | None]] = {
     "online": ("static", {}),
     "online_scratch": ("scratch", {}),
     "online_no_discard": ("static", {"discard_weight": 0.0}),
+    "online_discard": ("static", {"discard_weight": 0.5}),
     "online_no_branch": ("static", {"branch_weight": 0.0}),
     "online_scratch_no_discard": ("scratch", {"discard_weight": 0.0}),
     "online_discard_only": ("static", {"imitation": False, "branch_weight": 0.0}),
@@ -54,10 +55,11 @@ class FlywheelSetup:
 
     num_draft_tokens: int = 4  # chain length drafted per step
     batch_size: int = 4  # trainer batch (traces)
-    lr: float = 1e-3
-    anchor: float = 0.0  # pull toward the initial head's weights (FlywheelConfig.anchor); 0 = off
+    lr: float = 1e-3  # learning rate from a day-0 head
+    finetune_lr: float = 1e-4  # from a trained (static) head: 1e-3 pulled the shipped head down (docs/BENCHMARKS.md 4)
+    anchor: float = 100.0  # from a trained head: pull toward its weights (FlywheelConfig.anchor); 0 = off
     publish_every: int = 10  # trainer steps between published versions
-    discard_weight: float = 0.5
+    discard_weight: float = 0.0  # off: on greedy replay it lowered acceptance in every comparison (docs/BENCHMARKS.md 4)
     branch_weight: float = 0.5
     collapse_ratio: float = 0.5  # rollback when a new version's acceptance falls below this x the old one's
     watch_window: int = 64  # request-steps a swapped-in version is watched over (live)
@@ -69,8 +71,12 @@ class FlywheelSetup:
         if self.num_draft_tokens < 1 or not 0 < self.collapse_ratio <= 1 or self.watch_window < 1 or not 0 < self.trainer_duty <= 1:
             raise InvalidParameterError("num_draft_tokens >= 1, collapse_ratio and trainer_duty in (0, 1] and watch_window >= 1 are required")
 
-    def loss(self, switches: dict) -> FlywheelConfig:
-        base = {"unroll": self.num_draft_tokens, "batch_size": self.batch_size, "lr": self.lr, "anchor": self.anchor, "publish_every": self.publish_every,
+    def loss(self, switches: dict, init: str = "scratch") -> FlywheelConfig:
+        """The trainer's settings for a mode whose head starts as `init` ("static": a trained head, fine-tuned
+        gently and anchored to itself; "scratch": a day-0 head)."""
+        trained = init == "static"
+        base = {"unroll": self.num_draft_tokens, "batch_size": self.batch_size, "lr": self.finetune_lr if trained else self.lr,
+                "anchor": self.anchor if trained else 0.0, "publish_every": self.publish_every,
                 "discard_weight": self.discard_weight, "branch_weight": self.branch_weight, "seed": self.seed}
         return FlywheelConfig(**(base | switches))
 
@@ -136,7 +142,7 @@ class ReplayFlywheel:
         self.trainer: OnlineTrainer | None = None
         self.swapper: HotSwapper | None = None
         if switches is not None:
-            self.trainer = OnlineTrainer(trainer_copy(heads[init]), target_lm_rows(target, heads[init]), self.buffer, self.store, setup.loss(switches))
+            self.trainer = OnlineTrainer(trainer_copy(heads[init]), target_lm_rows(target, heads[init]), self.buffer, self.store, setup.loss(switches, init))
             self.swapper = HotSwapper(self.drafter, self.store, collapse_ratio=setup.collapse_ratio, background=False)
             self.swapper.on_rollback = self.trainer.request_restore
         self._credit = 0.0
@@ -174,7 +180,7 @@ def live_engine(mode: str, target, heads: dict[str, EagleHead], setup: FlywheelS
 
         policy = SpeculationController.for_engine(target, drafter, max_k=setup.num_draft_tokens)
     engine = Engine(target, EngineConfig(max_batch_size=batch, max_model_len=max_len, record_steps=True), drafter=drafter, draft_policy=policy)
-    options = FlywheelOptions(loss=setup.loss(switches or {}), train=switches is not None, collapse_ratio=setup.collapse_ratio, window=setup.watch_window,
+    options = FlywheelOptions(loss=setup.loss(switches or {}, init), train=switches is not None, collapse_ratio=setup.collapse_ratio, window=setup.watch_window,
                               trainer_duty=setup.trainer_duty)
     return engine, Flywheel(engine, target, options).start()
 

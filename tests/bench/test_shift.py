@@ -50,7 +50,7 @@ def test_bad_configs_are_refused():
         ShiftConfig(modes=("static", "telepathy"))
     with pytest.raises(InvalidParameterError):
         ShiftConfig(drafter="ngram")
-    assert {"plain", "static", "online", "online_scratch", "online_no_discard"} <= set(MODES)
+    assert {"plain", "static", "online", "online_scratch", "online_no_discard", "online_discard"} <= set(MODES)
 
 
 @pytest.mark.slow

@@ -55,6 +55,16 @@ def test_live_serving_of_a_stream_is_lossless(target, heads, mode, adaptive_k):
         assert engine.draft_policy.metrics()["steps"] > 0  # the controller decided the steps
 
 
+def test_a_trained_head_is_fine_tuned_gently_and_anchored_a_day0_head_is_not(target, heads):
+    setup = FlywheelSetup(lr=1e-3, finetune_lr=1e-4, anchor=50.0)
+    assert (setup.loss({}, "static").lr, setup.loss({}, "static").anchor) == (1e-4, 50.0)
+    assert (setup.loss({}, "scratch").lr, setup.loss({}, "scratch").anchor) == (1e-3, 0.0)
+    online = ReplayFlywheel("online", target, {"static": heads["scratch"]}, setup)  # the "static" slot: a trained head
+    scratch = ReplayFlywheel("online_scratch", target, heads, setup)
+    assert (online.trainer.cfg.lr, online.trainer.cfg.anchor, scratch.trainer.cfg.lr, scratch.trainer.cfg.anchor) == (1e-4, 50.0, 1e-3, 0.0)
+    assert online.trainer.anchor is not None and scratch.trainer.anchor is None
+
+
 def test_unknown_modes_and_replaying_plain_are_refused(target, heads):
     with pytest.raises(InvalidParameterError, match="telepathy"):
         check_modes(["static", "telepathy"])
