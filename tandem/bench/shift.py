@@ -61,15 +61,15 @@ class ShiftConfig:
     static_steps: int = 300
     static_head: str | None = None  # use this head as `static` instead of training one
     train_steps_per_request: float = 0.5  # replay: trainer steps after each request (the trainer's share of compute)
-    publish_every: int = 10
-    batch_size: int = 4  # trainer batch (traces)
-    lr: float = 1e-3  # online_scratch (a day-0 head)
-    finetune_lr: float = 1e-4  # online modes starting from the static head
-    anchor: float = 100.0  # ... pulled toward it (FlywheelSetup.anchor)
-    discard_weight: float = 0.0  # FlywheelSetup's default; mode online_discard turns it on
-    branch_weight: float = 0.5
+    publish_every: int = FlywheelSetup.publish_every
+    batch_size: int = FlywheelSetup.batch_size  # trainer batch (traces)
+    lr: float = FlywheelSetup.lr  # online_scratch (a day-0 head)
+    finetune_lr: float = FlywheelSetup.finetune_lr  # online modes starting from the static head
+    anchor: float = FlywheelSetup.anchor  # ... pulled toward it
+    discard_weight: float = FlywheelSetup.discard_weight  # mode online_discard turns it on
+    branch_weight: float = FlywheelSetup.branch_weight
     window: int = 20  # rolling window (requests) of the recovery measure
-    collapse_ratio: float = 0.5
+    collapse_ratio: float = FlywheelSetup.collapse_ratio
     seed: int = 0
     live_batch: int = 4  # live mode: concurrent requests
 

@@ -24,6 +24,7 @@ from tandem.models.eagle import EagleHead, load_eagle, resize_draft_vocab, shipp
 from tandem.models.kv_cache import KVCache
 from tandem.models.loader import load_transformer
 from tandem.models.zoo import resolve_model
+from tandem.training.recipes import Recipe
 from tandem.training.trainer import evaluate_heldout
 
 
@@ -73,7 +74,7 @@ def run_vocab_bench(cfg: VocabBenchConfig) -> dict:
     rows = []
     for size in cfg.sizes:
         head = resize_draft_vocab(trained, size or target.cfg.vocab_size, target.lm_head.weight).eval()
-        report = evaluate_heldout(head, heldout, cfg.k, 1024)
+        report = evaluate_heldout(head, heldout, cfg.k, Recipe.row_len)  # packed as the recipe evaluates
         head.pack()
         step = draft_step_ms(head, cfg.context)
         al = report["mean_acceptance_length"]

@@ -410,8 +410,8 @@ def resize_draft_vocab(head: EagleHead, size: int, target_lm_head: torch.Tensor)
     chosen[own] = True
     vocab = torch.cat([own, torch.nonzero(~chosen).flatten()])[:size]
     resized = EagleHead(dataclasses.replace(head.cfg, draft_vocab_size=size), head.embed_weight, vocab, target_lm_head)
-    state = {k: v for k, v in head.state_dict().items() if k not in ("draft_to_target", "lm_head.weight")}
-    resized.load_state_dict(state, strict=False)
+    trained = {k: v for k, v in head.state_dict().items() if k not in ("draft_to_target", "lm_head.weight")}
+    resized.load_state_dict(resized.state_dict() | trained)  # strict: every trained weight has its place
     return resized.train(head.training)
 
 
