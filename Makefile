@@ -10,6 +10,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -c 'from tandem.models import cpu_gemm; print(cpu_gemm.describe())'  # built once here, not at the first model load
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.errors import InvalidParameterError, ModelLoadError
+from tandem.models import cpu_gemm
 from tandem.models.config import ModelConfig
 from tandem.models.kv_cache import AttentionBatch, KVCache, build_attention_batch
 from tandem.models.transformer import Linear, MLP, RMSNorm, Transformer, apply_rope, pack_linears, rope_inv_freq, unpack_linears
@@ -248,9 +249,15 @@ class EagleHead(nn.Module):
     def linears(self) -> list[Linear]:
         return [m for m in self.modules() if isinstance(m, Linear)]
 
-    def pack(self) -> None:
-        """Prepack the Linears for CPU inference; call again after the weights changed."""
+    def pack(self, int8_lm_head: bool = True) -> None:
+        """Set the Linears up for CPU inference; call again after the weights changed.
+
+        The LM head goes weight-only int8 where the small-M kernel runs (tandem.models.cpu_gemm): it is ~70 %
+        of a draft step's bytes in fp32 (16k x 576); int8 rows made the step ~2x cheaper for about the same
+        acceptance (docs/BENCHMARKS.md 3.2), and a drafter need not be exact (it reports what it drew from)."""
         pack_linears(self, batch_hint=4)
+        if int8_lm_head and cpu_gemm.available() and self.lm_head.dense_weight().device.type == "cpu":
+            self.lm_head.pack(gemm="int8")
 
     def unpack(self) -> None:
         unpack_linears(self)

@@ -12,17 +12,26 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tandem.models import cpu_gemm
 from tandem.models.config import ModelConfig
 from tandem.models.kv_cache import AttentionBatch, KVCache, build_attention_batch
 from tandem.models.memory import release_freed_memory
 
 
 class Linear(nn.Module):
-    """y = x W^T + b, with an optional prepacked oneDNN copy of W for CPU inference.
+    """y = x W^T + b, with a faster inference path chosen by `pack()`.
 
     On this CPU a plain fp32 F.linear repacks W on every call, so a 5-token forward costs ~1.7x a
-    1-token one; a prepacked weight makes it ~1.3x (docs/BENCHMARKS.md), which is what lets a
-    k-token verify pay. The packed copy is derived state: `pack()` rebuilds it after weights change.
+    1-token one. `pack()` picks, per weight:
+    - "small": fp32 on an AVX2 CPU where tandem.models.cpu_gemm built: inputs of <= cpu_gemm.MAX_ROWS rows
+      (decode, verify) run the batch-invariant small-M kernel on the dense row-major weight itself (no
+      second copy; ~1.4x faster than oneDNN at M = 1 here, docs/BENCHMARKS.md 1.4), larger ones F.linear;
+    - "onednn": a prepacked oneDNN copy of W (5 tokens ~1.3x the cost of 1), for other dtypes / machines,
+      or when asked for (`pack(gemm="onednn")`);
+    - "int8": weight-only int8 rows with one scale each (cpu_gemm.quantize_rows) next to the dense weight, run
+      by the same kernel: a quarter of the bytes, batch-invariant, but not the fp32 weight's numbers (drafter
+      modules, whose outputs need not be the target's).
+    Either is derived state: `pack()` rebuilds it after weights change, `unpack()` drops it.
 
     One copy of W, not two: `pack(keep_dense=False)` drops the dense Parameter once the packed copy
     exists (the oneDNN reorder is exact, so nothing is lost). While dropped, reading `.weight` or
@@ -38,6 +47,8 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features))  # [out, in]
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None  # [out]
         self.packed: torch.Tensor | None = None  # oneDNN blocked layout of weight, CPU only
+        self.small_gemm = False  # inference runs tandem.models.cpu_gemm's kernel on the dense weight
+        self.int8: tuple[torch.Tensor, torch.Tensor] | None = None  # (int8 [out, in], fp32 scale [out]) for gemm="int8"
         self.batch_hint = 8
         self._weight_requires_grad = True  # restored on unpack() when the dense Parameter was dropped
 
@@ -49,8 +60,25 @@ class Linear(nn.Module):
         """The weight as a plain tensor: the Parameter, or a fresh copy unpacked from the oneDNN layout."""
         return self.packed.to_dense() if self.dense_dropped else self._parameters["weight"]
 
-    def pack(self, batch_hint: int = 8, keep_dense: bool = True) -> None:
+    def pack(self, batch_hint: int = 8, keep_dense: bool = True, gemm: str = "auto") -> None:
+        """gemm "auto": the small-M kernel where it applies, else oneDNN; "onednn": oneDNN only."""
+        if gemm not in GEMMS:
+            raise ValueError(f"gemm must be one of {GEMMS}, got {gemm!r}")
         weight = self.dense_weight()
+        if gemm == "int8":
+            if not cpu_gemm.available():
+                raise ValueError(f"gemm 'int8' needs the small-M kernel, which is not available: {cpu_gemm.unusable_reason() or 'the build failed'}")
+            self.unpack()
+            self.int8 = cpu_gemm.quantize_rows(weight)
+            return
+        if gemm == "auto" and weight.device.type == "cpu" and weight.dtype == torch.float32 and cpu_gemm.available():
+            self.unpack()
+            param = self._parameters["weight"]
+            if not param.is_contiguous():
+                param.data = param.data.contiguous()
+            self.small_gemm = True
+            return
+        self.small_gemm = False
         usable = weight.device.type == "cpu" and weight.dtype in packable_dtypes() and torch.backends.mkldnn.is_available()
         if not usable:
             self.unpack()
@@ -66,6 +94,13 @@ class Linear(nn.Module):
         if self.dense_dropped:
             self._restore_weight(self.packed.to_dense())
         self.packed = None
+        self.small_gemm = False
+        self.int8 = None
+
+    @property
+    def is_packed(self) -> bool:
+        """An inference path other than plain F.linear is set up (rebuild it with pack() after weight changes)."""
+        return self.small_gemm or self.packed is not None or self.int8 is not None
 
     def _restore_weight(self, weight: torch.Tensor) -> None:
         param = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight.detach(), requires_grad=self._weight_requires_grad)
@@ -82,19 +117,34 @@ class Linear(nn.Module):
         super()._save_to_state_dict(destination, prefix, keep_vars)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):  # loading new weights repacks them
-        packed, dropped = self.packed is not None, self.dense_dropped
+        packed, small, int8, dropped = self.packed is not None, self.small_gemm, self.int8 is not None, self.dense_dropped
         self.unpack()
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
-        if packed:
-            self.pack(self.batch_hint, keep_dense=not dropped)
+        if int8:
+            self.pack(gemm="int8")
+        elif small:
+            self.pack(self.batch_hint)
+        elif packed:
+            self.pack(self.batch_hint, keep_dense=not dropped, gemm="onednn")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.int8 is not None and not torch.is_grad_enabled():
+            bias = None if self.bias is None else self.bias.detach()
+            if x.numel() <= cpu_gemm.MAX_ROWS * self.in_features:
+                return cpu_gemm.small_gemm_q8(x.float(), *self.int8, bias)
+            q, scale = self.int8
+            return F.linear(x.float(), q.float() * scale[:, None], bias)  # wide inputs: dequantized, same weights
+        if self.small_gemm and not torch.is_grad_enabled() and x.numel() <= cpu_gemm.MAX_ROWS * self.in_features and x.dtype == torch.float32:
+            return cpu_gemm.small_gemm(x, self._parameters["weight"], None if self.bias is None else self.bias.detach())
         if self.packed is not None and not torch.is_grad_enabled():
             bias = None if self.bias is None else self.bias.detach()
             if torch.compiler.is_compiling():  # an opaque call: inductor lowers mkldnn linears only for frozen constants
                 return torch.ops.tandem.linear_packed(x, self.packed, bias)
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
         return F.linear(x, self.dense_weight(), self.bias)
+
+
+GEMMS = ("auto", "onednn", "int8")
 
 
 def packable_dtypes() -> tuple[torch.dtype, ...]:
@@ -114,13 +164,13 @@ def _linear_packed_fake(x, packed, bias):
     return x.new_empty((*x.shape[:-1], packed.shape[0]))
 
 
-def pack_linears(module: nn.Module, batch_hint: int, keep_dense: bool = True) -> None:
-    """Prepack every Linear of `module` for CPU inference; call again after any weight change.
+def pack_linears(module: nn.Module, batch_hint: int, keep_dense: bool = True, gemm: str = "auto") -> None:
+    """Set up every Linear of `module` for CPU inference; call again after any weight change.
 
-    keep_dense=False drops each dense copy (half the memory; see Linear)."""
+    keep_dense=False drops each dense copy where a oneDNN copy replaces it (half the memory; see Linear)."""
     for lin in module.modules():
         if isinstance(lin, Linear):
-            lin.pack(batch_hint, keep_dense)
+            lin.pack(batch_hint, keep_dense, gemm)
 
 
 def unpack_linears(module: nn.Module) -> None:
@@ -282,12 +332,15 @@ class Transformer(nn.Module):
     def linears(self) -> list[Linear]:
         return [m for m in self.modules() if isinstance(m, Linear)]
 
-    def pack(self, batch_hint: int = 8, keep_dense: bool = False) -> None:
-        """Prepack every Linear for CPU inference and drop the dense copies (one copy of each weight).
+    def pack(self, batch_hint: int = 8, keep_dense: bool = False, gemm: str = "auto") -> None:
+        """Set every Linear up for CPU inference with one copy of each weight (see Linear): the small-M
+        kernel on the dense weights, or oneDNN copies that replace them.
 
         Reads of `.weight` / `state_dict()` still work (fresh dense copies); to change weights in place,
         `unpack()` (restores the dense Parameters exactly), write, `pack()` again."""
-        pack_linears(self, batch_hint, keep_dense)
+        if gemm not in ("auto", "onednn"):  # int8 is lossy: a served target must stay exact
+            raise ValueError(f"a target packs with gemm 'auto' or 'onednn', got {gemm!r}")
+        pack_linears(self, batch_hint, keep_dense, gemm)
         if self.cfg.tie_embeddings and self.lm_head.dense_dropped:  # the embedding still holds it: keep them tied
             self.lm_head._restore_weight(self.embed.weight)
         release_freed_memory()  # the dropped dense copies

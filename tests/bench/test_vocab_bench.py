@@ -31,6 +31,6 @@ def test_each_size_reports_the_recipe_evaluation_of_the_resized_head(tiny_llama,
         assert row["mean_acceptance_length"] == expected["mean_acceptance_length"]
         assert row["per_domain"] == {"code": expected["code"]["acceptance_length"], "sql": expected["sql"]["acceptance_length"]}
         assert row["draft_step_ms"] > 0
-        assert row["modelled_speedup"] == pytest.approx(row["mean_acceptance_length"] * c1 / (ck + 3 * row["draft_step_ms"]), rel=1e-2)
+        assert row["modelled_speedup"] == pytest.approx(row["mean_acceptance_length"] * c1 / (ck + 3 * row["draft_step_ms"]), rel=1e-2, abs=5e-4)  # reported to 3 decimals
     with pytest.raises(InvalidParameterError, match="feature index"):
         run_vocab_bench(VocabBenchConfig(str(tmp_path), tiny_llama, str(tmp_path / "head")))

@@ -1,4 +1,7 @@
-"""One copy of each weight: packing drops the dense copy, reads / state_dict / unpack / load recover it exactly."""
+"""One copy of each weight: oneDNN packing drops the dense copy, reads / state_dict / unpack / load recover it exactly.
+
+These tests pin the oneDNN path (`gemm="onednn"`); the small-M kernel path, which keeps the dense weight as
+its only copy, is tested in test_cpu_gemm.py."""
 import pytest
 import torch
 
@@ -20,7 +23,7 @@ def test_pack_drops_dense_and_state_dict_is_exact(tiny_dirs, arch):
     ids = torch.randint(0, 300, (1, 7), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
         want = model(ids).logits
-    model.pack()
+    model.pack(gemm="onednn")
     tied = model.cfg.tie_embeddings
     for name, lin in model.named_modules():
         if isinstance(lin, Linear):
@@ -41,11 +44,11 @@ def test_pack_drops_dense_and_state_dict_is_exact(tiny_dirs, arch):
 def test_unpack_restores_parameters_bit_for_bit(tiny_dirs):
     model = load_transformer(tiny_dirs["qwen2"])
     before = dense_state(model)
-    model.pack()
+    model.pack(gemm="onednn")
     model.unpack()
     for name, lin in model.named_modules():
         if isinstance(lin, Linear):
-            assert lin.packed is None and isinstance(lin._parameters["weight"], torch.nn.Parameter)
+            assert not lin.is_packed and isinstance(lin._parameters["weight"], torch.nn.Parameter)
             assert not lin.weight.requires_grad  # the loader froze the target; unpack keeps that
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
     assert {n for n, _ in model.named_parameters()} >= {k for k in before if k != "lm_head.weight"}
@@ -71,7 +74,7 @@ def test_load_state_dict_into_a_packed_model_repacks(tiny_dirs):
     with torch.no_grad():
         for p in other.parameters():
             p.mul_(0.5)
-    model.pack()
+    model.pack(gemm="onednn")
     model.load_state_dict(other.state_dict())
     assert model.blocks[1].attn.qkv.dense_dropped  # still one packed copy
     ids = torch.arange(5).view(1, 5)
@@ -81,7 +84,7 @@ def test_load_state_dict_into_a_packed_model_repacks(tiny_dirs):
 
 def test_keep_dense_keeps_both_and_training_path_uses_the_parameter(tiny_dirs):
     model = load_transformer(tiny_dirs["llama"])
-    model.pack(keep_dense=True)
+    model.pack(keep_dense=True, gemm="onednn")
     lin = model.blocks[0].attn.o
     assert lin.packed is not None and "weight" in lin._parameters
     lin.weight.requires_grad_(True)

@@ -1,0 +1,108 @@
+"""The batch-invariant small-M GEMMs (csrc/small_gemm.cpp), compiled on first use and cached.
+
+Decode and verify multiply a few rows of activations by every weight: on this 2-core AVX2 machine oneDNN's
+prepacked GEMM streamed those weights at ~60 % of the memory bandwidth, the kernel at ~90 % (docs/BENCHMARKS.md
+1.4). It reads the plain row-major weight, so a model keeps one copy of each weight (a tied LM head shares
+the embedding's), and each output row is summed in an order that does not depend on the other rows, so a
+k-token verify computes exactly what k single-token steps would. `small_gemm_q8` is the same kernel over
+weight-only int8 rows (one fp32 scale per row, fp32 activations): a quarter of the bytes, the same invariance.
+
+Built with torch.utils.cpp_extension into $TANDEM_HOME/build (about 30 s once; `make setup` does it). Where it
+cannot be used (no C++ compiler, no AVX2, not x86-64, or TANDEM_CPU_GEMM=onednn) `available()` is False and
+Linear keeps the oneDNN path; a failed build warns once.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import shutil
+import warnings
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).resolve().parent / "csrc" / "small_gemm.cpp"
+ENV = "TANDEM_CPU_GEMM"  # "onednn": never use the kernel (A/B runs, a suspected kernel problem)
+MAX_ROWS = 64  # larger inputs (prefill chunks, wide batches) are compute-bound: F.linear's blocked GEMM does better
+FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]
+
+_loaded: bool | None = None
+
+
+def available() -> bool:
+    """True once the kernel is built and registered as torch.ops.tandem_cpu.small_gemm (cached per process)."""
+    global _loaded
+    if _loaded is None:
+        _loaded = _load()
+    return _loaded
+
+
+def unusable_reason() -> str | None:
+    """Why the kernel cannot run here, or None (checked before any build)."""
+    if os.environ.get(ENV, "").strip().lower() == "onednn":
+        return f"{ENV}=onednn"
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return f"not x86-64 ({platform.machine()})"
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        return f"no AVX2 (torch reports {torch.backends.cpu.get_cpu_capability()})"
+    if not any(shutil.which(c) for c in ("c++", "g++", "clang++")):
+        return "no C++ compiler"
+    return None
+
+
+def build_directory() -> Path:
+    """One directory per source text, torch version and flags: a change rebuilds, nothing stale is loaded."""
+    from tandem.models.zoo import tandem_home
+
+    key = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + " ".join(FLAGS).encode()).hexdigest()[:12]
+    return tandem_home() / "build" / f"small_gemm-{key}"
+
+
+def _load() -> bool:
+    if unusable_reason() is not None:
+        return False
+    try:
+        from torch.utils.cpp_extension import load
+
+        directory = build_directory()
+        directory.mkdir(parents=True, exist_ok=True)
+        load("tandem_small_gemm", [str(SOURCE)], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
+             build_directory=str(directory), is_python_module=False, verbose=False)
+    except Exception as error:  # a broken toolchain must not stop inference: oneDNN still works
+        warnings.warn(f"tandem: the small-M GEMM kernel did not build ({type(error).__name__}: {str(error)[-300:]}); "
+                      "using oneDNN's prepacked GEMM instead (slower decoding)", stacklevel=2)
+        return False
+    torch.library.register_fake("tandem_cpu::small_gemm")(_small_gemm_fake)
+    torch.library.register_fake("tandem_cpu::small_gemm_q8")(_small_gemm_q8_fake)
+    return True
+
+
+def _small_gemm_fake(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], w.shape[0]))
+
+
+def _small_gemm_q8_fake(x: torch.Tensor, wq: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], wq.shape[0]))
+
+
+def small_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:  # x [..., K], weight [N, K] -> [..., N]
+    return torch.ops.tandem_cpu.small_gemm(x, weight, bias)
+
+
+def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [N, K] -> int8 [N, K], fp32 scale [N]
+    """Symmetric weight-only int8, one scale per output row: weight ~ scale[:, None] * q."""
+    w = weight.detach().float()
+    scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
+    return torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8).contiguous(), scale.contiguous()
+
+
+def small_gemm_q8(x: torch.Tensor, wq: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:  # x [..., K] -> [..., N]
+    return torch.ops.tandem_cpu.small_gemm_q8(x, wq, scale, bias)
+
+
+def describe() -> str:
+    """One line for set-up logs and benchmark reports (builds the kernel if it is not built yet)."""
+    if available():
+        return f"small-M GEMM kernel: built ({build_directory()})"
+    return f"small-M GEMM kernel: not used ({unusable_reason() or 'the build failed'}): oneDNN prepacked GEMMs"

@@ -1,0 +1,120 @@
+// y = x @ w^T (+ bias) for fp32 activations with few rows (decode and verify), w a plain row-major [N, K].
+//
+// Why: on the 2-core AVX2 box oneDNN's prepacked GEMM streams a decode step's weights at ~60 % of the memory
+// bandwidth; this kernel reads each weight once per call at close to it (docs/BENCHMARKS.md 1.4), and it
+// works on the row-major weight, so the model keeps one copy of every weight.
+//
+// Batch invariance: every output y[m, n] is summed in the same order whatever M, the row grouping or the
+// thread split (8 lanes over k in steps of 8, a fixed lane reduction, the K % 8 tail, then the bias). A row
+// computed inside a k-token verify is bit-identical to the same row computed alone, so speculative and plain
+// decoding of an fp32 target see the same logits.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+namespace {
+
+constexpr int64_t kTile = 48;  // w rows per tile: 48 x K floats stay in L2 while every row of x passes over them
+constexpr int kRowsX = 8;      // rows of x per pass over a tile: 8 accumulators + 1 w + 1 x register
+
+inline float lane_sum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+  return _mm_cvtss_f32(s);
+}
+
+// 8 weights of row w at k as fp32 lanes: fp32 rows load directly, int8 rows widen (weight-only int8).
+inline __m256 load8(const float* w) { return _mm256_loadu_ps(w); }
+inline __m256 load8(const int8_t* w) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w))));
+}
+
+// y[m, n] = scale[n] * sum_k x[m, k] w[n, k] + bias[n] for n in [n0, n1), m in [0, M): x [M, K] (row stride K),
+// y row stride N; scale null for fp32 weights, bias may be null.
+template <typename W, int M>
+void pass(const float* x, const W* w, const float* scale, const float* bias, float* y, int64_t n0, int64_t n1, int64_t K, int64_t N) {
+  for (int64_t n = n0; n < n1; ++n) {
+    const W* wr = w + n * K;
+    __m256 acc[M];
+    for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k + 8 <= K; k += 8) {
+      const __m256 wv = load8(wr + k);
+      for (int m = 0; m < M; ++m) acc[m] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + m * K + k), acc[m]);
+    }
+    for (int m = 0; m < M; ++m) {
+      float s = lane_sum(acc[m]);
+      for (int64_t kk = k; kk < K; ++kk) s += x[m * K + kk] * static_cast<float>(wr[kk]);
+      if (scale) s *= scale[n];
+      y[m * N + n] = bias ? s + bias[n] : s;
+    }
+  }
+}
+
+template <typename W>
+void tiles(const float* x, const W* w, const float* scale, const float* bias, float* y, int64_t n0, int64_t n1, int64_t M, int64_t K, int64_t N) {
+  using Pass = void (*)(const float*, const W*, const float*, const float*, float*, int64_t, int64_t, int64_t, int64_t);
+  static constexpr Pass passes[kRowsX + 1] = {nullptr, pass<W, 1>, pass<W, 2>, pass<W, 3>, pass<W, 4>, pass<W, 5>, pass<W, 6>, pass<W, 7>, pass<W, 8>};
+  for (int64_t t0 = n0; t0 < n1; t0 += kTile) {
+    const int64_t t1 = std::min(n1, t0 + kTile);
+    for (int64_t m0 = 0; m0 < M; m0 += kRowsX) {
+      passes[std::min<int64_t>(kRowsX, M - m0)](x + m0 * K, w, scale, bias, y + m0 * N, t0, t1, K, N);
+    }
+  }
+}
+
+at::Tensor checked_bias(const c10::optional<at::Tensor>& bias, int64_t N) {
+  if (!bias.has_value() || !bias->defined()) return at::Tensor();
+  at::Tensor b = bias->contiguous();
+  TORCH_CHECK(b.scalar_type() == at::kFloat && b.numel() == N, "small_gemm: bias must be fp32 [N]");
+  return b;
+}
+
+template <typename W>
+at::Tensor run(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale, const at::Tensor& b) {
+  const int64_t N = w.size(0), K = w.size(1);
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.device().is_cpu(), "small_gemm: x must be an fp32 CPU tensor");
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == K, "small_gemm: x has ", x.size(-1), " features, w expects ", K);
+  const at::Tensor x2 = x.reshape({-1, K}).contiguous();
+  const int64_t M = x2.size(0);
+  at::Tensor y = at::empty({M, N}, x.options());
+  const float* xp = x2.data_ptr<float>();
+  const W* wp = w.data_ptr<W>();
+  const float* sp = scale.defined() ? scale.data_ptr<float>() : nullptr;
+  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
+  float* yp = y.data_ptr<float>();
+  if (M > 0 && N > 0) {
+    at::parallel_for(0, N, kTile, [&](int64_t n0, int64_t n1) { tiles<W>(xp, wp, sp, bp, yp, n0, n1, M, K, N); });
+  }
+  std::vector<int64_t> shape = x.sizes().vec();
+  shape.back() = N;
+  return y.view(shape);
+}
+
+at::Tensor small_gemm(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(w.scalar_type() == at::kFloat && w.device().is_cpu(), "small_gemm: w must be an fp32 CPU tensor");
+  TORCH_CHECK(w.dim() == 2 && w.is_contiguous(), "small_gemm: w must be a contiguous [N, K] matrix");
+  return run<float>(x, w, at::Tensor(), checked_bias(bias, w.size(0)));
+}
+
+// Weight-only int8: wq [N, K] int8, one fp32 scale per row (w ~ scale[n] * wq[n, :]); activations stay fp32,
+// so the result is exact for the int8 weights and batch-invariant like the fp32 kernel.
+at::Tensor small_gemm_q8(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& scale, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(wq.scalar_type() == at::kChar && wq.device().is_cpu(), "small_gemm_q8: wq must be an int8 CPU tensor");
+  TORCH_CHECK(wq.dim() == 2 && wq.is_contiguous(), "small_gemm_q8: wq must be a contiguous [N, K] matrix");
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == wq.size(0), "small_gemm_q8: scale must be fp32 [N]");
+  return run<int8_t>(x, wq, scale, checked_bias(bias, wq.size(0)));
+}
+
+}  // namespace
+
+TORCH_LIBRARY(tandem_cpu, m) {
+  m.def("small_gemm(Tensor x, Tensor w, Tensor? bias) -> Tensor");
+  m.def("small_gemm_q8(Tensor x, Tensor wq, Tensor scale, Tensor? bias) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) {
+  m.impl("small_gemm", &small_gemm);
+  m.impl("small_gemm_q8", &small_gemm_q8);
+}

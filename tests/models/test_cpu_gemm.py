@@ -1,0 +1,164 @@
+"""The small-M fp32 GEMM kernel (tandem.models.cpu_gemm) and the Linear path that uses it."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tandem.models import cpu_gemm
+from tandem.models.loader import load_transformer
+from tandem.models.transformer import Linear
+
+needs_kernel = pytest.mark.skipif(not cpu_gemm.available(), reason=f"small-M kernel unavailable: {cpu_gemm.unusable_reason()}")
+TOL = 1e-4  # fp32 sums of <= 200 terms of size ~1, in another order than MKL's
+
+
+def _data(m: int, k: int, n: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(m, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+
+
+@needs_kernel
+@pytest.mark.parametrize("m", [1, 2, 5, 8, 9, 17, 64])
+@pytest.mark.parametrize("k,n", [(64, 96), (37, 50), (200, 7)])  # K % 8 != 0 and N below one tile exercise the tails
+def test_kernel_matches_matmul(m, k, n):
+    x, w, b = _data(m, k, n)
+    assert (cpu_gemm.small_gemm(x, w) - x @ w.T).abs().max().item() <= TOL
+    assert (cpu_gemm.small_gemm(x, w, b) - (x @ w.T + b)).abs().max().item() <= TOL
+
+
+@needs_kernel
+@pytest.mark.parametrize("m", [2, 5, 8, 9, 23, 64])
+def test_each_row_is_bit_identical_to_the_row_alone(m):
+    """Batch invariance: a k-token verify row equals the single-token step's row bit for bit."""
+    x, w, b = _data(m, 576, 200, seed=1)
+    together = cpu_gemm.small_gemm(x, w, b)
+    for i in range(m):
+        assert torch.equal(together[i : i + 1], cpu_gemm.small_gemm(x[i : i + 1], w, b)), i
+    assert torch.equal(together[3:], cpu_gemm.small_gemm(x[3:], w, b))
+
+
+@needs_kernel
+def test_kernel_keeps_leading_dims_and_handles_strided_input():
+    x, w, _ = _data(6, 48, 40)
+    x3 = x.view(2, 3, 48)
+    assert cpu_gemm.small_gemm(x3, w).shape == (2, 3, 40)
+    strided = torch.randn(48, 6).T  # not contiguous
+    assert (cpu_gemm.small_gemm(strided, w) - strided @ w.T).abs().max().item() <= TOL
+
+
+@needs_kernel
+def test_kernel_refuses_bad_input_clearly():
+    x, w, _ = _data(2, 16, 8)
+    with pytest.raises(RuntimeError, match="features"):
+        cpu_gemm.small_gemm(torch.randn(2, 15), w)
+    with pytest.raises(RuntimeError, match="fp32"):
+        cpu_gemm.small_gemm(x.double(), w.double())
+    with pytest.raises(RuntimeError, match="contiguous"):
+        cpu_gemm.small_gemm(x, torch.randn(16, 8).T)
+
+
+def test_onednn_setting_turns_the_kernel_off(monkeypatch):
+    monkeypatch.setenv(cpu_gemm.ENV, "onednn")
+    assert cpu_gemm.unusable_reason() == f"{cpu_gemm.ENV}=onednn"
+
+
+@needs_kernel
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_packed_model_keeps_one_dense_copy_and_matches(tiny_dirs, arch):
+    model = load_transformer(tiny_dirs[arch])
+    ids = torch.randint(0, 300, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        want = model(ids).logits
+    params = {name: p for name, p in model.named_parameters()}
+    model.pack()
+    for name, lin in model.named_modules():
+        if isinstance(lin, Linear):
+            assert lin.small_gemm and lin.packed is None and lin.is_packed, name
+            assert lin._parameters["weight"] is params.get(name + ".weight", lin._parameters["weight"])  # the same tensor, no copy
+    if model.cfg.tie_embeddings:
+        assert model.lm_head.weight is model.embed.weight
+    with torch.inference_mode():
+        assert (model(ids).logits - want).abs().max().item() <= TOL
+    model.unpack()
+    assert not any(lin.is_packed for lin in model.modules() if isinstance(lin, Linear))
+
+
+@needs_kernel
+def test_linear_routes_large_inputs_and_grad_mode_to_f_linear():
+    lin = Linear(32, 24, bias=True)
+    with torch.no_grad():
+        lin.weight.normal_()
+        lin.bias.normal_()
+    lin.pack()
+    assert lin.small_gemm
+    big = torch.randn(cpu_gemm.MAX_ROWS + 1, 32)
+    with torch.no_grad():
+        assert torch.equal(lin(big), F.linear(big, lin.weight, lin.bias))  # past MAX_ROWS: exactly F.linear
+        small = torch.randn(3, 32)
+        assert torch.equal(lin(small), cpu_gemm.small_gemm(small, lin.weight, lin.bias))
+    x = torch.randn(3, 32, requires_grad=True)
+    lin(x).sum().backward()  # grad mode: F.linear, gradients flow
+    assert lin.weight.grad is not None and x.grad is not None
+
+
+@needs_kernel
+def test_weight_change_then_repack_reaches_the_kernel_path(tiny_dirs):
+    model = load_transformer(tiny_dirs["llama"])
+    reference = load_transformer(tiny_dirs["llama"])
+    model.pack()
+    with torch.no_grad():  # no dense copy was dropped, so writing the Parameter in place is enough
+        model.blocks[0].mlp.down.weight.mul_(2.0)
+        reference.blocks[0].mlp.down.weight.mul_(2.0)
+    model.pack()
+    ids = torch.arange(9).view(1, 9)
+    with torch.inference_mode():
+        assert (model(ids).logits - reference(ids).logits).abs().max().item() <= TOL
+
+
+@needs_kernel
+@pytest.mark.parametrize("m", [1, 5, 8, 9, 64])
+def test_int8_kernel_matches_the_dequantized_weight_and_is_batch_invariant(m):
+    x, w, b = _data(m, 100, 70, seed=2)
+    q, scale = cpu_gemm.quantize_rows(w)
+    assert q.dtype == torch.int8 and (q.float() * scale[:, None] - w).abs().max().item() <= scale.max().item() / 2 + 1e-6
+    got = cpu_gemm.small_gemm_q8(x, q, scale, b)
+    assert (got - (x @ (q.float() * scale[:, None]).T + b)).abs().max().item() <= TOL
+    for i in range(m):
+        assert torch.equal(got[i : i + 1], cpu_gemm.small_gemm_q8(x[i : i + 1], q, scale, b)), i
+
+
+@needs_kernel
+def test_int8_linear_serves_the_quantized_weight_and_trains_the_dense_one():
+    lin = Linear(48, 40, bias=True)
+    with torch.no_grad():
+        lin.weight.normal_()
+        lin.bias.normal_()
+    lin.pack(gemm="int8")
+    q, scale = lin.int8
+    dequantized = q.float() * scale[:, None]
+    for rows in (3, cpu_gemm.MAX_ROWS + 5):  # the kernel, and the dequantized F.linear past MAX_ROWS
+        x = torch.randn(rows, 48)
+        with torch.no_grad():
+            assert (lin(x) - F.linear(x, dequantized, lin.bias)).abs().max().item() <= TOL
+    x = torch.randn(3, 48, requires_grad=True)
+    assert torch.equal(lin(x), F.linear(x, lin.weight, lin.bias))  # grad mode: the fp32 Parameter
+    lin.unpack()
+    assert lin.int8 is None and not lin.is_packed
+
+
+def test_a_target_cannot_be_packed_lossy(tiny_dirs):
+    model = load_transformer(tiny_dirs["llama"])
+    with pytest.raises(ValueError, match="auto"):
+        model.pack(gemm="int8")
+
+
+@needs_kernel
+def test_eagle_head_serves_an_int8_lm_head_unless_told_not_to(tiny_llama):
+    from tandem.models.eagle import EagleConfig, draft_vocab_from_tokens, new_eagle_head
+
+    target = load_transformer(tiny_llama)
+    cfg = EagleConfig.for_target(target.cfg, 64)
+    head = new_eagle_head(target, cfg, draft_vocab_from_tokens([], 64, target.cfg.vocab_size), torch.Generator().manual_seed(0))
+    head.pack()
+    assert head.lm_head.int8 is not None and head.fc.small_gemm
+    head.pack(int8_lm_head=False)
+    assert head.lm_head.int8 is None and head.lm_head.small_gemm
