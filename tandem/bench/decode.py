@@ -139,11 +139,11 @@ def _llm_for(base, name: str, config: DecodeBenchConfig):
 
 
 def drafter_path_for(name: str, spec: str | None) -> str | None:
-    """`--drafter-path DIR` for every drafter, or `eagle=DIR,mtp=DIR` (eagle_tree falls back to eagle's)."""
+    """`--drafter-path DIR` for every drafter, or `eagle=DIR,mtp=DIR` (eagle_tree and the eagle_*ngram hybrids fall back to eagle's)."""
     if not spec or "=" not in spec:
         return spec
     paths = dict(item.split("=", 1) for item in spec.split(",") if item)
-    return paths.get(name) or (paths.get("eagle") if name == "eagle_tree" else None)
+    return paths.get(name) or (paths.get("eagle") if name.startswith("eagle") else None)
 
 
 def _tally(per_domain: dict, domains: list[str], outputs, seconds: float, reference) -> None:

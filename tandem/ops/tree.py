@@ -145,3 +145,20 @@ def trie_from_sequences(sequences: list[list[int]], max_nodes: int) -> tuple[lis
                 child_of[(node, token)] = nxt
             node = nxt
     return tokens, parents
+
+
+def graft_sequence(tokens: list[int], parents: list[int], sequence: list[int], max_nodes: int) -> tuple[list[int], list[int]]:
+    """The tree (tokens, parents) with `sequence` added as a path from the root: nodes already holding the
+    sequence's prefix are reused, the rest is appended (so the order stays topological), up to `max_nodes`."""
+    tokens, parents = list(tokens), list(parents)
+    node = -1
+    for token in sequence:
+        child = next((i for i, (t, p) in enumerate(zip(tokens, parents)) if p == node and t == token), None)
+        if child is None:
+            if len(tokens) >= max_nodes:
+                break
+            tokens.append(token)
+            parents.append(node)
+            child = len(tokens) - 1
+        node = child
+    return tokens, parents

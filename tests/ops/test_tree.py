@@ -115,3 +115,14 @@ def test_validate_parents_accepts():
     validate_parents(TREE)
     validate_parents(chain_parents(0))
     validate_parents(torch.tensor([-1, -1, -1], dtype=torch.int32))
+
+
+def test_graft_sequence_reuses_the_shared_prefix_and_appends_the_rest():
+    from tandem.ops.tree import graft_sequence
+
+    tokens, parents = [5, 6, 7], [-1, 0, 1]  # chain 5 6 7
+    assert graft_sequence(tokens, parents, [5, 6, 9, 10], 10) == ([5, 6, 7, 9, 10], [-1, 0, 1, 1, 3])
+    assert graft_sequence(tokens, parents, [8], 10) == ([5, 6, 7, 8], [-1, 0, 1, -1])
+    assert graft_sequence(tokens, parents, [5, 6, 7], 10) == (tokens, parents)  # already there
+    assert graft_sequence(tokens, parents, [5, 9, 10], 4) == ([5, 6, 7, 9], [-1, 0, 1, 0])  # stops at max_nodes
+    assert graft_sequence([], [], [1, 2], 5) == ([1, 2], [-1, 0])
