@@ -365,6 +365,7 @@ def add_train_command(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--phase", default="all", help="with --recipe: all | features | train")
     p.add_argument("--kinds", default=None, help="with --recipe: feature kinds to produce/train on (reference,regenerated)")
     p.add_argument("--export", default=None, help="with --recipe: copy the best head here (fp16 + card)")
+    p.add_argument("--init", default=None, help="with --recipe: start from this exported head (its weights and draft vocabulary) when DIR has no checkpoint yet")
     p.set_defaults(func=run_train)
     return p
 

@@ -30,7 +30,7 @@ def run_features(recipe: Recipe, out: Path, hours: float | None, chunk_docs: int
     taps, tid = EagleConfig.for_target(target.cfg).taps, target_identity(target.cfg)
     write_heldout(recipe, out, target, tokenizer)
     reference = sources.reference_documents(package_files())
-    regenerate = sources.regeneration_prompts(seed=recipe.seed)
+    regenerate = sources.regeneration_prompts(seed=recipe.seed, extra=recipe.extra_prompts)
     ref_writer = ShardWriter(out / "features" / "reference", tid, taps)
     regen_writer = ShardWriter(out / "features" / "regenerated", tid, taps, shard_tokens=8192)
     report = {"reference": [], "regenerated": []}
@@ -78,12 +78,13 @@ def _key(doc) -> str:
 PHASES = ("all", "features", "train")
 
 
-def run_recipe(name: str, out: str | Path, hours: float, phase: str = "all", export: str | Path | None = None, log=print, kinds: tuple[str, ...] | None = None) -> dict:
-    """`tandem train --recipe NAME --hours H --out DIR [--phase P] [--export DEST]`.
+def run_recipe(name: str, out: str | Path, hours: float, phase: str = "all", export: str | Path | None = None, log=print, kinds: tuple[str, ...] | None = None, init: str | Path | None = None) -> dict:
+    """`tandem train --recipe NAME --hours H --out DIR [--phase P] [--export DEST] [--init HEAD_DIR]`.
 
     phase "all" runs the features phase in a child process (one thread) next to the trainer (one
     thread), both resumable, for `hours` of wall time; then the best head is exported to DEST. `kinds`
-    narrows the feature kinds both phases use (e.g. ("regenerated",)).
+    narrows the feature kinds both phases use (e.g. ("regenerated",)). `init`, an exported head, is where
+    the trainer starts when DIR has no checkpoint yet (a checkpoint, when present, is resumed instead).
     """
     import json
     import subprocess
@@ -95,18 +96,20 @@ def run_recipe(name: str, out: str | Path, hours: float, phase: str = "all", exp
         raise InvalidParameterError(f"hours must be > 0, got {hours}")
     if kinds is not None and (not kinds or set(kinds) - {"reference", "regenerated"}):
         raise InvalidParameterError(f"kinds must be a non-empty subset of reference,regenerated; got {kinds}")
+    if init is not None:
+        _check_init(Path(init).expanduser())
     recipe, out = get_recipe(name, feature_kinds=tuple(kinds) if kinds else None), Path(out).expanduser()
     out.mkdir(parents=True, exist_ok=True)
     report: dict = {"recipe": name}
     if phase == "features":
         report["features"] = run_features(recipe, out, hours)
     elif phase == "train":
-        report["train"] = _train_then_finetune(recipe, out, hours, log)
+        report["train"] = _train_then_finetune(recipe, out, hours, log, init)
     else:
         cmd = [sys.executable, "-m", "tandem.cli", "train", "--recipe", name, "--out", str(out), "--hours", str(hours), "--phase", "features", "--threads", "1", "--kinds", ",".join(recipe.feature_kinds)]
         child = subprocess.Popen(cmd, env=_one_thread_env())
         try:
-            report["train"] = _train_then_finetune(recipe, out, hours, log)
+            report["train"] = _train_then_finetune(recipe, out, hours, log, init)
         finally:
             child.terminate()  # features are resumable: a later run continues where this one stopped
             child.wait(timeout=60)
@@ -116,15 +119,24 @@ def run_recipe(name: str, out: str | Path, hours: float, phase: str = "all", exp
     return report
 
 
-def _train_then_finetune(recipe: Recipe, out: Path, hours: float, log) -> dict:
+def _check_init(head_dir: Path) -> None:
+    """Refuse a wrong `--init` now rather than after the trainer has waited for the first feature shards."""
+    from tandem.models.eagle import CONFIG_FILE, WEIGHTS_FILE
+
+    if not (head_dir / CONFIG_FILE).is_file() or not (head_dir / WEIGHTS_FILE).is_file():
+        raise InvalidParameterError(f"--init {head_dir}: not an exported EAGLE head (needs {CONFIG_FILE} and {WEIGHTS_FILE})")
+
+
+def _train_then_finetune(recipe: Recipe, out: Path, hours: float, log, init: str | Path | None = None) -> dict:
     """Train on every feature kind, then (resuming from the checkpoint, at the decayed learning rate) on the
     target-regenerated answers only: in the shipped run that last phase raised held-out acceptance from
-    1.38 to 1.49 in 100 steps (docs/BENCHMARKS.md 3.1), the reference answers being off the target's style."""
+    1.38 to 1.49 in 100 steps (docs/BENCHMARKS.md 3.1), the reference answers being off the target's style.
+    Only the first part can start from `init`: the second always resumes the first's checkpoint."""
     from dataclasses import replace
 
     from tandem.training.trainer import train_recipe
 
-    main = train_recipe(recipe, out, hours * (1 - recipe.finetune_fraction), log=log)
+    main = train_recipe(recipe, out, hours * (1 - recipe.finetune_fraction), log=log, init=init)
     if recipe.finetune_fraction <= 0:
         return main
     tuned = train_recipe(replace(recipe, feature_kinds=("regenerated",)), out, hours * recipe.finetune_fraction, log=log)
@@ -153,10 +165,12 @@ def export_head(best: Path, dest: Path, recipe_name: str) -> Path:
     tmp.mkdir(parents=True)
     for name in ("model.safetensors", "eagle_config.json"):
         shutil.copy2(best / name, tmp / name)
+    heldout = json.loads((best / "report.json").read_text()) if (best / "report.json").exists() else None
     card = {
         "recipe": recipe_name, "settings": describe(get_recipe(recipe_name)),
+        "init": heldout.pop("init", None) if heldout else None,  # the exported head training started from, if any
         "sha256": hashlib.sha256((tmp / "model.safetensors").read_bytes()).hexdigest(),
-        "heldout": json.loads((best / "report.json").read_text()) if (best / "report.json").exists() else None,
+        "heldout": heldout,
         "rebuild": f"make head  (tandem train --recipe {recipe_name} --hours H --out DIR --export {dest})",
     }
     (tmp / HEAD_CARD).write_text(json.dumps(card, indent=1) + "\n")

@@ -29,6 +29,7 @@ class Recipe:
     eval_every: int = 60  # optimiser steps between held-out evaluations / checkpoints
     feature_kinds: tuple[str, ...] = ("reference", "regenerated")  # feature directories the trainer streams
     finetune_fraction: float = 0.15  # last share of the time: regenerated features only (the target's own answers)
+    extra_prompts: bool = True  # also regenerate the extra SQL / chat prompts (tandem.training.more_prompts)
     seed: int = 0
 
     def __post_init__(self) -> None:

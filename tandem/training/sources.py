@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tandem.data import prompts as P
-from tandem.data.packages import EVALS_DATA, read_jsonl, read_member
+from tandem.data.packages import EVALS_DATA, package_files, read_jsonl, read_member
+from tandem.training.more_prompts import EXTRA_DOMAINS, extra_prompts
 
 
 @dataclass(frozen=True)
@@ -45,21 +46,31 @@ def reference_documents(archives: dict[str, Path]) -> list[Document]:
 EXTRA_MATH_VARIANTS = range(P.GSM_VARIANTS, 3 * P.GSM_VARIANTS)  # the built-in set holds the first GSM_VARIANTS of each template
 
 
-def regeneration_prompts(domains: tuple[str, ...] = P.DOMAINS, seed: int = 0) -> list[Document]:
+def regeneration_prompts(domains: tuple[str, ...] = P.DOMAINS, seed: int = 0, extra: bool = True) -> list[Document]:
     """The built-in train-split prompts, then more seeded variants of the train-split math templates (the
-    generator is unlimited, the other domains' data sets are used up), round-robin over domains so any
-    prefix mixes them all."""
+    generator is unlimited), then with `extra` the extra SQL and chat prompts (their data sets are used up:
+    tandem.training.more_prompts), round-robin over domains so any prefix mixes them all. Documents are keyed
+    by source and id (features.doc_key), so adding prompts never changes an existing document's key."""
     prompts = P.load_prompts("builtin", domains=domains, split="train", seed=seed)
     if "math" in domains:
-        from tandem.data.packages import package_files
-
-        extra = P.math_prompts(package_files()["reasoning-gym"], EXTRA_MATH_VARIANTS)
+        extra_math = P.math_prompts(package_files()["reasoning-gym"], EXTRA_MATH_VARIANTS)
         seen = {p.prompt for p in prompts}
-        for p in extra:  # a template with few free numbers repeats texts across seeds: keep each text once
+        for p in extra_math:  # a template with few free numbers repeats texts across seeds: keep each text once
             if P.prompt_split(p) == "train" and p.prompt not in seen:
                 prompts.append(p)
                 seen.add(p.prompt)
-    return round_robin([Document(p.domain, p.source, p.id, p.prompt, None) for p in prompts])
+    docs = [Document(p.domain, p.source, p.id, p.prompt, None) for p in prompts]
+    if extra:
+        docs += extra_documents(domains)
+    return round_robin(docs)
+
+
+def extra_documents(domains: tuple[str, ...] = P.DOMAINS) -> list[Document]:
+    """The extra train-split SQL / chat prompts of `domains` as documents the target answers (answer None)."""
+    wanted = tuple(d for d in EXTRA_DOMAINS if d in domains)
+    if not wanted:
+        return []
+    return [Document(p.domain, p.source, p.id, p.prompt, None) for p in extra_prompts(package_files(), wanted)]
 
 
 def round_robin(docs: list[Document]) -> list[Document]:

@@ -41,6 +41,7 @@ class TrainState:
     best_score: float = -1.0
     best_step: int = -1
     history: list[dict] = field(default_factory=list)
+    init: str | None = None  # the exported head this run started from (`--init`); None: a fresh head
 
 
 # ---- vocabulary -----------------------------------------------------------------------------------------
@@ -219,8 +220,9 @@ def sample_roots(batch, fraction: float, rng: random.Random) -> torch.Tensor | N
     return torch.tensor(sorted(rng.sample(candidates, min(count, len(candidates)))), dtype=torch.long)
 
 
-def train_recipe(recipe: Recipe, out: Path, hours: float, log=print) -> dict:
-    """Train (or resume) until `hours` of optimisation have passed in this session."""
+def train_recipe(recipe: Recipe, out: Path, hours: float, log=print, init: str | Path | None = None) -> dict:
+    """Train (or resume) until `hours` of optimisation have passed in this session; without a checkpoint
+    in `out`, start from the exported head `init` when given (see `starting_point`)."""
     from tandem.training.recipes import load_target
 
     target, tokenizer = load_target(recipe)
@@ -228,25 +230,13 @@ def train_recipe(recipe: Recipe, out: Path, hours: float, log=print) -> dict:
     feature_dirs = wait_for_features(out, log, recipe.feature_kinds)
     ckpt_root = out / "ckpt"
     ckpt_root.mkdir(parents=True, exist_ok=True)
-    resumed = resume(ckpt_root, target)
-    if resumed is None:
-        counts = merge_counts(domain_token_counts(feature_dirs), vocab_source_counts(tokenizer, recipe))
-        vocab = balanced_vocab(counts, min(recipe.draft_vocab, target.cfg.vocab_size), target.cfg.vocab_size)
-        cfg = EagleConfig.for_target(target.cfg, len(vocab), shared_lm_head=recipe.shared_lm_head)
-        head = new_eagle_head(target, cfg, vocab, torch.Generator().manual_seed(recipe.seed))
-        state = TrainState()
-        sizes = sorted({8192, 16384, 32768, len(vocab)} & set(range(1, target.cfg.vocab_size + 1)))
-        table = {size: coverage(counts, balanced_vocab(counts, size, target.cfg.vocab_size)) for size in sizes}
-        (out / "vocab_coverage.json").write_text(json.dumps(table, indent=1))
-    else:
-        head, opt_tensors, groups, state = resumed
-        log(f"resumed from step {state.step} ({state.tokens} tokens)")
+    head, saved_optimizer, state = starting_point(recipe, out, target, tokenizer, feature_dirs, init, log)
     head.unpack()
     head.train()
     params = [p for p in head.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=recipe.lr, weight_decay=0.0)
-    if resumed is not None:
-        load_optimizer_tensors(optimizer, opt_tensors, groups)
+    if saved_optimizer is not None:
+        load_optimizer_tensors(optimizer, *saved_optimizer)
     target_rows = target.lm_head.weight.detach().float()[head.draft_to_target]  # [Vd, d]
     rng = random.Random(f"{recipe.seed}:{state.step}")
     budget = 3600 * hours  # this session's wall time; the schedule spans all sessions' time
@@ -282,7 +272,39 @@ def train_recipe(recipe: Recipe, out: Path, hours: float, log=print) -> dict:
             batches = stream.batches(recipe.rows, recipe.row_len, rng)
     state.seconds += time.monotonic() - start
     entry = _checkpoint_and_eval(head, optimizer, state, heldout, ckpt_root, out, recipe, float("nan"), {}, 0.0)
-    return {"recipe": asdict(recipe), "final": entry, "best_step": state.best_step, "best_score": state.best_score, "steps": state.step, "tokens": state.tokens}
+    return {"recipe": asdict(recipe), "init": state.init, "final": entry, "best_step": state.best_step, "best_score": state.best_score, "steps": state.step, "tokens": state.tokens}
+
+
+def starting_point(recipe: Recipe, out: Path, target, tokenizer, feature_dirs: list[Path], init: str | Path | None, log) -> tuple[EagleHead, tuple[dict, list] | None, TrainState]:
+    """(head, saved optimiser tensors and groups or None, state). The newest checkpoint always wins, so a
+    restarted run continues where it stopped; else the exported head `init` (its weights and its own draft
+    vocabulary, a fresh optimiser and schedule); else a fresh head over a balanced vocabulary."""
+    resumed = resume(out / "ckpt", target)
+    if resumed is not None:
+        head, tensors, groups, state = resumed
+        log(f"resumed from step {state.step} ({state.tokens} tokens)")
+        if init is not None:
+            log(f"--init {init} ignored: resuming the checkpoint in {out / 'ckpt'}")
+        return head, (tensors, groups), state
+    if init is not None:
+        path = Path(init).expanduser().resolve()
+        head = load_eagle(path, target)
+        log(f"starting from the exported head {path} (draft vocabulary {head.cfg.draft_vocab_size})")
+        return head, None, TrainState(init=str(path))
+    return fresh_head(recipe, out, target, tokenizer, feature_dirs), None, TrainState()
+
+
+def fresh_head(recipe: Recipe, out: Path, target, tokenizer, feature_dirs: list[Path]) -> EagleHead:
+    """An untrained head over the balanced vocabulary of the shards and sources; writes the coverage table
+    of a few vocabulary sizes next to the run (DIR/vocab_coverage.json)."""
+    counts = merge_counts(domain_token_counts(feature_dirs), vocab_source_counts(tokenizer, recipe))
+    vocab = balanced_vocab(counts, min(recipe.draft_vocab, target.cfg.vocab_size), target.cfg.vocab_size)
+    cfg = EagleConfig.for_target(target.cfg, len(vocab), shared_lm_head=recipe.shared_lm_head)
+    head = new_eagle_head(target, cfg, vocab, torch.Generator().manual_seed(recipe.seed))
+    sizes = sorted({8192, 16384, 32768, len(vocab)} & set(range(1, target.cfg.vocab_size + 1)))
+    table = {size: coverage(counts, balanced_vocab(counts, size, target.cfg.vocab_size)) for size in sizes}
+    (out / "vocab_coverage.json").write_text(json.dumps(table, indent=1))
+    return head
 
 
 def vocab_source_counts(tokenizer, recipe: Recipe) -> dict[str, Counter]:
@@ -290,7 +312,7 @@ def vocab_source_counts(tokenizer, recipe: Recipe) -> dict[str, Counter]:
     from tandem.training import sources
 
     reference = sources.reference_documents(package_files())
-    math_prompts = [d for d in sources.regeneration_prompts(seed=recipe.seed) if d.domain == "math"]
+    math_prompts = sources.regeneration_prompts(domains=("math",), seed=recipe.seed)
     return document_token_counts(tokenizer, reference + math_prompts)
 
 
@@ -305,7 +327,7 @@ def _checkpoint_and_eval(head, optimizer, state: TrainState, heldout: Path, ckpt
         tmp = out / f".{BEST}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         save_eagle(head, tmp, dtype=torch.float16)
-        (tmp / "report.json").write_text(json.dumps(entry, indent=1))
+        (tmp / "report.json").write_text(json.dumps(entry | {"init": state.init}, indent=1))  # the card says where the run started
         old = out / f".{BEST}.old"
         shutil.rmtree(old, ignore_errors=True)
         if (out / BEST).exists():
