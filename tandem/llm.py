@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from tandem.config import EngineConfig, SamplingParams
+from tandem.config import WEIGHTS, EngineConfig, SamplingParams
 from tandem.engine.engine import Engine
 from tandem.engine.request import Request
 from tandem.errors import InvalidParameterError, ModelLoadError
@@ -52,6 +52,7 @@ class LLM:
         num_threads: int | None = None,
         pack_weights: bool = True,
         compile: bool = False,
+        weights: str = "fp32",
     ):
         if dtype not in DTYPES:
             raise InvalidParameterError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
@@ -61,12 +62,12 @@ class LLM:
         self.model_dir = resolve_model(model)
         self.tokenizer = load_tokenizer(self.model_dir)
         self.target = load_transformer(self.model_dir, DTYPES[dtype], device)
-        if pack_weights:
-            self.target.pack()
         self.device = device
         max_len = min(max_model_len or DEFAULT_MAX_MODEL_LEN, self.target.cfg.max_position)
         self.config = EngineConfig(max_batch_size=max_batch_size, max_model_len=max_len, num_threads=num_threads, pack_weights=pack_weights,
-                                   compile=compile)
+                                   compile=compile, weights=weights)
+        if pack_weights:
+            self.target.pack(gemm=WEIGHTS[weights])
         self.engine = self._make_engine(drafter, num_draft_tokens, drafter_model, drafter_path, adaptive_k)
         if drafter and dtype != "float32":
             warnings.warn(

@@ -17,7 +17,7 @@ from typing import Callable
 
 import torch
 
-from tandem.config import EngineConfig, SamplingParams
+from tandem.config import WEIGHTS, EngineConfig, SamplingParams
 from tandem.engine.request import FinishReason, Request
 from tandem.engine.stats import EngineStats, add_position_counts
 from tandem.engine.policy_update import copy_named_, validate_named_tensors
@@ -407,7 +407,7 @@ class Engine:
             self.model.unpack()  # dense parameters back (packing may have dropped them), write, repack
             copy_named_(self.model, named_tensors)
             if self.config.pack_weights:
-                self.model.pack()
+                self.model.pack(gemm=WEIGHTS[self.config.weights])
         for row in range(self.cache.max_batch):
             self.cache.reset(row)
         self.target_version = int(version)

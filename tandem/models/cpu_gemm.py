@@ -91,10 +91,14 @@ def small_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
 
 
 def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [N, K] -> int8 [N, K], fp32 scale [N]
-    """Symmetric weight-only int8, one scale per output row: weight ~ scale[:, None] * q."""
+    """Symmetric weight-only int8, one scale per output row: weight ~ scale[:, None] * q (round half to even)."""
+    return torch.ops.tandem_cpu.quantize_rows(weight.detach())
+
+
+def quantize_rows_reference(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # what the C++ op computes
     w = weight.detach().float()
     scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
-    return torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8).contiguous(), scale.contiguous()
+    return torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8), scale
 
 
 def small_gemm_q8(x: torch.Tensor, wq: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:  # x [..., K] -> [..., N]

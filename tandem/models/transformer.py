@@ -337,9 +337,8 @@ class Transformer(nn.Module):
         kernel on the dense weights, or oneDNN copies that replace them.
 
         Reads of `.weight` / `state_dict()` still work (fresh dense copies); to change weights in place,
-        `unpack()` (restores the dense Parameters exactly), write, `pack()` again."""
-        if gemm not in ("auto", "onednn"):  # int8 is lossy: a served target must stay exact
-            raise ValueError(f"a target packs with gemm 'auto' or 'onednn', got {gemm!r}")
+        `unpack()` (restores the dense Parameters exactly), write, `pack()` again. gemm="int8" serves
+        weight-only int8 copies instead (another model than the fp32 one; the user's choice, never a default)."""
         pack_linears(self, batch_hint, keep_dense, gemm)
         if self.cfg.tie_embeddings and self.lm_head.dense_dropped:  # the embedding still holds it: keep them tied
             self.lm_head._restore_weight(self.embed.weight)
