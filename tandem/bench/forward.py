@@ -10,6 +10,7 @@ import time
 import torch
 
 from tandem.bench.machine import machine_info, memory_bandwidth_gbps, resident_mb
+from tandem.models import cpu_gemm
 from tandem.models.kv_cache import KVCache
 from tandem.models.transformer import Transformer
 
@@ -166,6 +167,34 @@ def ar_comparison(llm, hf, prompts: list[str], max_tokens: int, rounds: int = 2)
     return rates | {"greedy_matches_hf": matches if hf is not None else None}
 
 
+def gemm_comparison(llm, prompts: list[str], max_tokens: int, rounds: int = 2) -> dict:
+    """The small-M kernel (llm's target) against oneDNN's prepacked GEMMs on a second copy of the target:
+    batch-1 greedy tokens/s interleaved prompt by prompt, and the k-token forward cost of each."""
+    from tandem.llm import LLM
+
+    onednn = LLM(model=str(llm.model_dir), pack_weights=False)
+    onednn.target.pack(gemm="onednn")
+    runners = {"kernel": llm, "onednn": onednn}
+    for runner in runners.values():
+        timed_ours(runner, prompts[0], 4)
+    totals = {name: [0.0, 0] for name in runners}
+    outputs: dict[str, list] = {name: [] for name in runners}
+    for _ in range(rounds):
+        for prompt in prompts:
+            for name, runner in runners.items():
+                seconds, ids = timed_ours(runner, prompt, max_tokens)
+                totals[name][0] += seconds
+                totals[name][1] += len(ids)
+                outputs[name].append(ids)
+    rates = {name: n / s for name, (s, n) in totals.items()}
+    costs = {name: forward_cost_ms(runner.target, ks=(1, 5, 9)) for name, runner in runners.items()}
+    return {
+        "ar_tokens_per_s": {name: round(r, 2) for name, r in rates.items()}, "speedup": round(rates["kernel"] / rates["onednn"], 3),
+        "cost_ms": {name: {k: round(v, 2) for k, v in c.items()} for name, c in costs.items()},
+        "greedy_identical": outputs["kernel"] == outputs["onednn"],
+    }
+
+
 def model_resident_mb(model_dir, pack: bool) -> float:
     """Resident memory of one more copy of the target (+ its packed weights), loaded in this process
     after everything else: the RSS it adds, without the engine's KV cache, the tokenizer or libraries."""
@@ -180,7 +209,7 @@ def model_resident_mb(model_dir, pack: bool) -> float:
     return added
 
 
-def run_forward_bench(model: str, max_tokens: int = 64, with_hf: bool = True, pack: bool = True, compile: bool = False) -> dict:
+def run_forward_bench(model: str, max_tokens: int = 64, with_hf: bool = True, pack: bool = True, compile: bool = False, gemm_ab: bool = False) -> dict:
     from tandem.llm import LLM
 
     llm = LLM(model=model, pack_weights=pack)
@@ -194,7 +223,7 @@ def run_forward_bench(model: str, max_tokens: int = 64, with_hf: bool = True, pa
     cost = forward_cost_ms(llm.target)
     ours = rates["ours"]
     result = {
-        "model": model, "max_tokens": max_tokens, "packed_weights": pack, "machine": machine_info(),
+        "model": model, "max_tokens": max_tokens, "packed_weights": pack, "machine": machine_info(), "gemm_kernel": cpu_gemm.describe(),
         "ar_tokens_per_s": round(ours, 2), "roofline_tokens_per_s": round(roofline, 2),
         "fraction_of_roofline": round(ours / roofline, 3), "memory_bandwidth_gbps": round(bandwidth, 2),
         "weight_bytes_per_token": weight_bytes, "resident_model_mb": round(rss_model),
@@ -211,6 +240,8 @@ def run_forward_bench(model: str, max_tokens: int = 64, with_hf: bool = True, pa
             "cost_ratio": {name: {k: round(v / c[1], 3) for k, v in c.items()} for name, c in pair.items()},
             "forward_fraction_of_roofline": {name: round(weight_bytes / bandwidth / 1e9 * 1000 / c[1], 3) for name, c in pair.items()},
         }
+    if gemm_ab:
+        result["gemm"] = gemm_comparison(llm, prompts, max_tokens)
     if hf is not None:
         result |= {"hf_ar_tokens_per_s": round(rates["hf"], 2), "speedup_vs_hf": round(ours / rates["hf"], 3),
                    "greedy_matches_hf": rates["greedy_matches_hf"]}
