@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from tandem.errors import InvalidParameterError, TandemError
-from tandem.flywheel.traces import TRACE_SCHEMA, SequenceTrace
+from tandem.flywheel.traces import SequenceTrace, trace_from_parts, trace_header
 
 POLICIES = ("drop_oldest", "balance_domains", "drop_newest")
 SHARD_ROWS = 64  # traces per Parquet shard
@@ -108,8 +108,7 @@ class TraceBuffer:
 
 # ---- Parquet ------------------------------------------------------------------------------------------------
 def _trace_row(trace: SequenceTrace) -> dict:
-    row: dict = {"schema_version": trace.schema_version, "request_id": trace.request_id, "domain": trace.domain,
-                 "prompt_len": trace.prompt_len, "taps": list(trace.taps), "sampling": list(trace.sampling)}
+    row = trace_header(trace)
     for name, tensor in trace.tensors().items():
         t = tensor.contiguous()
         row[f"{name}.data"] = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
@@ -119,18 +118,14 @@ def _trace_row(trace: SequenceTrace) -> dict:
 
 
 def _row_trace(row: dict) -> SequenceTrace:
-    if row.get("schema_version") != TRACE_SCHEMA:
-        raise TandemError(f"trace schema {row.get('schema_version')} is not {TRACE_SCHEMA}")
-    values = {"request_id": row["request_id"], "domain": row["domain"], "prompt_len": int(row["prompt_len"]), "taps": tuple(row["taps"])}
-    temperature, top_k, top_p = row["sampling"]
-    values["sampling"] = (float(temperature), int(top_k), float(top_p))
+    tensors = {}
     for f in fields(SequenceTrace):
         if f"{f.name}.data" in row:
             dtype, shape = getattr(torch, row[f"{f.name}.dtype"]), tuple(row[f"{f.name}.shape"])
             data = row[f"{f.name}.data"]
             flat = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.zeros(0, dtype=torch.uint8)
-            values[f.name] = flat.view(dtype).reshape(shape).clone()
-    return SequenceTrace(**values)
+            tensors[f.name] = flat.view(dtype).reshape(shape).clone()
+    return trace_from_parts(row, tensors)
 
 
 def write_shard(path: Path, traces: list[SequenceTrace]) -> None:
@@ -164,6 +159,17 @@ def load_traces(directory: str | Path, limit: int | None = None, newest: bool = 
             out = out[:limit]
             break
     return out[::-1] if newest else out
+
+
+def refill(buffer: TraceBuffer, spill_dir: str | Path | None, limit: int = 4096) -> int:
+    """Put the newest `limit` traces an earlier run spilled to `spill_dir` back into `buffer` (they are not
+    spilled again); returns how many."""
+    if spill_dir is None or not any(Path(spill_dir).glob("traces-*.parquet")):
+        return 0
+    traces = load_traces(spill_dir, limit=limit, newest=True)
+    for trace in traces:
+        buffer.put(trace, spill=False)
+    return len(traces)
 
 
 class _ParquetSpill:

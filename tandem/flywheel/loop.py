@@ -2,17 +2,19 @@
 
 Composition lives here, outside the engine (which knows only observers and between-steps hooks) and
 outside the trainer (which knows only the buffer and the store). `Flywheel.step()` is `engine.step()`
-with its wall time recorded and swap steps marked, so the stall a swap causes is measurable.
+with its wall time recorded and swap steps marked, so the stall a swap causes is measurable. With
+`trainer_process` the buffer and the trainer live in a child process (tandem.flywheel.remote) behind the
+same names (`TraceSink`, `Trainer`, a WeightStore), so everything here runs the same code in both modes.
 """
 from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 from tandem.errors import InvalidParameterError
-from tandem.flywheel.buffer import TraceBuffer, load_traces
-from tandem.flywheel.trainer import FlywheelConfig, OnlineTrainer, target_lm_rows, trainer_copy
+from tandem.flywheel.buffer import TraceBuffer, refill
+from tandem.flywheel.remote import ChildConfig, Trainer, TrainerProcess, TraceSink
+from tandem.flywheel.trainer import FlywheelConfig, resume_or_start
 from tandem.flywheel.traces import TraceCollector
 from tandem.flywheel.weights import HotSwapper, WeightStore
 
@@ -27,6 +29,7 @@ class FlywheelOptions:
     checkpoint_dir: str | None = None  # trainer checkpoints; resumed from when present
     checkpoint_every: int = 100  # trainer steps
     trainer_threads: int = 1
+    trainer_process: bool = False  # train in a child process (buffer and trainer there), not a thread competing with the engine's; needs train
     trainer_duty: float = 1.0  # the trainer thread's busy share of wall time (it rests between steps below 1)
     collapse_ratio: float = 0.5
     window: int = 64  # request-steps a swapped-in version is watched over
@@ -41,36 +44,36 @@ class Flywheel:
         if not engine.config.record_steps:
             raise InvalidParameterError("the flywheel needs detailed step records: EngineConfig(record_steps=True)")
         self.engine, self.options = engine, options
-        self.buffer = TraceBuffer(options.buffer_bytes, options.buffer_policy, options.spill_dir)
-        self.restored_traces = self._restore_traces()
+        self.buffer: TraceSink
+        self.store: WeightStore
+        self.trainer: Trainer | None
+        self.restored_traces: int  # traces put back into the buffer from spill_dir
+        if options.train and options.trainer_process:
+            self._train_in_child(target, drafter)
+        else:
+            self._train_in_process(target, drafter)
         self.collector = TraceCollector(self.buffer.put, branch_depth=options.branch_depth)
         engine.observers.append(self.collector)
-        self.store = WeightStore(first_version=drafter.version + 1)
         self.swapper = HotSwapper(drafter, self.store, options.collapse_ratio, options.window).attach(engine)
-        self.trainer = self._trainer(target, drafter) if options.train else None
         if self.trainer is not None:  # a rollback in serving reaches the trainer: it resumes from the good weights
             self.swapper.on_rollback = self.trainer.request_restore
         self.step_times: list[float] = []
         self.swap_steps: list[int] = []  # indices into step_times of steps that began with a swap or rollback
 
-    def _restore_traces(self) -> int:
-        spill = self.options.spill_dir
-        if spill is None or not any(Path(spill).glob("traces-*.parquet")):
-            return 0
-        traces = load_traces(spill, limit=4096, newest=True)
-        for trace in traces:
-            self.buffer.put(trace, spill=False)
-        return len(traces)
+    def _train_in_process(self, target, drafter) -> None:
+        o = self.options
+        self.buffer = TraceBuffer(o.buffer_bytes, o.buffer_policy, o.spill_dir)
+        self.restored_traces = refill(self.buffer, o.spill_dir)
+        self.store = WeightStore(first_version=drafter.version + 1)
+        self.trainer = resume_or_start(o.checkpoint_dir, target, drafter.head, self.buffer, self.store, o.loss) if o.train else None
 
-    def _trainer(self, target, drafter) -> OnlineTrainer:
-        """Resume from checkpoint_dir if it holds anything (a checkpoint that cannot be read is an error,
-        never a silent fresh start); a fresh trainer from the served head otherwise."""
-        checkpoint = self.options.checkpoint_dir
-        if checkpoint is not None and Path(checkpoint).is_dir() and any(Path(checkpoint).iterdir()):
-            trainer = OnlineTrainer.resume(checkpoint, target, self.buffer, self.store, self.options.loss)
-            trainer.publish()  # serving adopts the resumed weights at the next step
-            return trainer
-        return OnlineTrainer(trainer_copy(drafter.head), target_lm_rows(target, drafter.head), self.buffer, self.store, self.options.loss)
+    def _train_in_child(self, target, drafter) -> None:
+        """The buffer and the trainer in a child process; one proxy plays both roles, and its store is where
+        the child's versions appear."""
+        o = self.options
+        config = ChildConfig(o.loss, o.buffer_bytes, o.buffer_policy, o.spill_dir, o.checkpoint_dir, o.trainer_threads, first_version=drafter.version + 1)
+        self.buffer = self.trainer = TrainerProcess(target, drafter.head, config)
+        self.store, self.restored_traces = self.trainer.store, self.trainer.restored_traces
 
     def start(self) -> "Flywheel":
         if self.trainer is not None:

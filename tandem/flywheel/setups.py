@@ -9,13 +9,14 @@ ways to serve a stream under a mode:
   the same WeightStore / HotSwapper (validation, in-place copy, rollback reaching the trainer) as live
   serving adopts new versions;
 - `live_engine` + `serve_stream`: the real engine serves the requests with `batch` in flight, the
-  trainer runs in a background thread (`Flywheel`).
+  trainer runs in a background thread or, with `trainer_process`, in a child process (`Flywheel`).
 
 `bench shift` and `tandem demo` compose these; nothing here knows about benchmarks or prompts files.
 """
 from __future__ import annotations
 
 import itertools
+import os
 import time
 from dataclasses import asdict, dataclass
 from typing import Callable
@@ -64,6 +65,7 @@ class FlywheelSetup:
     collapse_ratio: float = 0.5  # rollback when a new version's acceptance falls below this x the old one's
     watch_window: int = 64  # request-steps a swapped-in version is watched over (live)
     trainer_duty: float = 1.0  # live: the trainer thread's busy share of wall time
+    trainer_process: bool = False  # live: train in a child process (1 torch thread) instead of a thread of the serving process
     adaptive_k: bool = False  # live: the speculation controller picks k (0 = plain) per step from measured acceptance
     seed: int = 0
 
@@ -79,6 +81,13 @@ class FlywheelSetup:
                 "anchor": self.anchor if trained else 0.0, "publish_every": self.publish_every,
                 "discard_weight": self.discard_weight, "branch_weight": self.branch_weight, "seed": self.seed}
         return FlywheelConfig(**(base | switches))
+
+
+def trainer_process_pays() -> bool:
+    """Whether live serving should train in a child process: with 2 cores or more the engine and the trainer
+    each get one (a trainer thread would share the engine's interpreter lock); on 1 core they share it anyway."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return cores >= 2
 
 
 def check_modes(modes) -> None:
@@ -181,7 +190,7 @@ def live_engine(mode: str, target, heads: dict[str, EagleHead], setup: FlywheelS
         policy = SpeculationController.for_engine(target, drafter, max_k=setup.num_draft_tokens)
     engine = Engine(target, EngineConfig(max_batch_size=batch, max_model_len=max_len, record_steps=True), drafter=drafter, draft_policy=policy)
     options = FlywheelOptions(loss=setup.loss(switches or {}, init), train=switches is not None, collapse_ratio=setup.collapse_ratio, window=setup.watch_window,
-                              trainer_duty=setup.trainer_duty)
+                              trainer_duty=setup.trainer_duty, trainer_process=setup.trainer_process)
     return engine, Flywheel(engine, target, options).start()
 
 

@@ -21,9 +21,14 @@ a request's prefill and decode records into one `SequenceTrace` when the request
 
 `TraceCollector` is the engine observer: it only enqueues the record (the hot path never waits) and a
 daemon thread assembles traces and hands them to a sink (the buffer).
+
+Across a boundary a trace is its non-tensor fields (`trace_header`, JSON values) plus its tensors, rebuilt
+by `trace_from_parts`: the Parquet spill stores them as columns, `trace_to_bytes` as one safetensors blob
+(the header in its metadata) for a trainer in another process. Never pickle.
 """
 from __future__ import annotations
 
+import json
 import queue
 import threading
 from collections import OrderedDict
@@ -32,7 +37,7 @@ from typing import Callable
 
 import torch
 
-from tandem.errors import InvalidParameterError
+from tandem.errors import InvalidParameterError, TandemError
 from tandem.ops.losses import rejection_probability
 from tandem.types import RequestStep, StepRecord
 
@@ -93,6 +98,46 @@ class SequenceTrace:
     def acceptance_length(self) -> float:
         steps = len(self.step_root)
         return float((self.step_accepted + 1).sum()) / steps if steps else 0.0
+
+
+# ---- crossing a boundary: header + tensors ----------------------------------------------------------------------
+def trace_header(trace: SequenceTrace) -> dict:
+    """The trace's non-tensor fields as JSON values."""
+    return {"schema_version": trace.schema_version, "request_id": trace.request_id, "domain": trace.domain,
+            "prompt_len": trace.prompt_len, "taps": list(trace.taps), "sampling": list(trace.sampling)}
+
+
+def trace_from_parts(header: dict, tensors: dict[str, torch.Tensor]) -> SequenceTrace:
+    """The inverse of (`trace_header`, `SequenceTrace.tensors`); a tensor field absent from `tensors` takes
+    its default (fields added since the record was written). Another schema version raises."""
+    if header.get("schema_version") != TRACE_SCHEMA:
+        raise TandemError(f"trace schema {header.get('schema_version')} is not {TRACE_SCHEMA}")
+    temperature, top_k, top_p = header["sampling"]
+    values = {"request_id": header["request_id"], "domain": header["domain"], "prompt_len": int(header["prompt_len"]),
+              "taps": tuple(header["taps"]), "sampling": (float(temperature), int(top_k), float(top_p))}
+    values |= {f.name: tensors[f.name] for f in fields(SequenceTrace) if f.name in tensors}
+    return SequenceTrace(**values)
+
+
+def trace_to_bytes(trace: SequenceTrace) -> bytes:
+    """One safetensors blob: the tensors, and the header as JSON in the file's metadata."""
+    from safetensors.torch import save
+
+    tensors = {name: t.contiguous() for name, t in trace.tensors().items()}
+    return save(tensors, metadata={"trace": json.dumps(trace_header(trace))})
+
+
+def trace_from_bytes(data: bytes) -> SequenceTrace:
+    from safetensors.torch import load
+
+    return trace_from_parts(json.loads(safetensors_metadata(data)["trace"]), load(data))
+
+
+def safetensors_metadata(data: bytes) -> dict[str, str]:
+    """A safetensors blob's metadata (the format: an 8-byte little-endian header length, then the JSON
+    header, whose "__metadata__" maps strings to strings)."""
+    size = int.from_bytes(data[:8], "little")
+    return json.loads(data[8 : 8 + size]).get("__metadata__", {})
 
 
 def _cat(parts: list[torch.Tensor], empty: torch.Tensor) -> torch.Tensor:

@@ -256,6 +256,17 @@ class OnlineTrainer:
         return trainer
 
 
+def resume_or_start(checkpoint_dir: str | Path | None, target, head: EagleHead, buffer: TraceBuffer, store: WeightStore, cfg: FlywheelConfig) -> OnlineTrainer:
+    """The flywheel's trainer: resumed from `checkpoint_dir` when it holds anything (a checkpoint that cannot
+    be read raises, never a silent fresh start), its weights published at once so that serving adopts them
+    at the next step; else a fresh trainer on a copy of `head` (the served one is written by hot-swaps only)."""
+    if checkpoint_dir is not None and Path(checkpoint_dir).is_dir() and any(Path(checkpoint_dir).iterdir()):
+        trainer = OnlineTrainer.resume(checkpoint_dir, target, buffer, store, cfg)
+        trainer.publish()
+        return trainer
+    return OnlineTrainer(trainer_copy(head), target_lm_rows(target, head), buffer, store, cfg)
+
+
 def rest_after(busy_s: float, duty: float) -> float:
     """Seconds to rest after `busy_s` of work so that work is a `duty` share of the time."""
     return busy_s * (1.0 / duty - 1.0)

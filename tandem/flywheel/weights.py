@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import hashlib
+import json
 import threading
 import time
 from collections import deque
@@ -89,24 +90,28 @@ def save_version(version: WeightVersion, directory: Path) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"drafter-v{version.version:06d}.safetensors"
     tmp = path.with_suffix(".tmp")
-    save_file({k: v.contiguous() for k, v in version.tensors.items()}, str(tmp), metadata={"version": str(version.version), "checksum": version.checksum})
+    metadata = {"version": str(version.version), "checksum": version.checksum, "meta": json.dumps(version.meta)}
+    save_file({k: v.contiguous() for k, v in version.tensors.items()}, str(tmp), metadata=metadata)
     tmp.rename(path)
     return path
 
 
 def load_version(path: str | Path) -> WeightVersion:
-    """Read a published version from disk (safetensors only); a corrupt file or checksum mismatch raises WeightRefused."""
+    """Read a published version from disk (safetensors only), its meta included (a trainer in another process
+    publishes through these files, and the swapper reads meta["restores"]); a corrupt file or checksum
+    mismatch raises WeightRefused."""
     from safetensors import safe_open
 
     try:
         with safe_open(str(path), framework="pt") as f:
             meta = f.metadata() or {}
             tensors = {k: f.get_tensor(k) for k in f.keys()}
+        extra = json.loads(meta.get("meta", "{}"))  # files written before meta was kept have none
     except Exception as e:
         raise WeightRefused(f"cannot read drafter weights {path}: {e}") from e
     if "version" not in meta or "checksum" not in meta:
         raise WeightRefused(f"{path} lacks version/checksum metadata")
-    version = WeightVersion(int(meta["version"]), tensors, meta["checksum"])
+    version = WeightVersion(int(meta["version"]), tensors, meta["checksum"], extra)
     if checksum(tensors) != version.checksum:
         raise WeightRefused(f"{path}: checksum mismatch (corrupt or tampered file)")
     return version

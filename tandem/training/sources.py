@@ -12,6 +12,7 @@ never trained on a held-out benchmark prompt or its template.
 """
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -48,9 +49,11 @@ EXTRA_MATH_VARIANTS = range(P.GSM_VARIANTS, 3 * P.GSM_VARIANTS)  # the built-in 
 
 def regeneration_prompts(domains: tuple[str, ...] = P.DOMAINS, seed: int = 0, extra: bool = True) -> list[Document]:
     """The built-in train-split prompts, then more seeded variants of the train-split math templates (the
-    generator is unlimited), then with `extra` the extra SQL and chat prompts (their data sets are used up:
-    tandem.training.more_prompts), round-robin over domains so any prefix mixes them all. Documents are keyed
-    by source and id (features.doc_key), so adding prompts never changes an existing document's key."""
+    generator is unlimited); with `extra`, the extra SQL and chat prompts (their data sets are used up:
+    tandem.training.more_prompts) alternate with the built-in ones of their domain, so a run that starts
+    from a head trained on the built-in prompts reaches new text at once. Round-robin over domains, so any
+    prefix mixes them all. Documents are keyed by source and id (features.doc_key): the order may change,
+    a document's key never does, and the feature writer skips the keys it has."""
     prompts = P.load_prompts("builtin", domains=domains, split="train", seed=seed)
     if "math" in domains:
         extra_math = P.math_prompts(package_files()["reasoning-gym"], EXTRA_MATH_VARIANTS)
@@ -61,8 +64,17 @@ def regeneration_prompts(domains: tuple[str, ...] = P.DOMAINS, seed: int = 0, ex
                 seen.add(p.prompt)
     docs = [Document(p.domain, p.source, p.id, p.prompt, None) for p in prompts]
     if extra:
-        docs += extra_documents(domains)
+        docs = alternate_by_domain(docs, extra_documents(domains))
     return round_robin(docs)
+
+
+def alternate_by_domain(first: list[Document], second: list[Document]) -> list[Document]:
+    """Within each domain, one document of `first`, then one of `second`, in turn (each list's order kept)."""
+    out = []
+    for domain in dict.fromkeys(d.domain for d in first + second):
+        a, b = [d for d in first if d.domain == domain], [d for d in second if d.domain == domain]
+        out += [d for pair in itertools.zip_longest(a, b) for d in pair if d is not None]
+    return out
 
 
 def extra_documents(domains: tuple[str, ...] = P.DOMAINS) -> list[Document]:
