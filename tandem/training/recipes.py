@@ -21,6 +21,7 @@ class Recipe:
     rows: int = 4  # packed rows per batch
     row_len: int = 1024  # tokens per packed row
     lr: float = 1.5e-3
+    init_lr: float = 2e-4  # peak lr of a run started from an exported head (--init): fine-tuned, not trained anew
     warmup: int = 30
     max_doc_tokens: int = 1024  # documents are cut here
     max_new_tokens: int = 192  # regenerated answer length

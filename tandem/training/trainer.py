@@ -231,12 +231,15 @@ def train_recipe(recipe: Recipe, out: Path, hours: float, log=print, init: str |
     ckpt_root = out / "ckpt"
     ckpt_root.mkdir(parents=True, exist_ok=True)
     head, saved_optimizer, state = starting_point(recipe, out, target, tokenizer, feature_dirs, init, log)
+    peak_lr = recipe.init_lr if state.init else recipe.lr
     head.unpack()
     head.train()
     params = [p for p in head.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=recipe.lr, weight_decay=0.0)
+    optimizer = torch.optim.AdamW(params, lr=peak_lr, weight_decay=0.0)
     if saved_optimizer is not None:
         load_optimizer_tensors(optimizer, *saved_optimizer)
+    if state.init and state.step == 0:  # the starting head is the score to beat: best/ holds it until training does better
+        log(json.dumps(_checkpoint_and_eval(head, optimizer, state, heldout, ckpt_root, out, recipe, float("nan"), {}, 0.0)))
     target_rows = target.lm_head.weight.detach().float()[head.draft_to_target]  # [Vd, d]
     rng = random.Random(f"{recipe.seed}:{state.step}")
     budget = 3600 * hours  # this session's wall time; the schedule spans all sessions' time
@@ -250,7 +253,7 @@ def train_recipe(recipe: Recipe, out: Path, hours: float, log=print, init: str |
         batch = next(batches)
         progress = (state.seconds + time.monotonic() - start) / max(total, 1e-9)
         for group in optimizer.param_groups:
-            group["lr"] = lr_at(state.step, progress, recipe.lr, recipe.warmup)
+            group["lr"] = lr_at(state.step, progress, peak_lr, recipe.warmup)
         loss, stats = packed_loss(head, target_rows, batch, recipe.unroll, sample_roots(batch, recipe.chain_fraction, rng))
         optimizer.zero_grad(set_to_none=True)
         loss.backward()

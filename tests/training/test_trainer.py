@@ -56,11 +56,22 @@ def test_init_starts_from_the_exported_head_and_a_checkpoint_wins_later(tiny_lla
     assert same_head(head, first)
     assert not (out / "vocab_coverage.json").exists()  # no fresh vocabulary was chosen
     assert json.loads((out / "best" / "report.json").read_text())["init"] == report["init"]
+    assert [entry["step"] for entry in state.history] == [0, 0]  # the starting head was scored before any step
 
     exported_head(target, tmp_path / "second", seed=2, vocab_size=80)
     again = train_recipe(recipe, out, hours=0.0, log=logs.append, init=tmp_path / "second")
     assert any("ignored" in line for line in logs)
     assert again["init"] == report["init"] and same_head(resume(out / "ckpt", target)[0], first)
+
+
+def test_a_run_from_init_fine_tunes_at_the_recipes_init_lr(tiny_llama, target, tmp_path):
+    out = tmp_path / "run"
+    write_features(target, out)
+    exported_head(target, tmp_path / "first", seed=1)
+    recipe = Recipe(model=tiny_llama, draft_vocab=64, rows=1, row_len=64, finetune_fraction=0.0, lr=1.0, init_lr=1e-5, warmup=1, eval_every=2)
+    train_recipe(recipe, out, hours=3e-4, init=tmp_path / "first")
+    _, _, groups, state = resume(out / "ckpt", target)
+    assert state.step >= 2 and 0 < groups[0]["lr"] <= 1e-5  # never the from-scratch lr of 1.0
 
 
 def test_exported_card_says_where_training_started(target, tmp_path):
