@@ -217,6 +217,7 @@ def _bench_shift_command(bench) -> None:
     p.add_argument("--branch-weight", type=float, default=d.branch_weight)
     p.add_argument("--window", type=int, default=d.window)
     p.add_argument("--live-batch", type=int, default=d.live_batch)
+    _trainer_argument(p)
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json", dest="json_out", default=None)
@@ -237,6 +238,7 @@ def _bench_shift(args) -> int:
         static_prompts=args.static_prompts, static_steps=args.static_steps, static_head=args.static_head,
         train_steps_per_request=args.train_steps_per_request, publish_every=args.publish_every, lr=args.lr, finetune_lr=args.finetune_lr, anchor=args.anchor,
         discard_weight=args.discard_weight, branch_weight=args.branch_weight, window=args.window, live_batch=args.live_batch, seed=args.seed,
+        trainer_process=TRAINER_PLACES[args.trainer],
     )
     report = run_shift_bench(config, args.plot)
     if args.json_out:
@@ -244,6 +246,14 @@ def _bench_shift(args) -> int:
         Path(args.json_out).write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps({"summary": report["summary"], "stream": report["stream"], "seconds": report["seconds"], "plot": report.get("plot")}, indent=2))
     return 0
+
+
+TRAINER_PLACES = {"auto": None, "process": True, "thread": False}  # --trainer -> trainer_process
+
+
+def _trainer_argument(p) -> None:
+    p.add_argument("--trainer", choices=list(TRAINER_PLACES), default="auto",
+                   help="live flywheel: train in a child process or a thread of the serving process (auto: a process on >= 2 cores)")
 
 
 def _prompts_command(sub) -> None:
@@ -294,13 +304,14 @@ def _demo_command(sub) -> None:
     p.add_argument("--max-tokens", type=int, default=40)
     p.add_argument("--batch", type=int, default=1, help="requests in flight")
     p.add_argument("--out", default="out", help="directory for the plot")
+    _trainer_argument(p)
     p.set_defaults(func=_demo)
 
 
 def _demo(args) -> int:
     from tandem.demo import run_demo
 
-    run_demo(args.model, args.requests, args.block, args.max_tokens, args.out, args.batch)
+    run_demo(args.model, args.requests, args.block, args.max_tokens, args.out, args.batch, trainer_process=TRAINER_PLACES[args.trainer])
     return 0
 
 

@@ -6,7 +6,8 @@ chat -> translation), greedy, `batch` requests in flight, 1 torch thread for the
 1. plain decoding (no drafter): the reference tokens/s;
 2. the flywheel: the EAGLE drafter starts from the strong static head shipped in tandem/heads/ (or, if
    none is shipped yet, from an untrained day-0 head, with a warning), the engine records traces, the
-   trainer (1 more thread) learns from them in the background, and new drafter versions are hot-swapped
+   trainer (1 more thread; in a child process on >= 2 cores, so it does not share the engine's interpreter
+   lock) learns from them in the background, and new drafter versions are hot-swapped
    between steps (rollback on an acceptance collapse); the speculation controller drafts k tokens, or none,
    per step from the measured acceptance.
 
@@ -38,7 +39,9 @@ def demo_heads(target, draft_vocab: int = 8192, seed: int = 0) -> tuple[dict, st
     return {"static": scratch_head(target, draft_vocab, seed)}, "untrained day-0 EAGLE head (fallback: no shipped head yet)"
 
 
-def run_demo(model: str, requests: int = 30, block: int = 6, max_tokens: int = 40, out_dir: str = "out", batch: int = 1) -> dict:
+def run_demo(model: str, requests: int = 30, block: int = 6, max_tokens: int = 40, out_dir: str = "out", batch: int = 1, trainer_process: bool | None = None) -> dict:
+    """trainer_process: train in a child process (True) or a thread of this one (False); None: a process when
+    the machine has >= 2 cores (one for the engine, one for the trainer)."""
     import torch
 
     from tandem.bench.shift import ShiftConfig, build_stream, prompt_key
@@ -52,7 +55,8 @@ def run_demo(model: str, requests: int = 30, block: int = 6, max_tokens: int = 4
 
     start = time.perf_counter()
     cfg = ShiftConfig(model=model, requests=requests, block=block, max_tokens=max_tokens, modes=("plain", "online"), replay=False,
-                      static_prompts=0, window=max(2, block // 2), publish_every=5, live_batch=batch)
+                      static_prompts=0, window=max(2, block // 2), publish_every=5, live_batch=batch,
+                      trainer_process=trainer_process)
     model_dir = Path(resolve_model(model))
     target = load_transformer(model_dir)
     target.pack()
@@ -70,7 +74,8 @@ def run_demo(model: str, requests: int = 30, block: int = 6, max_tokens: int = 4
     plain = serve_stream(engine, None, pairs, params, batch, prefix="plain")
     print(f"      {plain.output_tokens} tokens in {plain.seconds:.1f} s: {plain.tokens_per_s:.1f} tok/s\n")
 
-    print(f"[2/2] the flywheel, starting from the {label}; trainer in the background\n")
+    where = "a child process" if cfg.setup.trainer_process else "a background thread"
+    print(f"[2/2] the flywheel, starting from the {label}; trainer in {where}\n")
     print(HEADER)
     setup = replace(cfg.setup, adaptive_k=True)  # speculate where it pays: k (or plain) per step from measured acceptance
     engine, flywheel = live_engine("online", target, heads, setup, batch, longest)
@@ -89,7 +94,8 @@ def run_demo(model: str, requests: int = 30, block: int = 6, max_tokens: int = 4
           f"same stream, measured in this run; machine load affects both)")
     print(f"plot: {plot}   ({time.perf_counter() - start:.0f} s in all)")
     return {"head": label, "speedup": round(speedup, 4), "plain_tokens_per_s": round(plain.tokens_per_s, 3),
-            "online_tokens_per_s": round(online.tokens_per_s, 3), "identical_outputs": same, "summary": summary, "metrics": metrics, "plot": str(plot)}
+            "online_tokens_per_s": round(online.tokens_per_s, 3), "identical_outputs": same, "summary": summary, "metrics": metrics, "plot": str(plot),
+            "trainer_process": flywheel.options.trainer_process}
 
 
 def _show(row: dict, flywheel) -> None:

@@ -16,8 +16,9 @@ feeds the same traces the engine would record into the buffer, and runs `train_s
 trainer steps after each request, publishing every `publish_every` steps through the same WeightStore /
 HotSwapper (validation, in-place copy, rollback) the live engine uses. Tokens/s in replay is modelled
 from this machine's measured verify and draft costs (`calibrate`). Without --replay the live engine serves
-the stream with the trainer in a background thread (`live_mode`), 1 torch thread for the engine and 1
-for the trainer in every mode, so serving gets the same CPU share whether or not a trainer runs.
+the stream (`live_mode`) with the trainer in a child process when the machine has >= 2 cores (`--trainer
+thread`: a background thread of the serving process, which competes with the engine for the interpreter
+lock), 1 torch thread for the engine and 1 for the trainer in every mode.
 
 Per request: domain, acceptance length, tokens/s, drafter version. Per mode: mean acceptance length, its
 ratio to static, per-domain means, and the recovery after each shift: requests until the rolling mean
@@ -39,7 +40,8 @@ from tandem.bench.shift_stats import summarize
 from tandem.config import SamplingParams
 from tandem.errors import InvalidParameterError
 from tandem.flywheel.replay import target_traces, trace_cache_dir
-from tandem.flywheel.setups import MODES, FlywheelSetup, ReplayFlywheel, check_modes, live_engine, scratch_head, serve_stream, serving_copy, train_static_head
+from tandem.flywheel.setups import (MODES, FlywheelSetup, ReplayFlywheel, check_modes, live_engine, scratch_head, serve_stream, serving_copy, train_static_head,
+                                    trainer_process_pays)
 from tandem.models.eagle import EagleConfig, EagleHead, load_eagle, save_eagle
 
 
@@ -72,11 +74,13 @@ class ShiftConfig:
     collapse_ratio: float = FlywheelSetup.collapse_ratio
     seed: int = 0
     live_batch: int = 4  # live mode: concurrent requests
+    trainer_process: bool | None = None  # live mode: train in a child process (True) or a thread (False); None: a process when there are >= 2 cores
 
     @property
     def setup(self) -> FlywheelSetup:
         return FlywheelSetup(num_draft_tokens=self.num_draft_tokens, batch_size=self.batch_size, lr=self.lr, finetune_lr=self.finetune_lr, anchor=self.anchor, publish_every=self.publish_every,
-                             discard_weight=self.discard_weight, branch_weight=self.branch_weight, collapse_ratio=self.collapse_ratio, seed=self.seed)
+                             discard_weight=self.discard_weight, branch_weight=self.branch_weight, collapse_ratio=self.collapse_ratio, seed=self.seed,
+                             trainer_process=trainer_process_pays() if self.trainer_process is None else self.trainer_process)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "domains", tuple(self.domains))
@@ -189,7 +193,7 @@ def live_mode(mode: str, target, stream: list[Prompt], stream_ids: dict[str, lis
     extra = {"stream_tokens_per_s": round(result.tokens_per_s, 3)}
     if flywheel is not None:
         flywheel.close()
-        extra |= flywheel.metrics()
+        extra |= flywheel.metrics() | {"trainer_process": flywheel.options.trainer_process}
     return result.rows, extra
 
 

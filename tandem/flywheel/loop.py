@@ -10,13 +10,41 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Protocol, Sequence
 
 from tandem.errors import InvalidParameterError
-from tandem.flywheel.buffer import TraceBuffer, refill
-from tandem.flywheel.remote import ChildConfig, Trainer, TrainerProcess, TraceSink
+from tandem.flywheel.buffer import BufferStats, TraceBuffer, refill
+from tandem.flywheel.remote import ChildConfig, TrainerProcess
 from tandem.flywheel.trainer import FlywheelConfig, resume_or_start
-from tandem.flywheel.traces import TraceCollector
-from tandem.flywheel.weights import HotSwapper, WeightStore
+from tandem.flywheel.traces import SequenceTrace, TraceCollector
+from tandem.flywheel.weights import HotSwapper, WeightStore, WeightVersion
+
+
+class TraceSink(Protocol):
+    """Where the collector puts finished traces: TraceBuffer, or the child's, seen through TrainerProcess."""
+
+    def put(self, trace: SequenceTrace) -> bool: ...
+    def stats(self) -> BufferStats: ...
+    def __len__(self) -> int: ...
+    def close(self) -> None: ...
+
+
+class Trainer(Protocol):
+    """What the flywheel, the admin API and the metrics use of a trainer: OnlineTrainer, or TrainerProcess."""
+
+    steps: int
+    published: int | None
+    restores: int
+    resumed_from_step: int | None
+    losses: Sequence[dict]  # the newest last
+    error: BaseException | None
+    alive: bool
+
+    def start(self, threads: int | None = 1, idle_s: float = 0.05, checkpoint_dir=None, checkpoint_every: int = 100, duty: float = 1.0): ...
+    def stop(self, timeout: float = 30.0) -> None: ...
+    def request_restore(self, version: WeightVersion) -> int: ...
+    def save_checkpoint(self, path) -> Path: ...
 
 
 @dataclass(frozen=True)

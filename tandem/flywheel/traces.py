@@ -100,7 +100,7 @@ class SequenceTrace:
         return float((self.step_accepted + 1).sum()) / steps if steps else 0.0
 
 
-# ---- crossing a boundary: header + tensors ----------------------------------------------------------------------
+# ---- crossing a boundary: header + tensors ------------------------------------------------------------------------
 def trace_header(trace: SequenceTrace) -> dict:
     """The trace's non-tensor fields as JSON values."""
     return {"schema_version": trace.schema_version, "request_id": trace.request_id, "domain": trace.domain,

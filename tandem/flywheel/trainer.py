@@ -27,6 +27,7 @@ from tandem.errors import InvalidParameterError, TandemError
 from tandem.flywheel.buffer import TraceBuffer
 from tandem.flywheel.objective import flywheel_loss
 from tandem.flywheel.weights import WeightStore, WeightVersion
+from tandem.models.config import ModelConfig
 from tandem.models.eagle import EagleHead, copy_head, load_eagle, save_eagle
 
 OPTIMIZER_FILE = "optimizer.safetensors"
@@ -66,7 +67,7 @@ class FlywheelConfig:
             raise InvalidParameterError(f"anchor must be >= 0 with anchor * lr < 1, got anchor {self.anchor}, lr {self.lr}")
 
 
-# ---- the trainer ---------------------------------------------------------------------------------------------------
+# ---- the trainer ------------------------------------------------------------------------------------------------------
 class OnlineTrainer:
     def __init__(self, head: EagleHead, target_rows: torch.Tensor, buffer: TraceBuffer, store: WeightStore, cfg: FlywheelConfig = FlywheelConfig()):
         self.head = head.train().requires_grad_(True)
@@ -265,6 +266,42 @@ def resume_or_start(checkpoint_dir: str | Path | None, target, head: EagleHead, 
         trainer.publish()
         return trainer
     return OnlineTrainer(trainer_copy(head), target_lm_rows(target, head), buffer, store, cfg)
+
+
+# ---- what the trainer reads of the target -----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Rows:
+    weight: torch.Tensor  # [V, d]
+
+
+@dataclass(frozen=True)
+class TargetTables:
+    """What the trainer reads of the target (`load_eagle`, `target_lm_rows`): its config, embedding and LM
+    head. A trainer in another process never runs the target: it loads these tables only (the values served)."""
+
+    cfg: ModelConfig
+    embed: _Rows
+    lm_head: _Rows
+
+
+def save_target_tables(target, path: Path) -> None:
+    from safetensors.torch import save_file
+
+    embed, lm_head = target.embed.weight.detach().cpu(), target.lm_head.weight.detach().cpu()
+    tensors = {"embed": embed.contiguous()}
+    if lm_head.data_ptr() != embed.data_ptr():  # tied embeddings are written once
+        tensors["lm_head"] = lm_head.contiguous()
+    save_file(tensors, str(path), metadata={"config": json.dumps(asdict(target.cfg))})
+
+
+def load_target_tables(path: Path) -> TargetTables:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        config = json.loads(f.metadata()["config"])
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    cfg = ModelConfig(**config | {"eos_token_ids": tuple(config["eos_token_ids"])})
+    return TargetTables(cfg, _Rows(tensors["embed"]), _Rows(tensors.get("lm_head", tensors["embed"])))
 
 
 def rest_after(busy_s: float, duty: float) -> float:

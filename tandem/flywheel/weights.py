@@ -18,12 +18,17 @@ engine-side `HotSwapper` is both an engine `between_steps` hook and an observer:
 
 Requests in flight keep the draft-cache entries their old head wrote (recomputing them would stall
 serving by a prefill); verification keeps the output lossless either way.
+
+A trainer in another process publishes through files (`save_version`: safetensors, its meta included,
+renamed into place); the serving side's `PolledWeightStore` finds them in `latest()`.
 """
 from __future__ import annotations
 
 import concurrent.futures
 import hashlib
 import json
+import os
+import re
 import threading
 import time
 from collections import deque
@@ -84,6 +89,9 @@ class WeightStore:
             return self._versions[-1] if self._versions else None
 
 
+VERSION_FILE = re.compile(r"drafter-v(\d+)\.safetensors")  # save_version's names (".tmp": still being written)
+
+
 def save_version(version: WeightVersion, directory: Path) -> Path:
     from safetensors.torch import save_file
 
@@ -115,6 +123,67 @@ def load_version(path: str | Path) -> WeightVersion:
     if checksum(tensors) != version.checksum:
         raise WeightRefused(f"{path}: checksum mismatch (corrupt or tampered file)")
     return version
+
+
+class PolledWeightStore(WeightStore):
+    """A WeightStore another process publishes into `watched`. `latest()` lists the directory (microseconds)
+    and hands the newest file not seen yet to a loader thread: reading and checksumming a head takes
+    milliseconds the engine thread must not spend. Each file is read at most once; once a version is loaded
+    the older files are deleted (the swapper keeps the versions it serves or may roll back to). With
+    `directory` set (the admin API's version history) every loaded version is also written there, as
+    WeightStore.publish does."""
+
+    def __init__(self, watched: Path, keep: int = 4):
+        super().__init__(keep)
+        self.watched = watched
+        self.unreadable = 0  # files that could not be loaded (or copied to `directory`): never adopted
+        self._seen = -1  # the newest version number handed to the loader
+        self._poll_lock = threading.Lock()
+        self._loader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tandem-weights-load")
+        self._loading: concurrent.futures.Future | None = None
+
+    def latest(self) -> WeightVersion | None:
+        with self._poll_lock:
+            self._collect()
+            files = version_files(self.watched)
+            if files and files[-1][0] > self._seen and self._loading is None:
+                self._seen, path = files[-1]
+                self._loading = self._loader.submit(self._load, path)
+        return super().latest()
+
+    def _load(self, path: Path) -> WeightVersion:
+        version = load_version(path)
+        if self.directory is not None:
+            save_version(version, self.directory)
+        return version
+
+    def _collect(self) -> None:
+        if self._loading is None or not self._loading.done():
+            return
+        future, self._loading = self._loading, None
+        try:
+            version = future.result()
+        except (WeightRefused, OSError):  # never adopted; the engine thread must not see it
+            self.unreadable += 1
+            return
+        with self._lock:
+            self._versions.append(version)
+            self._next = max(self._next, version.version + 1)
+        for number, path in version_files(self.watched):
+            if number < version.version:
+                path.unlink(missing_ok=True)
+
+    def close(self) -> None:
+        self._loader.shutdown(wait=True)
+
+
+def version_files(directory: Path) -> list[tuple[int, Path]]:
+    """(version, path) of the complete version files in `directory`, oldest first."""
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return []
+    return sorted((int(m.group(1)), directory / name) for name in names if (m := VERSION_FILE.fullmatch(name)))
 
 
 def validate(version: WeightVersion, served: dict[str, torch.Tensor]) -> None:

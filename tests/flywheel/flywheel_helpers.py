@@ -5,7 +5,7 @@ from tandem.engine.engine import Engine
 
 from tiny_helpers import GREEDY, load_packed as load_target, make_prompts, plain_outputs
 
-__all__ = ["GREEDY", "load_target", "make_prompts", "plain_outputs", "eagle_engine", "served_traces"]
+__all__ = ["GREEDY", "load_target", "make_prompts", "plain_outputs", "eagle_engine", "served_traces", "serve"]
 
 
 def eagle_engine(target, batch=4, record=True, drafter_path=None, k=4, **config):
@@ -26,3 +26,14 @@ def served_traces(target, n=4, seed=0, params=GREEDY, engine=None, branch_depth=
     collector.close()
     engine.observers.remove(collector)
     return traces
+
+
+def serve(flywheel, prompts, params):
+    """Serve the prompts to completion through the flywheel's step; returns the requests."""
+    engine = flywheel.engine
+    for prompt in prompts:
+        engine.add_request(prompt, params)
+    requests = list(engine.waiting)
+    while engine.has_unfinished():
+        flywheel.step()
+    return requests

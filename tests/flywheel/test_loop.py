@@ -6,17 +6,7 @@ from tandem.errors import InvalidParameterError
 from tandem.flywheel.loop import Flywheel, FlywheelOptions
 from tandem.flywheel.trainer import FlywheelConfig, wait_for
 
-from flywheel_helpers import GREEDY, eagle_engine, make_prompts, plain_outputs
-
-
-def serve(flywheel, prompts, params):
-    engine = flywheel.engine
-    for prompt in prompts:
-        engine.add_request(prompt, params)
-    requests = list(engine.waiting)
-    while engine.has_unfinished():
-        flywheel.step()
-    return requests
+from flywheel_helpers import GREEDY, eagle_engine, make_prompts, plain_outputs, serve
 
 
 def test_flywheel_trains_swaps_and_stays_lossless(target, tmp_path):

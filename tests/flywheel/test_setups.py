@@ -31,15 +31,18 @@ def test_replay_flywheel_trains_publishes_and_serves_each_version(target, heads)
     assert online.trainer.published == 2 and versions[0] == 0 and versions == sorted(versions) and versions[-1] >= 1
 
 
-@pytest.mark.parametrize("mode,adaptive_k", [("plain", False), ("online_scratch", False), ("online_scratch", True)])
-def test_live_serving_of_a_stream_is_lossless(target, heads, mode, adaptive_k):
+@pytest.mark.parametrize("mode,adaptive_k,process", [("plain", False, False), ("online_scratch", False, False), ("online_scratch", True, False),
+                                                    ("online_scratch", False, True)])
+def test_live_serving_of_a_stream_is_lossless(target, heads, mode, adaptive_k, process):
     from tandem.engine.control import SpeculationController
+    from tandem.flywheel.remote import TrainerProcess
 
     prompts = make_prompts(5, seed=9)
     params = SamplingParams(max_tokens=12, temperature=0.0)
-    setup = FlywheelSetup(publish_every=1, watch_window=4, trainer_duty=0.5, adaptive_k=adaptive_k)
+    setup = FlywheelSetup(publish_every=1, watch_window=4, trainer_duty=0.5, adaptive_k=adaptive_k, trainer_process=process)
     engine, flywheel = live_engine(mode, target, heads, setup, batch=2, max_len=256)
     assert (flywheel is None) == (mode == "plain") and (flywheel is None or flywheel.options.trainer_duty == 0.5)
+    assert isinstance(flywheel and flywheel.trainer, TrainerProcess) == process
     assert isinstance(engine.draft_policy, SpeculationController) == adaptive_k
     seen = []
     result = serve_stream(engine, flywheel, [(p, "code" if i < 3 else "sql") for i, p in enumerate(prompts)], params, 2, on_finish=seen.append)

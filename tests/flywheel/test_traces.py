@@ -1,13 +1,17 @@
 """Trace assembly: committed features match the target, rejections are the verifier's, collection never blocks."""
+import dataclasses
 import threading
 import time
 
+import pytest
 import torch
 
-from tandem.flywheel.traces import TraceAssembler, TraceCollector
+from tandem.config import SamplingParams
+from tandem.errors import TandemError
+from tandem.flywheel.traces import TraceAssembler, TraceCollector, trace_from_bytes, trace_header, trace_to_bytes
 from tandem.types import RequestStep, StepRecord
 
-from flywheel_helpers import GREEDY, eagle_engine, make_prompts
+from flywheel_helpers import GREEDY, eagle_engine, make_prompts, served_traces
 
 
 def collect(engine, prompts, params):
@@ -117,3 +121,26 @@ def test_collector_never_blocks_the_engine():
     assert collector.dropped_records == 48
     release.set()
     collector.close()
+
+
+def assert_same_trace(a, b):
+    assert trace_header(a) == trace_header(b) and a.sampling == b.sampling and a.taps == b.taps
+    assert a.tensors().keys() == b.tensors().keys()
+    for name, tensor in b.tensors().items():
+        assert a.tensors()[name].dtype == tensor.dtype and torch.equal(a.tensors()[name], tensor), name
+
+
+def test_traces_cross_a_process_boundary_as_bytes_exactly(target):
+    """The wire form (safetensors + JSON header, no pickle) gives back every field, dtype and value; empty
+    tensors (no branches' tapped states, no rejections) included."""
+    sampled = SamplingParams(max_tokens=12, temperature=0.8, top_k=20, seed=3)
+    traces = served_traces(target, n=2, seed=4, branch_depth=4) + served_traces(target, n=1, seed=5, params=sampled)
+    traces.append(dataclasses.replace(traces[0], reject_root=torch.zeros(0, dtype=torch.long), domain="sql", request_id="émpty"))
+    assert any(t.branch_features.numel() for t in traces) and traces[2].sampling == (0.8, 20, 1.0)
+    for trace in traces:
+        data = trace_to_bytes(trace)
+        assert isinstance(data, bytes) and b"pickle" not in data[:64]
+        assert_same_trace(trace_from_bytes(data), trace)
+    other = dataclasses.replace(traces[0], schema_version=1)
+    with pytest.raises(TandemError, match="schema"):
+        trace_from_bytes(trace_to_bytes(other))

@@ -8,9 +8,10 @@ import torch
 from tandem.errors import InvalidParameterError, TandemError
 from tandem.flywheel.buffer import TraceBuffer
 from tandem.flywheel.objective import flywheel_loss
-from tandem.flywheel.trainer import FlywheelConfig, OnlineTrainer, latest_checkpoint, rest_after, target_lm_rows, trainer_copy, wait_for
+from tandem.flywheel.trainer import (FlywheelConfig, OnlineTrainer, latest_checkpoint, load_target_tables, rest_after, save_target_tables, target_lm_rows,
+                                     trainer_copy, wait_for)
 from tandem.flywheel.weights import HotSwapper, WeightStore
-from tandem.models.eagle import target_to_draft
+from tandem.models.eagle import load_eagle, save_eagle, target_to_draft
 
 from flywheel_helpers import GREEDY, eagle_engine, make_prompts, plain_outputs, served_traces
 
@@ -219,6 +220,17 @@ def test_trainer_crash_leaves_serving_on_the_last_good_weights(target, traces):
     assert outputs == plain_outputs(target, prompts, [GREEDY] * 3)
     assert engine.drafter.version == trainer.published  # the last published weights serve on
     assert swapper.stats.swaps == 1
+
+
+def test_the_child_rebuilds_the_trainers_head_from_the_tables_and_the_saved_head(target, tmp_path):
+    head = eagle_engine(target).drafter.head
+    save_target_tables(target, tmp_path / "target.safetensors")
+    save_eagle(head, tmp_path / "head")
+    tables = load_target_tables(tmp_path / "target.safetensors")
+    rebuilt, copy = load_eagle(tmp_path / "head", tables), trainer_copy(head)
+    assert tables.cfg == target.cfg and torch.equal(target_lm_rows(tables, rebuilt), target_lm_rows(target, head))
+    for name, tensor in copy.state_dict().items():
+        assert torch.equal(rebuilt.state_dict()[name], tensor), name
 
 
 def test_offline_training_from_spilled_traces(target, traces, tiny_llama, tmp_path):

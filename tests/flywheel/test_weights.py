@@ -4,7 +4,8 @@ import time
 import pytest
 import torch
 
-from tandem.flywheel.weights import HotSwapper, WeightRefused, WeightStore, load_version, save_version, validate
+from tandem.flywheel.trainer import wait_for
+from tandem.flywheel.weights import HotSwapper, PolledWeightStore, WeightRefused, WeightStore, load_version, save_version, validate
 
 from flywheel_helpers import GREEDY, eagle_engine, make_prompts, plain_outputs
 
@@ -63,16 +64,35 @@ def test_bad_versions_are_refused(target, corrupt):
 def test_versions_on_disk_round_trip_and_corruption_is_refused(target, tmp_path):
     head = eagle_engine(target).drafter.head
     store = WeightStore(directory=tmp_path)
-    version = store.publish(perturbed(head))
+    version = store.publish(perturbed(head), {"restores": 2, "trainer_step": 7})
     path = next(tmp_path.glob("drafter-v*.safetensors"))
     loaded = load_version(path)
     assert loaded.version == version.version and loaded.checksum == version.checksum
+    assert loaded.meta == version.meta and loaded.meta["restores"] == 2  # a trainer in another process gates restores through it
     data = bytearray(path.read_bytes())
     data[-5] ^= 0xFF
     path.write_bytes(bytes(data))
     with pytest.raises(WeightRefused):
         load_version(path)
     assert save_version(version, tmp_path).exists()
+
+
+def test_the_parent_adopts_each_new_version_file_once_and_keeps_its_meta(target, tmp_path):
+    head = eagle_engine(target).drafter.head
+    publisher, polled = WeightStore(directory=tmp_path), PolledWeightStore(tmp_path)
+    polled.directory = tmp_path / "history"  # as the admin API sets it: every adopted version is kept there too
+    assert polled.latest() is None
+    publisher.publish(head.state_dict(), {"restores": 0})
+    second = publisher.publish(head.state_dict(), {"restores": 1})
+    assert wait_for(lambda: polled.latest() is not None, timeout=10)
+    latest = polled.latest()
+    assert latest.version == second.version and latest.meta["restores"] == 1 and latest.checksum == second.checksum
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["drafter-v000002.safetensors", "history"]  # the older file was never needed again
+    assert load_version(tmp_path / "history" / "drafter-v000002.safetensors").meta["restores"] == 1
+    (tmp_path / "drafter-v000003.safetensors").write_bytes(b"torn")
+    assert wait_for(lambda: polled.latest() is not None and polled.unreadable == 1, timeout=10)
+    assert polled.latest().version == 2
+    polled.close()
 
 
 def test_acceptance_collapse_rolls_back_within_the_window(target):
