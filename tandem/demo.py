@@ -1,19 +1,20 @@
 """`make demo`: plain decoding vs the flywheel on a domain-shifting stream, measured in the same run.
 
 SmolLM2-135M serves one stream of chat-rendered prompts in blocks per domain (code -> sql -> math ->
-chat -> translation), greedy, `batch` requests in flight, 1 torch thread for the engine:
+chat -> translation), greedy, `batch` requests in flight, 1 torch thread for the engine. Block by block,
+plain decoding (no drafter) serves the block, then the flywheel serves the same block, so machine load
+drifting over the run hits both alike:
 
-1. plain decoding (no drafter): the reference tokens/s;
-2. the flywheel: the EAGLE drafter starts from the strong static head shipped in tandem/heads/ (or, if
-   none is shipped yet, from an untrained day-0 head, with a warning), the engine records traces, the
-   trainer (1 more thread; in a child process on >= 2 cores, so it does not share the engine's interpreter
-   lock) learns from them in the background, and new drafter versions are hot-swapped
-   between steps (rollback on an acceptance collapse); the speculation controller drafts k tokens, or none,
-   per step from the measured acceptance.
+- plain decoding: the reference tokens/s; the trainer rests meanwhile;
+- the flywheel: the EAGLE head starts from the strong static head shipped in tandem/heads/ (or, if none is
+  shipped yet, from an untrained day-0 head, with a warning) and drafts with a prompt-lookup branch grafted
+  on (tandem.drafters.hybrid); the engine records traces, the trainer (1 more thread; in a child process on
+  >= 2 cores, so it does not share the engine's interpreter lock) learns from them, and new head versions
+  are hot-swapped between steps (rollback on an acceptance collapse).
 
 A row per finished request shows domain, acceptance length, tokens/s and the drafter version; the end
-prints per-block means for both, the speedup over plain decoding (stream tokens / wall time, same prompts
-and the same greedy outputs), and writes the plot.
+prints per-block means for both, the speedup over plain decoding (stream tokens / serving time, same
+prompts and the same greedy outputs), and writes the plot.
 """
 from __future__ import annotations
 
@@ -69,19 +70,24 @@ def run_demo(model: str, requests: int = 30, block: int = 6, max_tokens: int = 4
     print(f"tandem demo: {model}, {len(stream)} requests in blocks of {block} ({' -> '.join(cfg.domains)}), greedy, "
           f"{batch} in flight, {max_tokens} new tokens each\n")
 
-    print("[1/2] plain decoding (no drafter) ...", flush=True)
-    engine, _ = live_engine("plain", target, heads, cfg.setup, batch, longest)
-    plain = serve_stream(engine, None, pairs, params, batch, prefix="plain")
-    print(f"      {plain.output_tokens} tokens in {plain.seconds:.1f} s: {plain.tokens_per_s:.1f} tok/s\n")
-
     where = "a child process" if cfg.setup.trainer_process else "a background thread"
-    print(f"[2/2] the flywheel, starting from the {label}; trainer in {where}\n")
+    print(f"plain decoding and the flywheel (starting from the {label}; trainer in {where}) take turns, block by block,\n"
+          "so both see the same machine; the trainer rests while plain decoding runs\n")
     print(HEADER)
-    setup = replace(cfg.setup, adaptive_k=True)  # speculate where it pays: k (or plain) per step from measured acceptance
+    setup = replace(cfg.setup, prompt_lookup=True)  # the head's draft plus a prompt-lookup branch (tandem.drafters.hybrid)
+    plain_engine, _ = live_engine("plain", target, heads, setup, batch, longest)
     engine, flywheel = live_engine("online", target, heads, setup, batch, longest)
-    online = serve_stream(engine, flywheel, pairs, params, batch, on_finish=lambda row: _show(row, flywheel), prefix="online")
+    plain, online = [], []
+    for first in range(0, len(pairs), block):
+        part = pairs[first : first + block]
+        if flywheel.trainer is not None:
+            flywheel.trainer.stop()
+        plain.append(_offset(serve_stream(plain_engine, None, part, params, batch, prefix=f"plain-{first}"), first))
+        flywheel.start()
+        online.append(_offset(serve_stream(engine, flywheel, part, params, batch, on_finish=lambda row, f=first: _show(row, flywheel, f), prefix=f"online-{first}"), first))
     flywheel.close()
     metrics = flywheel.metrics()
+    plain, online = _joined(plain), _joined(online)
 
     results = {"plain": plain.rows, "flywheel": online.rows}
     summary = summarize(results, cfg)
@@ -98,10 +104,25 @@ def run_demo(model: str, requests: int = 30, block: int = 6, max_tokens: int = 4
             "trainer_process": flywheel.options.trainer_process}
 
 
-def _show(row: dict, flywheel) -> None:
+def _offset(result, first: int):
+    """A block's StreamResult with its rows numbered within the whole stream."""
+    for row in result.rows:
+        row["i"] += first
+    return result
+
+
+def _joined(parts):
+    """One StreamResult from the blocks' (rows and outputs in stream order, tokens and seconds summed)."""
+    from tandem.flywheel.setups import StreamResult
+
+    return StreamResult([r for p in parts for r in p.rows], [o for p in parts for o in p.outputs],
+                        sum(p.output_tokens for p in parts), sum(p.seconds for p in parts))
+
+
+def _show(row: dict, flywheel, first: int = 0) -> None:
     trainer, swaps = flywheel.trainer, flywheel.swapper.stats
     loss = f"{trainer.losses[-1]['loss']:.3f}" if trainer.losses else "-"
-    print(f"{row['i']:>4} {row['domain']:<12} {row['acceptance_length']:>6.2f} {row['tokens_per_s']:>6.1f} {row['version']:>7} "
+    print(f"{row['i'] + first:>4} {row['domain']:<12} {row['acceptance_length']:>6.2f} {row['tokens_per_s']:>6.1f} {row['version']:>7} "
           f"{swaps.swaps:>5} {swaps.rollbacks:>6} {trainer.steps:>6} {loss:>7}", flush=True)
 
 

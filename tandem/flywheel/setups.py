@@ -25,6 +25,8 @@ import torch
 
 from tandem.config import EngineConfig, SamplingParams
 from tandem.drafters.eagle import EagleDrafter
+from tandem.drafters.hybrid import EagleNgramDrafter
+from tandem.drafters.ngram import NgramDrafter
 from tandem.engine.engine import Engine
 from tandem.errors import InvalidParameterError
 from tandem.flywheel.buffer import TraceBuffer
@@ -67,6 +69,7 @@ class FlywheelSetup:
     trainer_duty: float = 1.0  # live: the trainer thread's busy share of wall time
     trainer_process: bool = False  # live: train in a child process (1 torch thread) instead of a thread of the serving process
     adaptive_k: bool = False  # live: the speculation controller picks k (0 = plain) per step from measured acceptance
+    prompt_lookup: bool = False  # live: graft a prompt-lookup branch onto the head's draft (tandem.drafters.hybrid)
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -183,6 +186,8 @@ def live_engine(mode: str, target, heads: dict[str, EagleHead], setup: FlywheelS
     if init is None:
         return Engine(target, EngineConfig(max_batch_size=batch, max_model_len=max_len)), None
     drafter = EagleDrafter(serving_copy(heads[init]), setup.num_draft_tokens, batch, max_len)
+    if setup.prompt_lookup:  # the flywheel still trains and swaps the head: the hybrid's head is the EagleDrafter's
+        drafter = EagleNgramDrafter(drafter, NgramDrafter(num_draft_tokens=setup.num_draft_tokens))
     policy = None
     if setup.adaptive_k:
         from tandem.engine.control import SpeculationController
