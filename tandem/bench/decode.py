@@ -31,6 +31,7 @@ class DecodeBenchConfig:
     drafter_path: str | None = None  # eagle / mtp heads: one DIR, or "eagle=DIR,mtp=DIR"
     peers: tuple[str, ...] = ()  # "hf"
     pack_weights: bool = True  # False saves a copy of the weights (big targets next to HF peers in one process)
+    compile: bool = False  # every engine on the compiled decode / verify forward (tandem.models.compiled)
 
     def __post_init__(self) -> None:
         if "ar" not in self.drafters:
@@ -98,7 +99,7 @@ def run_decode_bench(config: DecodeBenchConfig) -> dict:
     """Every runner (tandem drafters, then HF peers) decodes each prompt batch in turn, interleaved."""
     from tandem.llm import LLM
 
-    base = LLM(model=config.model, max_batch_size=config.batch_size, pack_weights=config.pack_weights)
+    base = LLM(model=config.model, max_batch_size=config.batch_size, pack_weights=config.pack_weights, compile=config.compile)
     prompts = _prompts(config)
     token_ids = render_chat(prompts, base.tokenizer)
     params = SamplingParams(max_tokens=config.max_tokens, temperature=0.0)
