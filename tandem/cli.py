@@ -157,7 +157,7 @@ def _bench_forward(args) -> int:
 def _bench_decode_command(bench) -> None:
     p = bench.add_parser("decode", help="speculative decoding per drafter and domain (optionally vs HF peers)")
     p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--drafters", default="ar,ngram,self_draft", help="comma list; ar = plain decoding")
+    p.add_argument("--drafters", default="ar,ngram,self_draft", help="comma list; ar = plain decoding; NAME@int8 runs on the weight-only int8 target (needs ar@int8)")
     p.add_argument("--prompts", default="builtin", help="builtin or a JSONL file of {domain, prompt}")
     p.add_argument("--per-domain", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=96)

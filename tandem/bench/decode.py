@@ -3,6 +3,10 @@
 All drafters run over the same loaded target, interleaved prompt by prompt so that machine noise hits
 them alike; speedups are ratios measured in this one run. Greedy output of every drafter is compared
 token by token with plain decoding (`greedy_matches_ar`).
+
+A runner named `NAME@int8` (`ar@int8`, `eagle_ngram@int8`) runs on a second copy of the target with weight-only
+int8 weights (`LLM(weights="int8")`): its speedup is still against fp32 `ar`, and its greedy output is compared
+with `ar@int8`, plain decoding of the same int8 target (speculation is lossless w.r.t. the served target).
 """
 from __future__ import annotations
 
@@ -38,6 +42,14 @@ class DecodeBenchConfig:
             raise InvalidParameterError("--drafters must include 'ar' (the baseline every speedup is measured against)")
         if self.batch_size < 1 or self.max_tokens < 1:
             raise InvalidParameterError("batch_size and max_tokens must be >= 1")
+        for name in self.drafters:
+            if "@" in name and name.split("@", 1)[1] not in WEIGHT_SUFFIXES:
+                raise InvalidParameterError(f"runner {name!r}: the part after '@' must be one of {WEIGHT_SUFFIXES}")
+        if any(n.endswith("@int8") for n in self.drafters) and "ar@int8" not in self.drafters:
+            raise InvalidParameterError("int8 runners need 'ar@int8' too (their greedy reference: plain decoding of the int8 target)")
+
+
+WEIGHT_SUFFIXES = ("int8",)  # NAME@int8: the runner serves the weight-only int8 target
 
 
 EMPTY_METRICS = {"steps": 0, "drafted_tokens": 0, "accepted_tokens": 0, "draft_time_s": 0.0, "mean_draft_length": 0.0}
@@ -103,7 +115,10 @@ def run_decode_bench(config: DecodeBenchConfig) -> dict:
     prompts = _prompts(config)
     token_ids = render_chat(prompts, base.tokenizer)
     params = SamplingParams(max_tokens=config.max_tokens, temperature=0.0)
-    runners = {name: _tandem_runner(_llm_for(base, name, config), params) for name in config.drafters}
+    int8 = _int8_target(config) if "ar@int8" in config.drafters else None
+    order = sorted(config.drafters, key=lambda n: n not in ("ar", "ar@int8"))  # references first
+    runners = {name: _tandem_runner(_llm_for(int8 if name.endswith("@int8") else base, name.split("@")[0], config), params)
+               for name in order}
     if "hf" in config.peers:
         from tandem.bench.peers import hf_runners
 
@@ -113,15 +128,22 @@ def run_decode_bench(config: DecodeBenchConfig) -> dict:
     tallies: dict[str, dict[str, Tally]] = {name: {} for name in runners}
     for start in tqdm(range(0, len(prompts), config.batch_size), desc="bench decode", unit="batch"):
         batch = list(range(start, min(start + config.batch_size, len(prompts))))
-        reference = None
-        for name, run in runners.items():  # "ar" first: the reference for greedy identity
+        references: dict[str, list] = {}
+        for name, run in runners.items():  # "ar" and "ar@int8" first: the references for greedy identity
             t = time.perf_counter()
             outputs = run([token_ids[i] for i in batch])
             seconds = time.perf_counter() - t
-            if name == "ar":
-                reference = [o.token_ids for o in outputs]
-            _tally(tallies[name], [prompts[i].domain for i in batch], outputs, seconds, None if name == "ar" else reference)
+            plain = "ar@int8" if name.endswith("@int8") else "ar"
+            if name == plain:
+                references[plain] = [o.token_ids for o in outputs]
+            _tally(tallies[name], [prompts[i].domain for i in batch], outputs, seconds, None if name == plain else references[plain])
     return {"config": asdict(config), "machine": machine_info(), "num_prompts": len(prompts), "drafters": _summaries(tallies)}
+
+
+def _int8_target(config: DecodeBenchConfig):
+    from tandem.llm import LLM
+
+    return LLM(model=config.model, max_batch_size=config.batch_size, compile=config.compile, weights="int8")
 
 
 def _tandem_runner(llm, params: SamplingParams):

@@ -43,3 +43,29 @@ def test_drafter_path_per_drafter():
     assert drafter_path_for("eagle", "/h") == "/h"
     spec = "eagle=/e,mtp=/m"
     assert [drafter_path_for(n, spec) for n in ("eagle", "eagle_tree", "mtp", "ngram")] == ["/e", "/e", "/m", None]
+
+
+def test_int8_runners_are_checked_against_plain_int8_decoding(tiny_llama, tmp_path):
+    from tandem.models import cpu_gemm
+
+    if not cpu_gemm.available():
+        pytest.skip(f"int8 weights need the small-M kernel: {cpu_gemm.unusable_reason()}")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"domain": "code", "prompt": "abcabcabc abc abcabc"}))
+    out = tmp_path / "out.json"
+    assert main(["bench", "decode", "--model", tiny_llama, "--drafters", "ngram@int8,ar,ar@int8", "--prompts", str(prompts),
+                 "--max-tokens", "12", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())["drafters"]
+    assert list(result) == ["ar", "ar@int8", "ngram@int8"]  # references run first
+    assert result["ngram@int8"]["overall"]["greedy_matches_ar"] is True  # against ar@int8
+    assert result["ngram@int8"]["overall"]["tokens"] == result["ar@int8"]["overall"]["tokens"] == 12
+
+
+def test_int8_runners_need_their_reference():
+    from tandem.bench.decode import DecodeBenchConfig
+    from tandem.errors import InvalidParameterError
+
+    with pytest.raises(InvalidParameterError, match="ar@int8"):
+        DecodeBenchConfig(drafters=("ar", "ngram@int8"))
+    with pytest.raises(InvalidParameterError, match="after '@'"):
+        DecodeBenchConfig(drafters=("ar", "ngram@bf16"))
