@@ -267,7 +267,7 @@ def train_recipe(recipe: Recipe, out: Path, hours: float, log=print, init: str |
             elapsed = time.monotonic() - window_start
             state.seconds += time.monotonic() - start
             start = time.monotonic()
-            entry = _checkpoint_and_eval(head, optimizer, state, heldout, ckpt_root, out, recipe, float(loss), stats, window_tokens / max(elapsed, 1e-9))
+            entry = _checkpoint_and_eval(head, optimizer, state, heldout, ckpt_root, out, recipe, float(loss.detach()), stats, window_tokens / max(elapsed, 1e-9))
             log(json.dumps(entry))
             window_tokens, window_start = 0, time.monotonic()
             feature_dirs = wait_for_features(out, log, recipe.feature_kinds)
