@@ -137,5 +137,5 @@ def _report(results: dict, plain, online, block: int, metrics: dict) -> None:
     n = min(block, len(values))
     print(f"\nflywheel acceptance length: first {n} requests {sum(values[:n]) / n:.3f} -> last {n} {sum(values[-n:]) / n:.3f}")
     print(f"swaps {metrics['swaps']['swaps']}, rollbacks {metrics['swaps']['rollbacks']}, refused {metrics['swaps']['refused']}, "
-          f"trainer steps {metrics['trainer']['steps']}, max swap copy {metrics['swaps']['max_swap_ms']} ms, max swap step {metrics['max_swap_step_s']} s")
+          f"trainer steps {metrics['trainer']['steps']}, max swap copy {metrics['swaps']['max_swap_ms']} ms, max swap step {metrics['max_swap_step_s']} s (slowest step {metrics['max_step_s']} s)")
     print(f"buffer: {metrics['buffer']['traces']} traces, {metrics['buffer']['bytes'] / 2**20:.1f} MiB, dropped {metrics['buffer']['dropped']}")

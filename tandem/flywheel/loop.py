@@ -131,6 +131,8 @@ class Flywheel:
                 "error": repr(trainer.error) if trainer.error else None, "last": trainer.losses[-1] if trainer.losses else None},
             "median_step_s": round(times[len(times) // 2], 4) if times else None,
             "max_swap_step_s": round(max(swap_times), 4) if swap_times else None,
+            # the slowest step of all: steps that admit a request also prefill its prompt, swap or not
+            "max_step_s": round(times[-1], 4) if times else None,
         }
 
     def close(self) -> None:
