@@ -5,7 +5,7 @@ from tandem.engine.engine import Engine
 
 from tiny_helpers import GREEDY, load_packed as load_target, make_prompts, plain_outputs
 
-__all__ = ["GREEDY", "load_target", "make_prompts", "plain_outputs", "eagle_engine", "served_traces", "serve"]
+__all__ = ["GREEDY", "load_target", "make_prompts", "plain_outputs", "eagle_engine", "served_traces", "serve", "serve_past_a_publish"]
 
 
 def eagle_engine(target, batch=4, record=True, drafter_path=None, k=4, **config):
@@ -36,4 +36,17 @@ def serve(flywheel, prompts, params):
     requests = list(engine.waiting)
     while engine.has_unfinished():
         flywheel.step()
+    return requests
+
+
+def serve_past_a_publish(flywheel, target):
+    """Serve until the trainer has published a version, then 4 more prompts, whose greedy outputs must equal
+    plain decoding (whatever versions served them); returns those requests."""
+    from tandem.flywheel.trainer import wait_for
+
+    serve(flywheel, make_prompts(4, seed=5), GREEDY)
+    assert wait_for(lambda: flywheel.trainer.published is not None, timeout=60)
+    later = make_prompts(4, seed=6)
+    requests = serve(flywheel, later, GREEDY)
+    assert [r.output_ids for r in requests] == plain_outputs(target, later, [GREEDY] * 4)
     return requests

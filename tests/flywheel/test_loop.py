@@ -4,21 +4,16 @@ import pytest
 from tandem.config import SamplingParams
 from tandem.errors import InvalidParameterError
 from tandem.flywheel.loop import Flywheel, FlywheelOptions
-from tandem.flywheel.trainer import FlywheelConfig, wait_for
+from tandem.flywheel.trainer import FlywheelConfig
 
-from flywheel_helpers import GREEDY, eagle_engine, make_prompts, plain_outputs, serve
+from flywheel_helpers import eagle_engine, make_prompts, serve, serve_past_a_publish
 
 
 def test_flywheel_trains_swaps_and_stays_lossless(target, tmp_path):
     options = FlywheelOptions(loss=FlywheelConfig(publish_every=2, min_traces=2), spill_dir=str(tmp_path / "traces"),
                               checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=2, window=4)
     flywheel = Flywheel(eagle_engine(target), target, options).start()
-    prompts = make_prompts(4, seed=5)
-    serve(flywheel, prompts, GREEDY)
-    assert wait_for(lambda: flywheel.trainer.published is not None, timeout=60)
-    later = make_prompts(4, seed=6)
-    requests = serve(flywheel, later, GREEDY)
-    assert [r.output_ids for r in requests] == plain_outputs(target, later, [GREEDY] * 4)
+    serve_past_a_publish(flywheel, target)
     flywheel.close()
     metrics = flywheel.metrics()
     assert metrics["swaps"]["swaps"] >= 1 and metrics["trainer"]["steps"] >= 2 and metrics["trainer"]["error"] is None

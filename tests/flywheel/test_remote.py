@@ -12,7 +12,7 @@ from tandem.flywheel.loop import Flywheel, FlywheelOptions
 from tandem.flywheel.remote import ChildConfig
 from tandem.flywheel.trainer import FlywheelConfig, wait_for
 
-from flywheel_helpers import eagle_engine, make_prompts, plain_outputs, serve
+from flywheel_helpers import eagle_engine, serve_past_a_publish, make_prompts, plain_outputs, serve
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)  # short: every test here also starts a process
 
@@ -50,11 +50,7 @@ def test_a_trainer_process_trains_publishes_and_serving_stays_lossless(target, t
     options = process_options(spill_dir=str(tmp_path / "traces"), window=4)
     flywheel = spawn(options).start()
     assert flywheel.buffer is flywheel.trainer and flywheel.trainer.alive and flywheel.swapper.on_rollback == flywheel.trainer.request_restore
-    serve(flywheel, make_prompts(4, seed=5), GREEDY)
-    assert wait_for(lambda: flywheel.trainer.published is not None, timeout=60)
-    later = make_prompts(4, seed=6)
-    requests = serve(flywheel, later, GREEDY)
-    assert [r.output_ids for r in requests] == plain_outputs(target, later, [GREEDY] * 4)
+    serve_past_a_publish(flywheel, target)
     flywheel.close()
     metrics = flywheel.metrics()
     in_thread_flywheel = Flywheel(eagle_engine(target), target, FlywheelOptions())  # never started: the same keys
