@@ -126,6 +126,7 @@ def _bench_commands(sub) -> None:
     fwd.add_argument("--threads", type=int, default=2)
     fwd.add_argument("--compile", action="store_true", help="also time the compiled forward (torch.compile) against eager, interleaved")
     fwd.add_argument("--gemm-ab", action="store_true", help="also time decoding with oneDNN's prepacked GEMMs against the small-M kernel, interleaved")
+    fwd.add_argument("--glue-ab", action="store_true", help="also time decoding with the torch-op layer glue against the fused glue ops, interleaved")
     fwd.add_argument("--json", dest="json_out", default=None, help="write the results here")
     fwd.set_defaults(func=_bench_forward)
     _bench_decode_command(bench)
@@ -150,7 +151,8 @@ def _bench_forward(args) -> int:
     from tandem.bench.forward import run_forward_bench
 
     torch.set_num_threads(args.threads)
-    result = run_forward_bench(args.model, args.max_tokens, with_hf=not args.no_hf, pack=not args.no_pack, compile=args.compile, gemm_ab=args.gemm_ab)
+    result = run_forward_bench(args.model, args.max_tokens, with_hf=not args.no_hf, pack=not args.no_pack, compile=args.compile, gemm_ab=args.gemm_ab,
+                               glue_ab=args.glue_ab)
     return _emit(result, args.json_out)
 
 

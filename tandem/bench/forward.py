@@ -167,6 +167,34 @@ def ar_comparison(llm, hf, prompts: list[str], max_tokens: int, rounds: int = 2)
     return rates | {"greedy_matches_hf": matches if hf is not None else None}
 
 
+def interleaved_ar(runners: dict, prompts: list[str], max_tokens: int, rounds: int = 2) -> tuple[dict[str, float], bool]:
+    """Batch-1 greedy tokens/s of each runner (name -> (llm, set-up called before each of its prompts)),
+    interleaved prompt by prompt so machine noise hits all; and whether their outputs are identical."""
+    for llm, setup in runners.values():
+        setup()
+        timed_ours(llm, prompts[0], 4)
+    totals = {name: [0.0, 0] for name in runners}
+    outputs: dict[str, list] = {name: [] for name in runners}
+    for _ in range(rounds):
+        for prompt in prompts:
+            for name, (llm, setup) in runners.items():
+                setup()
+                seconds, ids = timed_ours(llm, prompt, max_tokens)
+                totals[name][0] += seconds
+                totals[name][1] += len(ids)
+                outputs[name].append(ids)
+    first = next(iter(outputs.values()))
+    return {name: n / s for name, (s, n) in totals.items()}, all(o == first for o in outputs.values())
+
+
+def _ab_report(rates: dict[str, float], costs: dict[str, dict[int, float]], identical: bool, new: str, old: str) -> dict:
+    return {
+        "ar_tokens_per_s": {name: round(r, 2) for name, r in rates.items()}, "speedup": round(rates[new] / rates[old], 3),
+        "cost_ms": {name: {k: round(v, 2) for k, v in c.items()} for name, c in costs.items()},
+        "greedy_identical": identical,
+    }
+
+
 def gemm_comparison(llm, prompts: list[str], max_tokens: int, rounds: int = 2) -> dict:
     """The small-M kernel (llm's target) against oneDNN's prepacked GEMMs on a second copy of the target:
     batch-1 greedy tokens/s interleaved prompt by prompt, and the k-token forward cost of each."""
@@ -174,25 +202,26 @@ def gemm_comparison(llm, prompts: list[str], max_tokens: int, rounds: int = 2) -
 
     onednn = LLM(model=str(llm.model_dir), pack_weights=False)
     onednn.target.pack(gemm="onednn")
-    runners = {"kernel": llm, "onednn": onednn}
-    for runner in runners.values():
-        timed_ours(runner, prompts[0], 4)
-    totals = {name: [0.0, 0] for name in runners}
-    outputs: dict[str, list] = {name: [] for name in runners}
-    for _ in range(rounds):
-        for prompt in prompts:
-            for name, runner in runners.items():
-                seconds, ids = timed_ours(runner, prompt, max_tokens)
-                totals[name][0] += seconds
-                totals[name][1] += len(ids)
-                outputs[name].append(ids)
-    rates = {name: n / s for name, (s, n) in totals.items()}
-    costs = {name: forward_cost_ms(runner.target, ks=(1, 5, 9)) for name, runner in runners.items()}
-    return {
-        "ar_tokens_per_s": {name: round(r, 2) for name, r in rates.items()}, "speedup": round(rates["kernel"] / rates["onednn"], 3),
-        "cost_ms": {name: {k: round(v, 2) for k, v in c.items()} for name, c in costs.items()},
-        "greedy_identical": outputs["kernel"] == outputs["onednn"],
-    }
+    rates, identical = interleaved_ar({"kernel": (llm, lambda: None), "onednn": (onednn, lambda: None)}, prompts, max_tokens, rounds)
+    costs = {name: forward_cost_ms(runner.target, ks=(1, 5, 9)) for name, runner in (("kernel", llm), ("onednn", onednn))}
+    return _ab_report(rates, costs, identical, "kernel", "onednn")
+
+
+def glue_comparison(llm, prompts: list[str], max_tokens: int, rounds: int = 2) -> dict:
+    """The fused per-layer glue (tandem.models.decode_glue) against the torch-op glue, on the same target
+    (`Transformer.fused_glue` switched per prompt): greedy tokens/s interleaved, and the k-token forward cost."""
+    target = llm.target
+
+    def use(fused: bool):
+        return lambda: setattr(target, "fused_glue", fused)
+
+    rates, identical = interleaved_ar({"fused": (llm, use(True)), "torch_ops": (llm, use(False))}, prompts, max_tokens, rounds)
+    costs = {}
+    for name, fused in (("fused", True), ("torch_ops", False)):
+        target.fused_glue = fused
+        costs[name] = forward_cost_ms(target, ks=(1, 5, 9))
+    target.fused_glue = True
+    return _ab_report(rates, costs, identical, "fused", "torch_ops")
 
 
 def model_resident_mb(model_dir, pack: bool) -> float:
@@ -209,7 +238,8 @@ def model_resident_mb(model_dir, pack: bool) -> float:
     return added
 
 
-def run_forward_bench(model: str, max_tokens: int = 64, with_hf: bool = True, pack: bool = True, compile: bool = False, gemm_ab: bool = False) -> dict:
+def run_forward_bench(model: str, max_tokens: int = 64, with_hf: bool = True, pack: bool = True, compile: bool = False, gemm_ab: bool = False,
+                      glue_ab: bool = False) -> dict:
     from tandem.llm import LLM
 
     llm = LLM(model=model, pack_weights=pack)
@@ -242,6 +272,8 @@ def run_forward_bench(model: str, max_tokens: int = 64, with_hf: bool = True, pa
         }
     if gemm_ab:
         result["gemm"] = gemm_comparison(llm, prompts, max_tokens)
+    if glue_ab:
+        result["glue"] = glue_comparison(llm, prompts, max_tokens)
     if hf is not None:
         result |= {"hf_ar_tokens_per_s": round(rates["hf"], 2), "speedup_vs_hf": round(ours / rates["hf"], 3),
                    "greedy_matches_hf": rates["greedy_matches_hf"]}

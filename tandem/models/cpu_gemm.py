@@ -22,7 +22,8 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).resolve().parent / "csrc" / "small_gemm.cpp"
+CSRC = Path(__file__).resolve().parent / "csrc"
+SOURCES = (CSRC / "small_gemm.cpp", CSRC / "decode_glue.cpp")  # one extension: the GEMMs and the per-layer glue (decode_glue.py)
 ENV = "TANDEM_CPU_GEMM"  # "onednn": never use the kernel (A/B runs, a suspected kernel problem)
 MAX_ROWS = 64  # larger inputs (prefill chunks, wide batches) are compute-bound: F.linear's blocked GEMM does better
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]
@@ -55,7 +56,7 @@ def build_directory() -> Path:
     """One directory per source text, torch version and flags: a change rebuilds, nothing stale is loaded."""
     from tandem.models.zoo import tandem_home
 
-    key = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + " ".join(FLAGS).encode()).hexdigest()[:12]
+    key = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + torch.__version__.encode() + " ".join(FLAGS).encode()).hexdigest()[:12]
     return tandem_home() / "build" / f"small_gemm-{key}"
 
 
@@ -67,7 +68,7 @@ def _load() -> bool:
 
         directory = build_directory()
         directory.mkdir(parents=True, exist_ok=True)
-        load("tandem_small_gemm", [str(SOURCE)], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
+        load("tandem_small_gemm", [str(p) for p in SOURCES], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
              build_directory=str(directory), is_python_module=False, verbose=False)
     except Exception as error:  # a broken toolchain must not stop inference: oneDNN still works
         warnings.warn(f"tandem: the small-M GEMM kernel did not build ({type(error).__name__}: {str(error)[-300:]}); "

@@ -66,6 +66,7 @@ class AttentionBatch:
     is_causal: bool  # no prefix and no tree: SDPA's own causal mask
     uniform_start: int | None  # the common start when all rows start at the same slot (writes are a narrow copy)
     row_groups: tuple[tuple[int, int, int], ...] = ()  # (first, end, keys) per group of ATTENTION_GROUP_ROWS rows
+    tree: torch.Tensor | None = None  # [B, T, T] bool the mask was built from; None = causal among the new tokens
 
     def groups(self) -> tuple[tuple[int, int, int], ...]:
         """Row ranges of the batch, each with the keys its longest row needs: attention per group reads
@@ -97,7 +98,7 @@ def build_attention_batch(
     if tree_mask is None and (no_prefix or (num_new == 1 and batch == 1)):
         return AttentionBatch(rows, starts, slots, total, None, no_prefix and num_new > 1, uniform)
     mask = _attention_mask(starts, num_new, total, tree_mask).to(device)
-    return AttentionBatch(rows, starts, slots, total, mask, False, uniform, _row_groups(starts, num_new))
+    return AttentionBatch(rows, starts, slots, total, mask, False, uniform, _row_groups(starts, num_new), tree_mask)
 
 
 ATTENTION_GROUP_ROWS = 8  # measured: 60-row decode over ragged lengths 1.99 -> 1.13 ms per layer (BENCHMARKS 1.3)

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tandem.models import cpu_gemm
+from tandem.models import cpu_gemm, decode_glue
 from tandem.models.config import ModelConfig
 from tandem.models.kv_cache import AttentionBatch, KVCache, build_attention_batch
 from tandem.models.memory import release_freed_memory
@@ -256,6 +256,16 @@ class Attention(nn.Module):
         out = parts[0] if len(parts) == 1 else torch.cat(parts)
         return self.o(out.transpose(1, 2).reshape(b, t, cfg.q_size))
 
+    def forward_fused(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, batch: AttentionBatch) -> torch.Tensor:
+        """forward() through decode_glue.attend_cached: q/k norm, RoPE, cache write and attention in one op."""
+        cfg = self.cfg
+        qn, kn = (self.q_norm.weight, self.k_norm.weight) if self.q_norm is not None else (None, None)
+        out = decode_glue.attend_cached(
+            self.qkv(x), cos, sin, qn, kn, cfg.rms_norm_eps, cache.k, cache.v, self.layer, batch.rows.start or 0,
+            batch.starts, batch.tree, cfg.num_heads, cfg.num_kv_heads,
+        )  # [B, T, H D]
+        return self.o(out)
+
     def project_qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """q [B, T, H, D], k and v [B, T, Hkv, D]: projected, (q/k-normed,) rotated."""
         cfg = self.cfg
@@ -309,6 +319,12 @@ class Block(nn.Module):
         x = x + self.attn(self.attn_norm(x), cos, sin, cache, batch)
         return x + self.mlp(self.mlp_norm(x))
 
+    def forward_fused(self, x, cos, sin, cache: KVCache, batch: AttentionBatch):
+        """forward() with the glue as decode_glue's fused ops (a cached decode / verify step, fp32 CPU inference)."""
+        h = decode_glue.rms_norm(x, self.attn_norm.weight, self.attn_norm.eps)
+        x, h = decode_glue.add_rms_norm(self.attn.forward_fused(h, cos, sin, cache, batch), x, self.mlp_norm.weight, self.mlp_norm.eps)
+        return x + self.mlp.down(decode_glue.silu_mul(self.mlp.gate_up(h)))
+
 
 @dataclass
 class ForwardOutput:
@@ -328,6 +344,7 @@ class Transformer(nn.Module):
         if cfg.tie_embeddings:
             self.lm_head._restore_weight(self.embed.weight)
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        self.fused_glue = True  # cached decode / verify steps run decode_glue's fused ops where they apply
 
     def linears(self) -> list[Linear]:
         return [m for m in self.modules() if isinstance(m, Linear)]
@@ -381,12 +398,13 @@ class Transformer(nn.Module):
         (what the compiled path traces: no host syncs, no Python-side state changes)."""
         cos, sin = self.rope(positions)
         x = self.embed(input_ids)
+        fused = decode_glue.applies(x, cache, self.fused_glue and decode_glue.enabled())
         tapped = {}
         for i, block in enumerate(self.blocks):
-            x = block(x, cos, sin, cache, batch)
+            x = block.forward_fused(x, cos, sin, cache, batch) if fused else block(x, cos, sin, cache, batch)
             if i in taps:
                 tapped[i] = x
-        x = self.norm(x)
+        x = decode_glue.rms_norm(x, self.norm.weight, self.norm.eps) if fused else self.norm(x)
         if last_positions is not None:
             read = x[torch.arange(x.shape[0], device=x.device), last_positions.to(x.device)].unsqueeze(1)  # [B, 1, hidden]
         else:

@@ -1,7 +1,8 @@
-"""bench forward's GEMM A/B: the small-M kernel and oneDNN on two copies of the same target, interleaved."""
+"""bench forward's A/B runs: the small-M kernel against oneDNN on two copies of the same target, the fused layer glue
+against the torch-op glue on one, interleaved."""
 import pytest
 
-from tandem.bench.forward import gemm_comparison
+from tandem.bench.forward import gemm_comparison, glue_comparison
 from tandem.llm import LLM
 from tandem.models import cpu_gemm
 
@@ -14,3 +15,12 @@ def test_gemm_comparison_reports_both_and_they_decode_alike(tiny_llama):
     assert report["greedy_identical"]
     assert report["speedup"] == pytest.approx(report["ar_tokens_per_s"]["kernel"] / report["ar_tokens_per_s"]["onednn"], rel=1e-2)
     assert set(report["cost_ms"]["kernel"]) == {1, 5, 9}
+
+
+@pytest.mark.skipif(not cpu_gemm.available(), reason=f"CPU kernels unavailable: {cpu_gemm.unusable_reason()}")
+def test_glue_comparison_times_both_glues_on_one_target_and_leaves_it_fused(tiny_llama):
+    llm = LLM(model=tiny_llama)
+    report = glue_comparison(llm, ["hello world", "abc"], max_tokens=6, rounds=1)
+    assert set(report["ar_tokens_per_s"]) == {"fused", "torch_ops"} and report["greedy_identical"]
+    assert set(report["cost_ms"]["torch_ops"]) == {1, 5, 9}
+    assert llm.target.fused_glue

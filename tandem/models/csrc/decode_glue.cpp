@@ -1,0 +1,218 @@
+// The per-layer glue of a decode / verify forward as a few fused CPU ops (fp32): RMSNorm (with the residual
+// add), SiLU-gate, and RoPE + KV-cache write + attention of a few new queries over the cached prefix.
+//
+// Why: between the GEMMs an eager layer runs ~35 small torch ops (views, casts, a roll for RoPE, the cache
+// copies, SDPA's set-up for one query); at a few microseconds of dispatch each that was ~15 ms of a 55-60 ms
+// SmolLM2 token on the 2-core box (docs/BENCHMARKS.md 1.5). Here each is one call.
+//
+// Batch invariance, as in small_gemm.cpp: every output is computed from its own row in one fixed order (a
+// query's scores key by key, its softmax, its weighted sum), so a row inside a k-token verify or a ragged
+// batch gets the same bits as the same row alone.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <cmath>
+#include <vector>
+
+namespace {
+
+inline float lane_sum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+  return _mm_cvtss_f32(s);
+}
+
+// sum_i a[i] * b[i] in a fixed order: 8 lanes over steps of 8, the lane reduction, then the tail.
+inline float dot(const float* a, const float* b, int64_t n) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+  float s = lane_sum(acc);
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+inline float sum_squares(const float* x, int64_t n) { return dot(x, x, n); }
+
+// y = w * (x * rsqrt(mean(x^2) + eps)) for one row of n features.
+inline void norm_row(const float* x, const float* w, float eps, float* y, int64_t n) {
+  const float inv = 1.0f / std::sqrt(sum_squares(x, n) / static_cast<float>(n) + eps);
+  for (int64_t i = 0; i < n; ++i) y[i] = w[i] * (x[i] * inv);
+}
+
+void check_rows(const at::Tensor& x, const at::Tensor& w, const char* op) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.device().is_cpu() && x.is_contiguous(), op, ": x must be a contiguous fp32 CPU tensor");
+  TORCH_CHECK(w.scalar_type() == at::kFloat && w.is_contiguous() && w.dim() == 1 && w.numel() == x.size(-1), op, ": weight must be fp32 [", x.size(-1), "]");
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_rows(x, weight, "rms_norm");
+  const int64_t n = x.size(-1), rows = x.numel() / n;
+  at::Tensor y = at::empty_like(x);
+  const float *xp = x.data_ptr<float>(), *wp = weight.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  for (int64_t r = 0; r < rows; ++r) norm_row(xp + r * n, wp, static_cast<float>(eps), yp + r * n, n);
+  return y;
+}
+
+// (x + residual, rms_norm(x + residual)): the residual stream and the next sub-layer's input in one pass.
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight, double eps) {
+  check_rows(x, weight, "add_rms_norm");
+  TORCH_CHECK(residual.sizes() == x.sizes() && residual.scalar_type() == at::kFloat && residual.is_contiguous(), "add_rms_norm: residual must match x");
+  const int64_t n = x.size(-1), rows = x.numel() / n;
+  at::Tensor sum = at::empty_like(x), y = at::empty_like(x);
+  const float *xp = x.data_ptr<float>(), *rp = residual.data_ptr<float>(), *wp = weight.data_ptr<float>();
+  float *sp = sum.data_ptr<float>(), *yp = y.data_ptr<float>();
+  for (int64_t i = 0; i < rows * n; ++i) sp[i] = rp[i] + xp[i];
+  for (int64_t r = 0; r < rows; ++r) norm_row(sp + r * n, wp, static_cast<float>(eps), yp + r * n, n);
+  return {sum, y};
+}
+
+// [..., 2I] (gate | up) -> [..., I]: silu(gate) * up.
+at::Tensor silu_mul(const at::Tensor& gate_up) {
+  TORCH_CHECK(gate_up.scalar_type() == at::kFloat && gate_up.is_contiguous() && gate_up.size(-1) % 2 == 0, "silu_mul: contiguous fp32 [..., 2I]");
+  const int64_t width = gate_up.size(-1) / 2, rows = gate_up.numel() / (2 * width);
+  std::vector<int64_t> shape = gate_up.sizes().vec();
+  shape.back() = width;
+  at::Tensor y = at::empty(shape, gate_up.options());
+  const float* g = gate_up.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  for (int64_t r = 0; r < rows; ++r) {
+    const float *gr = g + r * 2 * width, *ur = gr + width;
+    float* yr = yp + r * width;
+    for (int64_t i = 0; i < width; ++i) yr[i] = gr[i] / (1.0f + std::exp(-gr[i])) * ur[i];
+  }
+  return y;
+}
+
+// x*cos + rotate_half(x)*sin for one head of d features, cos / sin_signed as the eager path builds them
+// ([cos, cos] and [-sin, sin]); src and dst may alias only if equal (it reads all of src first).
+inline void rope_head(const float* src, const float* cos, const float* sin_signed, float* dst, int64_t d) {
+  float tmp[512];
+  const int64_t half = d / 2;
+  for (int64_t i = 0; i < d; ++i) tmp[i] = src[i] * cos[i] + src[(i + half) % d] * sin_signed[i];
+  for (int64_t i = 0; i < d; ++i) dst[i] = tmp[i];
+}
+
+// Attention of the T new tokens of a batch of cached rows, after writing their rotated keys and values into
+// the cache. qkv [B, T, (H + 2 Hkv) D] (the fused projection, bias included); cos / sin_signed [B, T, D];
+// q_norm / k_norm: per-head RMSNorm weights [D] applied before RoPE (Qwen3), or undefined; cache_k / cache_v
+// [L, Bmax, Hkv, Smax, D], this forward's rows are row0 .. row0 + B - 1 of layer `layer`; starts [B] int64:
+// cached tokens per row before this forward; tree [B, T, T] bool (new token t sees new token u), undefined =
+// causal. New token t of row b sits at slot starts[b] + t and sees slots [0, starts[b]) and the new tokens its
+// tree row allows. Returns [B, T, H D].
+at::Tensor attend_cached(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin_signed,
+                         const c10::optional<at::Tensor>& q_norm, const c10::optional<at::Tensor>& k_norm, double eps,
+                         at::Tensor cache_k, at::Tensor cache_v, int64_t layer, int64_t row0, const at::Tensor& starts,
+                         const c10::optional<at::Tensor>& tree, int64_t num_heads, int64_t num_kv_heads) {
+  TORCH_CHECK(qkv.dim() == 3 && qkv.scalar_type() == at::kFloat && qkv.is_contiguous(), "attend_cached: qkv must be contiguous fp32 [B, T, F]");
+  TORCH_CHECK(cache_k.scalar_type() == at::kFloat && cache_k.is_contiguous() && cache_v.is_contiguous() && cache_k.dim() == 5 &&
+              cache_v.sizes() == cache_k.sizes(), "attend_cached: the cache must be contiguous fp32 [L, B, Hkv, S, D]");
+  const int64_t B = qkv.size(0), T = qkv.size(1), H = num_heads, Hkv = num_kv_heads, D = cache_k.size(4), S_max = cache_k.size(3);
+  TORCH_CHECK(H % Hkv == 0 && qkv.size(2) == (H + 2 * Hkv) * D && D <= 512, "attend_cached: qkv width does not match the heads");
+  TORCH_CHECK(layer >= 0 && layer < cache_k.size(0) && row0 >= 0 && row0 + B <= cache_k.size(1) && cache_k.size(2) == Hkv, "attend_cached: layer / rows outside the cache");
+  TORCH_CHECK(cos.is_contiguous() && sin_signed.is_contiguous() && cos.numel() == B * T * D && sin_signed.numel() == B * T * D &&
+              cos.scalar_type() == at::kFloat && sin_signed.scalar_type() == at::kFloat, "attend_cached: cos / sin must be fp32 [B, T, D]");
+  const at::Tensor st = starts.to(at::kLong).contiguous();
+  TORCH_CHECK(st.numel() == B, "attend_cached: starts must have B entries");
+  const int64_t* sp = st.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) TORCH_CHECK(sp[b] >= 0 && sp[b] + T <= S_max, "attend_cached: row ", b, " would write past the cache");
+  at::Tensor tree_c;
+  if (tree.has_value() && tree->defined()) {
+    tree_c = tree->to(at::kBool).contiguous();
+    TORCH_CHECK(tree_c.numel() == B * T * T, "attend_cached: tree must be [B, T, T]");
+  }
+  const bool* tp = tree_c.defined() ? tree_c.data_ptr<bool>() : nullptr;
+  const float* qn = q_norm.has_value() && q_norm->defined() ? q_norm->data_ptr<float>() : nullptr;
+  const float* kn = k_norm.has_value() && k_norm->defined() ? k_norm->data_ptr<float>() : nullptr;
+  const float fe = static_cast<float>(eps);
+
+  const int64_t width = (H + 2 * Hkv) * D;
+  at::Tensor q = at::empty({B, T, H, D}, qkv.options());  // rotated queries
+  const float *src = qkv.data_ptr<float>(), *cp = cos.data_ptr<float>(), *sn = sin_signed.data_ptr<float>();
+  float *qp = q.data_ptr<float>(), *kc = cache_k.data_ptr<float>(), *vc = cache_v.data_ptr<float>();
+  auto slot = [&](float* base, int64_t b, int64_t g, int64_t s) { return base + (((layer * cache_k.size(1) + row0 + b) * Hkv + g) * S_max + s) * D; };
+  float normed[512];
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t t = 0; t < T; ++t) {
+      const float* row = src + (b * T + t) * width;
+      const float *c = cp + (b * T + t) * D, *s = sn + (b * T + t) * D;
+      for (int64_t h = 0; h < H; ++h) {
+        const float* head = row + h * D;
+        if (qn) { norm_row(head, qn, fe, normed, D); head = normed; }
+        rope_head(head, c, s, qp + ((b * T + t) * H + h) * D, D);
+      }
+      for (int64_t g = 0; g < Hkv; ++g) {
+        const float* head = row + (H + g) * D;
+        if (kn) { norm_row(head, kn, fe, normed, D); head = normed; }
+        rope_head(head, c, s, slot(kc, b, g, sp[b] + t), D);
+        std::memcpy(slot(vc, b, g, sp[b] + t), row + (H + Hkv + g) * D, D * sizeof(float));
+      }
+    }
+  }
+
+  at::Tensor out = at::empty({B, T, H * D}, qkv.options());
+  float* op = out.data_ptr<float>();
+  const int64_t group = H / Hkv;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  int64_t longest = 0;
+  for (int64_t b = 0; b < B; ++b) longest = std::max(longest, sp[b] + T);
+  const int64_t work = T * group * longest * D;  // multiply-adds per (row, kv head), for the thread split
+  const int64_t grain = std::max<int64_t>(1, (1 << 18) / std::max<int64_t>(1, work));
+  at::parallel_for(0, B * Hkv, grain, [&](int64_t i0, int64_t i1) {
+    std::vector<float> scores(longest);
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t b = i / Hkv, g = i % Hkv, prefix = sp[b];
+      const float *keys = slot(kc, b, g, 0), *values = slot(vc, b, g, 0);
+      for (int64_t t = 0; t < T; ++t) {
+        const bool* allowed = tp ? tp + (b * T + t) * T : nullptr;
+        for (int64_t h = g * group; h < (g + 1) * group; ++h) {
+          const float* qh = qp + ((b * T + t) * H + h) * D;
+          float best = -INFINITY;
+          for (int64_t j = 0; j < prefix + T; ++j) {
+            const int64_t u = j - prefix;
+            const bool visible = u < 0 || (allowed ? allowed[u] : u <= t);
+            scores[j] = visible ? dot(qh, keys + j * D, D) * scale : -INFINITY;
+            best = std::max(best, scores[j]);
+          }
+          float total = 0.f;
+          for (int64_t j = 0; j < prefix + T; ++j) {
+            scores[j] = scores[j] == -INFINITY ? 0.f : std::exp(scores[j] - best);
+            total += scores[j];
+          }
+          const float inv = 1.0f / total;
+          float* oh = op + (b * T + t) * H * D + h * D;
+          for (int64_t d = 0; d < D; ++d) oh[d] = 0.f;
+          for (int64_t j = 0; j < prefix + T; ++j) {
+            if (scores[j] == 0.f) continue;
+            const __m256 p = _mm256_set1_ps(scores[j] * inv);
+            const float* vj = values + j * D;
+            int64_t d = 0;
+            for (; d + 8 <= D; d += 8) _mm256_storeu_ps(oh + d, _mm256_fmadd_ps(p, _mm256_loadu_ps(vj + d), _mm256_loadu_ps(oh + d)));
+            for (; d < D; ++d) oh[d] += scores[j] * inv * vj[d];
+          }
+        }
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(tandem_cpu, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
+  m.def("silu_mul(Tensor gate_up) -> Tensor");
+  m.def("attend_cached(Tensor qkv, Tensor cos, Tensor sin_signed, Tensor? q_norm, Tensor? k_norm, float eps, Tensor(a!) cache_k, "
+        "Tensor(b!) cache_v, int layer, int row0, Tensor starts, Tensor? tree, int num_heads, int num_kv_heads) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("add_rms_norm", &add_rms_norm);
+  m.impl("silu_mul", &silu_mul);
+  m.impl("attend_cached", &attend_cached);
+}

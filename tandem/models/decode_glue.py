@@ -1,0 +1,76 @@
+"""The per-layer glue of an eager decode / verify forward as fused CPU ops (csrc/decode_glue.cpp).
+
+Between its four GEMMs an eager layer ran ~35 small torch ops (casts, views, RoPE's roll, the cache writes,
+SDPA's set-up for a handful of queries); at a few microseconds of dispatch each that was ~15 ms of a 55-60 ms
+SmolLM2 token here. With these a layer is nine calls: norm, qkv GEMM, `attend_cached` (per-head q/k norm,
+RoPE, cache write, attention over the cached prefix and the new tokens' tree), o GEMM, add + norm, gate_up
+GEMM, `silu_mul`, down GEMM, residual add. Built into the same extension as the small-M GEMM
+(tandem.models.cpu_gemm), used where it is: fp32 on CPU, inference, a KV cache, at most MAX_NEW_TOKENS new
+tokens per row (prefill chunks keep SDPA, which is blocked for long queries), not inside torch.compile (the
+compiled forward fuses the glue itself). Each output is computed from its own row in a fixed order, so a
+row's logits do not depend on the other rows of a verify or a batch (batch invariance, as the GEMM's).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from tandem.models import cpu_gemm
+
+MAX_NEW_TOKENS = 16  # new tokens per row (decode 1, verify k + 1, trees up to 16); longer queries: SDPA
+ENV = "TANDEM_DECODE_GLUE"  # "off": the eager torch-op glue (A/B runs, a suspected problem)
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV, "").strip().lower() != "off" and cpu_gemm.available()
+
+
+def applies(x: torch.Tensor, cache, enabled_here: bool) -> bool:
+    """Whether a layer over x [B, T, hidden] with this cache takes the fused path."""
+    return (
+        enabled_here
+        and cache is not None
+        and x.shape[1] <= MAX_NEW_TOKENS
+        and x.dtype == torch.float32
+        and x.device.type == "cpu"
+        and cache.k.dtype == torch.float32
+        and not torch.is_grad_enabled()
+        and not torch.compiler.is_compiling()
+    )
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return torch.ops.tandem_cpu.rms_norm(x.contiguous(), weight.detach(), eps)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(residual + x, rms_norm(residual + x))."""
+    return torch.ops.tandem_cpu.add_rms_norm(x.contiguous(), residual.contiguous(), weight.detach(), eps)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [..., 2I] -> [..., I]
+    return torch.ops.tandem_cpu.silu_mul(gate_up.contiguous())
+
+
+def attend_cached(
+    qkv: torch.Tensor,  # [B, T, (H + 2 Hkv) D]
+    cos: torch.Tensor,  # [B, T, 1, D]
+    sin_signed: torch.Tensor,  # [B, T, 1, D]
+    q_norm: torch.Tensor | None,  # [D]
+    k_norm: torch.Tensor | None,  # [D]
+    eps: float,
+    cache_k: torch.Tensor,  # [L, Bmax, Hkv, S, D], written at the new tokens' slots
+    cache_v: torch.Tensor,
+    layer: int,
+    row0: int,
+    starts: torch.Tensor,  # [B] cached tokens per row before this forward
+    tree: torch.Tensor | None,  # [B, T, T] bool; None: causal among the new tokens
+    num_heads: int,
+    num_kv_heads: int,
+) -> torch.Tensor:  # [B, T, H D]
+    return torch.ops.tandem_cpu.attend_cached(
+        qkv.contiguous(), cos.contiguous(), sin_signed.contiguous(),
+        None if q_norm is None else q_norm.detach(), None if k_norm is None else k_norm.detach(), eps,
+        cache_k, cache_v, layer, row0, starts, tree, num_heads, num_kv_heads,
+    )
