@@ -54,3 +54,15 @@ def test_groups_respect_the_padded_token_budget():
 def test_budget_is_validated():
     with pytest.raises(InvalidParameterError):
         EngineConfig(prefill_batch_tokens=-1)
+
+
+def test_admitted_prompts_take_rows_in_length_order_so_groups_pad_little(tiny_dirs):
+    prompts = ragged_prompts()
+    model = load_transformer(tiny_dirs["llama"])
+    engine = Engine(model, EngineConfig(max_batch_size=6, max_model_len=96, prefill_batch_tokens=64))
+    for prompt in prompts:
+        engine.add_request(prompt, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    engine.step()
+    by_row = sorted(engine.running, key=lambda r: r.row)
+    assert [r.row for r in by_row] == list(range(6))
+    assert [len(r.prompt_ids) for r in by_row] == [6, 8, 10, 13, 17, 22]
