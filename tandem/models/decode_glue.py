@@ -26,6 +26,11 @@ def enabled() -> bool:
     return os.environ.get(ENV, "").strip().lower() != "off" and cpu_gemm.available()
 
 
+def supports(cfg) -> bool:
+    """Head shapes attend_cached handles: head_dim a multiple of 8 (<= 512), <= 8 query heads per kv head."""
+    return cfg.head_dim % 8 == 0 and cfg.head_dim <= 512 and cfg.num_heads // cfg.num_kv_heads <= 8
+
+
 def applies(x: torch.Tensor, cache, enabled_here: bool) -> bool:
     """Whether a layer over x [B, T, hidden] with this cache takes the fused path."""
     return (

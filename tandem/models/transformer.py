@@ -398,7 +398,7 @@ class Transformer(nn.Module):
         (what the compiled path traces: no host syncs, no Python-side state changes)."""
         cos, sin = self.rope(positions)
         x = self.embed(input_ids)
-        fused = decode_glue.applies(x, cache, self.fused_glue and decode_glue.enabled())
+        fused = decode_glue.applies(x, cache, self.fused_glue and decode_glue.enabled() and decode_glue.supports(self.cfg))
         tapped = {}
         for i, block in enumerate(self.blocks):
             x = block.forward_fused(x, cos, sin, cache, batch) if fused else block(x, cos, sin, cache, batch)

@@ -1,5 +1,7 @@
 """The fused per-layer glue (tandem.models.decode_glue): each op against its torch reference, the fused forward
 against the eager one on every architecture, batch invariance, and when it applies."""
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -143,6 +145,13 @@ def test_applies_only_to_cached_short_fp32_inference(tiny_dirs):
         assert not decode_glue.applies(torch.zeros(1, decode_glue.MAX_NEW_TOKENS + 1, model.cfg.hidden_size), cache, True)
         assert not decode_glue.applies(x.bfloat16(), cache, True)
     assert not decode_glue.applies(x, cache, True)  # grad mode: training keeps the autograd path
+
+
+def test_head_shapes_it_cannot_take_keep_the_torch_glue(tiny_dirs):
+    cfg = load_transformer(tiny_dirs["llama"]).cfg
+    assert decode_glue.supports(cfg)
+    assert not decode_glue.supports(dataclasses.replace(cfg, head_dim=12))
+    assert not decode_glue.supports(dataclasses.replace(cfg, num_heads=16 * cfg.num_kv_heads))
 
 
 def test_off_setting_turns_the_glue_off(monkeypatch):
