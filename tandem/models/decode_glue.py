@@ -40,6 +40,7 @@ def applies(x: torch.Tensor, cache, enabled_here: bool) -> bool:
         and x.dtype == torch.float32
         and x.device.type == "cpu"
         and cache.k.dtype == torch.float32
+        and cache.k.is_contiguous()
         and not torch.is_grad_enabled()
         and not torch.compiler.is_compiling()
     )
