@@ -127,6 +127,7 @@ def _bench_commands(sub) -> None:
     fwd.add_argument("--compile", action="store_true", help="also time the compiled forward (torch.compile) against eager, interleaved")
     fwd.add_argument("--gemm-ab", action="store_true", help="also time decoding with oneDNN's prepacked GEMMs against the small-M kernel, interleaved")
     fwd.add_argument("--glue-ab", action="store_true", help="also time decoding with the torch-op layer glue against the fused glue ops, interleaved")
+    fwd.add_argument("--profile", action="store_true", help="also report the per-op profile of a decode step, torch-op glue vs fused glue")
     fwd.add_argument("--json", dest="json_out", default=None, help="write the results here")
     fwd.set_defaults(func=_bench_forward)
     _bench_decode_command(bench)
@@ -152,7 +153,7 @@ def _bench_forward(args) -> int:
 
     torch.set_num_threads(args.threads)
     result = run_forward_bench(args.model, args.max_tokens, with_hf=not args.no_hf, pack=not args.no_pack, compile=args.compile, gemm_ab=args.gemm_ab,
-                               glue_ab=args.glue_ab)
+                               glue_ab=args.glue_ab, profile=args.profile)
     return _emit(result, args.json_out)
 
 

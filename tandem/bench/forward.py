@@ -224,6 +224,31 @@ def glue_comparison(llm, prompts: list[str], max_tokens: int, rounds: int = 2) -
     return _ab_report(rates, costs, identical, "fused", "torch_ops")
 
 
+def op_profile(model: Transformer, context: int = 200, steps: int = 10, top: int = 12) -> dict[str, list[dict]]:
+    """Per-op self time of one cached 1-token forward after `context` tokens (torch.profiler, ms per step),
+    with the torch-op glue and with the fused glue, on the same model: where a decode step's time goes."""
+    cache = KVCache(model.cfg, 1, context + 2)
+    ids = torch.tensor([[5]])
+    out = {}
+    with torch.inference_mode():
+        model(torch.randint(0, model.cfg.vocab_size, (1, context), generator=torch.Generator().manual_seed(0)), cache=cache)
+        for name, fused in (("torch_ops", False), ("fused", True)):
+            model.fused_glue = fused
+            for _ in range(3):
+                model(ids, cache=cache)
+                cache.truncate(0, context)
+            with torch.profiler.profile() as prof:
+                for _ in range(steps):
+                    model(ids, cache=cache)
+                    cache.truncate(0, context)
+            events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+            total = sum(e.self_cpu_time_total for e in events) / steps / 1000
+            out[name] = [{"op": "(all)", "ms_per_step": round(total, 2), "calls_per_step": sum(e.count for e in events) // steps}] + [
+                {"op": e.key, "ms_per_step": round(e.self_cpu_time_total / steps / 1000, 3), "calls_per_step": e.count // steps} for e in events[:top]]
+    model.fused_glue = True
+    return out
+
+
 def model_resident_mb(model_dir, pack: bool) -> float:
     """Resident memory of one more copy of the target (+ its packed weights), loaded in this process
     after everything else: the RSS it adds, without the engine's KV cache, the tokenizer or libraries."""
@@ -239,7 +264,7 @@ def model_resident_mb(model_dir, pack: bool) -> float:
 
 
 def run_forward_bench(model: str, max_tokens: int = 64, with_hf: bool = True, pack: bool = True, compile: bool = False, gemm_ab: bool = False,
-                      glue_ab: bool = False) -> dict:
+                      glue_ab: bool = False, profile: bool = False) -> dict:
     from tandem.llm import LLM
 
     llm = LLM(model=model, pack_weights=pack)
@@ -274,6 +299,8 @@ def run_forward_bench(model: str, max_tokens: int = 64, with_hf: bool = True, pa
         result["gemm"] = gemm_comparison(llm, prompts, max_tokens)
     if glue_ab:
         result["glue"] = glue_comparison(llm, prompts, max_tokens)
+    if profile:
+        result["op_profile"] = op_profile(llm.target)
     if hf is not None:
         result |= {"hf_ar_tokens_per_s": round(rates["hf"], 2), "speedup_vs_hf": round(ours / rates["hf"], 3),
                    "greedy_matches_hf": rates["greedy_matches_hf"]}

@@ -2,7 +2,7 @@
 against the torch-op glue on one, interleaved."""
 import pytest
 
-from tandem.bench.forward import gemm_comparison, glue_comparison
+from tandem.bench.forward import gemm_comparison, glue_comparison, op_profile
 from tandem.llm import LLM
 from tandem.models import cpu_gemm
 
@@ -24,3 +24,12 @@ def test_glue_comparison_times_both_glues_on_one_target_and_leaves_it_fused(tiny
     assert set(report["ar_tokens_per_s"]) == {"fused", "torch_ops"} and report["greedy_identical"]
     assert set(report["cost_ms"]["torch_ops"]) == {1, 5, 9}
     assert llm.target.fused_glue
+
+
+@pytest.mark.skipif(not cpu_gemm.available(), reason=f"CPU kernels unavailable: {cpu_gemm.unusable_reason()}")
+def test_op_profile_shows_the_fused_ops_only_with_the_fused_glue(tiny_llama):
+    llm = LLM(model=tiny_llama)
+    profile = op_profile(llm.target, context=8, steps=2, top=40)
+    ops = {name: {row["op"] for row in rows} for name, rows in profile.items()}
+    assert "tandem_cpu::attend_cached" in ops["fused"] and "tandem_cpu::attend_cached" not in ops["torch_ops"]
+    assert profile["fused"][0]["calls_per_step"] < profile["torch_ops"][0]["calls_per_step"]
