@@ -68,6 +68,7 @@ class EngineConfig:
     compile: bool = False  # torch.compile the decode / verify forward (tandem.models.compiled); eager where no compiler
     prefill_batch_tokens: int = 0  # > 0: requests admitted together prefill in shared forwards of <= this many padded tokens
     prefill_chunk_tokens: int = 0  # > 0: at most this many prompt tokens prefill per step, long prompts in chunks between decode steps
+    share_prompt_prefill: bool = True  # requests admitted in one step with the same prompt (a GRPO group, n > 1) prefill it once
 
     def __post_init__(self) -> None:
         _check(isinstance(self.max_batch_size, int) and self.max_batch_size >= 1, f"max_batch_size must be >= 1, got {self.max_batch_size!r}")

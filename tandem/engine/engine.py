@@ -157,7 +157,8 @@ class Engine:
             self.running.append(request)
         if batched:
             return self._prefill_batched(admitted)
-        return [self._prefill(request) for request in admitted]
+        shared = {} if self.config.share_prompt_prefill else None
+        return [self._prefill(request, shared) for request in admitted]
 
     @torch.inference_mode()
     def _admit_chunked(self, budget: int) -> list[StepOutput]:
@@ -195,11 +196,22 @@ class Engine:
         return self._first_token(request, whole, self._prefill_start)
 
     @torch.inference_mode()
-    def _prefill(self, request: Request) -> StepOutput:
+    def _prefill(self, request: Request, shared: dict | None = None) -> StepOutput:
+        """One forward over the prompt; or, when `shared` (prompt -> (row, output) of this step's prefills) has
+        the same prompt, a copy of that row's KV and its output: what the forward would compute, bit for bit
+        (a single-row forward does not depend on the row), e.g. once per GRPO group instead of n times."""
         start = time.perf_counter()
+        key = tuple(request.prompt_ids)
+        if shared is not None and key in shared:
+            row, out = shared[key]
+            self.cache.move_row(row, request.row)  # copies: the source row stays
+            self.stats.shared_prefill_tokens += len(key)
+            return self._first_token(request, out, start)
         self.cache.reset(request.row)
         ids = torch.tensor([request.prompt_ids], device=self.cache.k.device)
         out = self.model(ids, cache=self.cache, rows=slice(request.row, request.row + 1), last_only=True, taps=self.taps)
+        if shared is not None:
+            shared[key] = (request.row, out)
         return self._first_token(request, out, start)
 
     @torch.inference_mode()

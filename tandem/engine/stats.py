@@ -19,6 +19,7 @@ def add_position_counts(drafted: list[int], accepted: list[int], nodes_per_depth
 class EngineStats:
     steps: int = 0  # decode (verify) steps
     prefill_tokens: int = 0
+    shared_prefill_tokens: int = 0  # of prefill_tokens: prompt tokens whose KV was copied from a request with the same prompt
     output_tokens: int = 0
     drafts: int = 0  # per-request drafts verified (non-empty)
     drafted_tokens: int = 0
@@ -50,7 +51,7 @@ class EngineStats:
 
     def as_dict(self) -> dict:
         return {
-            "steps": self.steps, "prefill_tokens": self.prefill_tokens, "output_tokens": self.output_tokens,
+            "steps": self.steps, "prefill_tokens": self.prefill_tokens, "shared_prefill_tokens": self.shared_prefill_tokens, "output_tokens": self.output_tokens,
             "drafts": self.drafts, "drafted_tokens": self.drafted_tokens, "accepted_tokens": self.accepted_tokens,
             "acceptance_length": round(self.acceptance_length, 4),
             "accepted_per_position": list(self.accepted_per_position), "drafted_per_position": list(self.drafted_per_position),
