@@ -24,6 +24,7 @@ import torch
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = (CSRC / "small_gemm.cpp", CSRC / "decode_glue.cpp")  # one extension: the GEMMs and the per-layer glue (decode_glue.py)
+HEADERS = (CSRC / "simd.h",)
 ENV = "TANDEM_CPU_GEMM"  # "onednn": never use the kernel (A/B runs, a suspected kernel problem)
 MAX_ROWS = 512  # measured here up to 512 rows: the register-blocked path beats F.linear (MKL) 1.1-1.5x from 64 rows on
 # (BENCHMARKS 1.5); larger inputs (long prefills) go to F.linear, whose cache blocking should win there and on other CPUs
@@ -57,7 +58,7 @@ def build_directory() -> Path:
     """One directory per source text, torch version and flags: a change rebuilds, nothing stale is loaded."""
     from tandem.models.zoo import tandem_home
 
-    key = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + torch.__version__.encode() + " ".join(FLAGS).encode()).hexdigest()[:12]
+    key = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES + HEADERS) + torch.__version__.encode() + " ".join(FLAGS).encode()).hexdigest()[:12]
     return tandem_home() / "build" / f"small_gemm-{key}"
 
 

@@ -12,17 +12,12 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "simd.h"
+
 #include <cmath>
 #include <vector>
 
 namespace {
-
-inline float lane_sum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
-  return _mm_cvtss_f32(s);
-}
 
 // sum_i a[i] * b[i] in a fixed order: 8 lanes over steps of 8, the lane reduction, then the tail.
 inline float dot(const float* a, const float* b, int64_t n) {

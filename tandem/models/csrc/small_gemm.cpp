@@ -12,6 +12,8 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "simd.h"
+
 namespace {
 
 constexpr int64_t kTile = 48;  // w rows per tile: 48 x K floats stay in L2 while every row of x passes over them
@@ -19,13 +21,6 @@ constexpr int kStreamRows = 12;  // few rows (M <= kStreamMaxM): up to 12 rows o
 constexpr int64_t kStreamMaxM = 16;
 constexpr int kBlockX = 4;  // more rows: register blocks of 4 rows of x x 3 rows of w (12 accumulators + 3 w + 1 x
 constexpr int kBlockW = 3;  // of 16 ymm registers), ~1.1-1.25x faster from M = 32 on, ~0.9x below (BENCHMARKS 1.5)
-
-inline float lane_sum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
-  return _mm_cvtss_f32(s);
-}
 
 // 8 weights of row w at k as fp32 lanes: fp32 rows load directly, int8 rows widen (weight-only int8).
 inline __m256 load8(const float* w) { return _mm256_loadu_ps(w); }
