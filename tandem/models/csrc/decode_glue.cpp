@@ -117,13 +117,106 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
 }
 
 // x*cos + rotate_half(x)*sin for one head of d features, cos / sin_signed as the eager path builds them
-// ([cos, cos] and [-sin, sin]); src and dst may alias only if equal (it reads all of src first).
+// ([cos, cos] and [-sin, sin]): dst[i] = fma(src[i +- d/2], sin[i], src[i] * cos[i]), 8 lanes at a time when d/2
+// is a multiple of 8 (the scalar loop computes the same expression); src and dst must not alias.
 inline void rope_head(const float* src, const float* cos, const float* sin_signed, float* dst, int64_t d) {
-  float tmp[512];
   const int64_t half = d / 2;
-  for (int64_t i = 0; i < d; ++i) tmp[i] = src[i] * cos[i] + src[(i + half) % d] * sin_signed[i];
-  for (int64_t i = 0; i < d; ++i) dst[i] = tmp[i];
+  if (half % 8 == 0) {
+    for (int64_t i = 0; i < d; i += 8) {
+      const __m256 rotated = _mm256_loadu_ps(src + (i < half ? i + half : i - half));
+      _mm256_storeu_ps(dst + i, _mm256_fmadd_ps(rotated, _mm256_loadu_ps(sin_signed + i), _mm256_mul_ps(_mm256_loadu_ps(src + i), _mm256_loadu_ps(cos + i))));
+    }
+    return;
+  }
+  for (int64_t i = 0; i < d; ++i) dst[i] = std::fma(src[(i + half) % d], sin_signed[i], src[i] * cos[i]);
 }
+
+// Scores of NH query heads (consecutive, D apart) against keys 0..S-1: sc[h * stride + j] = (q_h . k_j) * scale,
+// -inf where the key is not visible. Each dot runs 8 lanes over D in order, then the lane reduction: the same
+// bits whatever NH (each head has its own accumulator), so splitting a group's heads across threads changes nothing.
+template <int NH>
+void head_scores(const float* q, const float* keys, int64_t S, int64_t D, float scale, int64_t prefix, const bool* allowed, int64_t t,
+                 float* sc, int64_t stride) {
+  for (int64_t j = 0; j < S; ++j) {
+    const int64_t u = j - prefix;
+    if (!(u < 0 || (allowed ? allowed[u] : u <= t))) {
+      for (int h = 0; h < NH; ++h) sc[h * stride + j] = -INFINITY;
+      continue;
+    }
+    const float* key = keys + j * D;
+    __m256 acc[NH];
+    for (int h = 0; h < NH; ++h) acc[h] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d += 8) {
+      const __m256 kv = _mm256_loadu_ps(key + d);
+      for (int h = 0; h < NH; ++h) acc[h] = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * D + d), kv, acc[h]);
+    }
+    for (int h = 0; h < NH; ++h) sc[h * stride + j] = lane_sum(acc[h]) * scale;
+  }
+}
+
+// In place: sc[0..S) -> softmax(sc). The sum runs key by key in order, so keys a query cannot see (e^-inf = 0,
+// wherever they sit in a verify's tree) add exact zeros: a row gets the same bits as the same path decoded alone.
+inline void softmax_row(float* sc, int64_t S) {
+  __m256 best8 = _mm256_set1_ps(-INFINITY);
+  int64_t j = 0;
+  for (; j + 8 <= S; j += 8) best8 = _mm256_max_ps(best8, _mm256_loadu_ps(sc + j));
+  float lanes[8];
+  _mm256_storeu_ps(lanes, best8);
+  float best = -INFINITY;
+  for (int i = 0; i < 8; ++i) best = std::max(best, lanes[i]);
+  for (; j < S; ++j) best = std::max(best, sc[j]);
+  for (j = 0; j < S; ++j) sc[j] -= best;
+  exp_inplace(sc, S);
+  float total = 0.f;
+  for (j = 0; j < S; ++j) total += sc[j];
+  const float inv = 1.0f / total;
+  for (j = 0; j < S; ++j) sc[j] *= inv;
+}
+
+// out_h[d] = sum_j p_h[j] v_j[d] for NH heads, CH chunks of 8 features per pass (NH x CH accumulators in registers),
+// each output summed over j in order: the same bits whatever NH and CH.
+template <int NH, int CH>
+void weighted_values(const float* p, int64_t stride, const float* values, int64_t S, int64_t D, float* out) {
+  for (int64_t d0 = 0; d0 < D; d0 += 8 * CH) {
+    const int chunks = static_cast<int>(std::min<int64_t>(CH, (D - d0) / 8));
+    __m256 acc[NH][CH];
+    for (int h = 0; h < NH; ++h)
+      for (int c = 0; c < CH; ++c) acc[h][c] = _mm256_setzero_ps();
+    if (chunks == CH) {
+      for (int64_t j = 0; j < S; ++j) {
+        __m256 vj[CH];
+        for (int c = 0; c < CH; ++c) vj[c] = _mm256_loadu_ps(values + j * D + d0 + 8 * c);
+        for (int h = 0; h < NH; ++h) {
+          const __m256 w = _mm256_broadcast_ss(p + h * stride + j);
+          for (int c = 0; c < CH; ++c) acc[h][c] = _mm256_fmadd_ps(w, vj[c], acc[h][c]);
+        }
+      }
+    } else {
+      for (int64_t j = 0; j < S; ++j) {
+        for (int h = 0; h < NH; ++h) {
+          const __m256 w = _mm256_broadcast_ss(p + h * stride + j);
+          for (int c = 0; c < chunks; ++c) acc[h][c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(values + j * D + d0 + 8 * c), acc[h][c]);
+        }
+      }
+    }
+    for (int h = 0; h < NH; ++h)
+      for (int c = 0; c < chunks; ++c) _mm256_storeu_ps(out + h * D + d0 + 8 * c, acc[h][c]);
+  }
+}
+
+// One query token against its visible keys for NH consecutive query heads sharing a kv head.
+template <int NH>
+void attend_heads(const float* q, const float* keys, const float* values, int64_t S, int64_t D, float scale, int64_t prefix,
+                  const bool* allowed, int64_t t, float* sc, float* out) {
+  head_scores<NH>(q, keys, S, D, scale, prefix, allowed, t, sc, S);
+  for (int h = 0; h < NH; ++h) softmax_row(sc + h * S, S);
+  constexpr int CH = NH == 1 ? 8 : NH <= 3 ? 4 : NH <= 6 ? 2 : 1;  // NH x CH <= 12 accumulators of 16 registers
+  weighted_values<NH, CH>(sc, S, values, S, D, out);
+}
+
+using AttendHeads = void (*)(const float*, const float*, const float*, int64_t, int64_t, float, int64_t, const bool*, int64_t, float*, float*);
+constexpr AttendHeads kAttendHeads[9] = {nullptr, attend_heads<1>, attend_heads<2>, attend_heads<3>, attend_heads<4>,
+                                         attend_heads<5>, attend_heads<6>, attend_heads<7>, attend_heads<8>};
 
 // Attention of the T new tokens of a batch of cached rows, after writing their rotated keys and values into
 // the cache. qkv [B, T, (H + 2 Hkv) D] (the fused projection, bias included); cos / sin_signed [B, T, D];
@@ -164,7 +257,7 @@ at::Tensor attend_cached(const at::Tensor& qkv, const at::Tensor& cos, const at:
   const float *src = qkv.data_ptr<float>(), *cp = cos.data_ptr<float>(), *sn = sin_signed.data_ptr<float>();
   float *qp = q.data_ptr<float>(), *kc = cache_k.data_ptr<float>(), *vc = cache_v.data_ptr<float>();
   auto slot = [&](float* base, int64_t b, int64_t g, int64_t s) { return base + (((layer * cache_k.size(1) + row0 + b) * Hkv + g) * S_max + s) * D; };
-  float normed[512];
+  float normed[512];  // a head after its q/k norm
   for (int64_t b = 0; b < B; ++b) {
     for (int64_t t = 0; t < T; ++t) {
       const float* row = src + (b * T + t) * width;
@@ -189,45 +282,19 @@ at::Tensor attend_cached(const at::Tensor& qkv, const at::Tensor& cos, const at:
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
   int64_t longest = 0;
   for (int64_t b = 0; b < B; ++b) longest = std::max(longest, sp[b] + T);
-  const int64_t work = T * group * longest * D;  // multiply-adds per (row, kv head), for the thread split
-  const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, work));
-  at::parallel_for(0, B * Hkv, grain, [&](int64_t i0, int64_t i1) {
-    std::vector<float> scores(group * longest);  // one row of scores per query head of the group
+  // Work items: (row, new token, kv head), each reading its keys and values once for the group's query heads;
+  // too few of them to share among the threads (a single decode stream) and each query head is its own item.
+  const int64_t split = B * T * Hkv < 2 * at::get_num_threads() ? group : 1;
+  const int64_t per_item = group / split, items = B * T * Hkv * split;
+  const int64_t grain = std::max<int64_t>(1, (1 << 15) / std::max<int64_t>(1, per_item * longest * D));
+  at::parallel_for(0, items, grain, [&](int64_t i0, int64_t i1) {
+    std::vector<float> scores(per_item * longest);
     for (int64_t i = i0; i < i1; ++i) {
-      const int64_t b = i / Hkv, g = i % Hkv, prefix = sp[b], S = prefix + T;
-      const float *keys = slot(kc, b, g, 0), *values = slot(vc, b, g, 0);
-      for (int64_t t = 0; t < T; ++t) {
-        const bool* allowed = tp ? tp + (b * T + t) * T : nullptr;
-        const float* q0 = qp + ((b * T + t) * H + g * group) * D;  // the group's query heads, consecutive
-        // Scores: each key is read once for all query heads of its kv head.
-        for (int64_t j = 0; j < S; ++j) {
-          const int64_t u = j - prefix;
-          const bool visible = u < 0 || (allowed ? allowed[u] : u <= t);
-          for (int64_t h = 0; h < group; ++h) scores[h * longest + j] = visible ? dot(q0 + h * D, keys + j * D, D) * scale : -INFINITY;
-        }
-        for (int64_t h = 0; h < group; ++h) {
-          float* sc = scores.data() + h * longest;
-          float best = -INFINITY;
-          for (int64_t j = 0; j < S; ++j) best = std::max(best, sc[j]);
-          for (int64_t j = 0; j < S; ++j) sc[j] -= best;
-          exp_inplace(sc, S);  // masked keys: e^-inf = 0
-          float total = 0.f;
-          for (int64_t j = 0; j < S; ++j) total += sc[j];
-          const float inv = 1.0f / total;
-          for (int64_t j = 0; j < S; ++j) sc[j] *= inv;
-        }
-        // Outputs: 8 features of every head of the group at a time, summed over the keys in order.
-        float* o0 = op + (b * T + t) * H * D + g * group * D;
-        for (int64_t d = 0; d < D; d += 8) {
-          __m256 acc[8];  // group <= 8 heads per kv head here (checked above)
-          for (int64_t h = 0; h < group; ++h) acc[h] = _mm256_setzero_ps();
-          for (int64_t j = 0; j < S; ++j) {
-            const __m256 vj = _mm256_loadu_ps(values + j * D + d);
-            for (int64_t h = 0; h < group; ++h) acc[h] = _mm256_fmadd_ps(_mm256_set1_ps(scores[h * longest + j]), vj, acc[h]);
-          }
-          for (int64_t h = 0; h < group; ++h) _mm256_storeu_ps(o0 + h * D + d, acc[h]);
-        }
-      }
+      const int64_t part = i % split, g = (i / split) % Hkv, t = (i / (split * Hkv)) % T, b = i / (split * Hkv * T);
+      const int64_t prefix = sp[b], head = g * group + part * per_item;
+      const bool* allowed = tp ? tp + (b * T + t) * T : nullptr;
+      kAttendHeads[per_item](qp + ((b * T + t) * H + head) * D, slot(kc, b, g, 0), slot(vc, b, g, 0), prefix + T, D, scale, prefix,
+                             allowed, t, scores.data(), op + ((b * T + t) * H + head) * D);
     }
   });
   return out;
