@@ -9,6 +9,10 @@ GEMM, `silu_mul`, down GEMM, residual add. Built into the same extension as the 
 tokens per row (prefill chunks keep SDPA, which is blocked for long queries), not inside torch.compile (the
 compiled forward fuses the glue itself). Each output is computed from its own row in a fixed order, so a
 row's logits do not depend on the other rows of a verify or a batch (batch invariance, as the GEMM's).
+
+Where every Linear of every layer runs the kernel (fp32 or int8 rows) and the batch fits it, `decode_layers`
+runs all layers in one C++ call: the same ops in the same order (so the same bits as the per-layer path),
+without the ~270 Python-level calls a token.
 """
 from __future__ import annotations
 
@@ -43,6 +47,55 @@ def applies(x: torch.Tensor, cache, enabled_here: bool) -> bool:
         and cache.k.is_contiguous()
         and not torch.is_grad_enabled()
         and not torch.compiler.is_compiling()
+    )
+
+
+LAYER_WEIGHTS = 13  # entries per layer in decode_layers' list (csrc/decode_glue.cpp's LayerWeight order)
+
+
+def stack_weights(blocks, rows: int) -> list[torch.Tensor | None] | None:
+    """Every layer's weights as decode_layers takes them, or None where it does not apply: more than
+    cpu_gemm.MAX_ROWS rows, or a Linear that is not on the kernel path (unpacked, oneDNN, replaced, or biased
+    where the stack expects none)."""
+    if rows > cpu_gemm.MAX_ROWS:
+        return None
+    out: list[torch.Tensor | None] = []
+    for block in blocks:
+        attn, mlp = block.attn, block.mlp
+        gemms = [_kernel_weights(lin) for lin in (attn.qkv, attn.o, mlp.gate_up, mlp.down)]
+        if any(g is None for g in gemms) or any(lin.bias is not None for lin in (attn.o, mlp.gate_up, mlp.down)):
+            return None
+        (qkv, qkv_scale), (o, o_scale), (gate_up, gate_up_scale), (down, down_scale) = gemms
+        qkv_bias = None if attn.qkv.bias is None else attn.qkv.bias.detach()
+        q_norm, k_norm = (attn.q_norm.weight.detach(), attn.k_norm.weight.detach()) if attn.q_norm is not None else (None, None)
+        out += [block.attn_norm.weight.detach(), qkv, qkv_scale, qkv_bias, q_norm, k_norm, o, o_scale,
+                block.mlp_norm.weight.detach(), gate_up, gate_up_scale, down, down_scale]
+    return out
+
+
+def _kernel_weights(lin) -> tuple[torch.Tensor, torch.Tensor | None] | None:  # (weight, int8 scale or None)
+    if getattr(lin, "int8", None) is not None:
+        return lin.int8
+    if getattr(lin, "small_gemm", False):
+        return lin._parameters["weight"].detach(), None
+    return None
+
+
+def decode_layers(
+    weights: list[torch.Tensor | None],  # stack_weights()
+    x: torch.Tensor,  # [B, T, hidden] embeddings
+    cos: torch.Tensor,  # [B, T, 1, D]
+    sin_signed: torch.Tensor,
+    eps: float,
+    cache,  # KVCache
+    batch,  # AttentionBatch
+    num_heads: int,
+    num_kv_heads: int,
+    taps: tuple[int, ...],
+) -> tuple[torch.Tensor, list[torch.Tensor]]:  # the last layer's output [B, T, hidden], one per tap
+    return torch.ops.tandem_cpu.decode_layers(
+        x.contiguous(), weights, cos.contiguous(), sin_signed.contiguous(), eps, cache.k, cache.v, batch.rows.start or 0,
+        batch.starts, batch.tree, num_heads, num_kv_heads, list(taps),
     )
 
 

@@ -399,18 +399,24 @@ class Transformer(nn.Module):
         cos, sin = self.rope(positions)
         x = self.embed(input_ids)
         fused = decode_glue.applies(x, cache, self.fused_glue and decode_glue.enabled() and decode_glue.supports(self.cfg))
-        tapped = {}
-        for i, block in enumerate(self.blocks):
-            x = block.forward_fused(x, cos, sin, cache, batch) if fused else block(x, cos, sin, cache, batch)
-            if i in taps:
-                tapped[i] = x
+        stack = decode_glue.stack_weights(self.blocks, x.shape[0] * x.shape[1]) if fused else None
+        if stack is not None:  # every layer in one C++ call, the same ops as forward_fused
+            cfg = self.cfg
+            x, hidden = decode_glue.decode_layers(stack, x, cos, sin, cfg.rms_norm_eps, cache, batch, cfg.num_heads, cfg.num_kv_heads, taps)
+        else:
+            tapped = {}
+            for i, block in enumerate(self.blocks):
+                x = block.forward_fused(x, cos, sin, cache, batch) if fused else block(x, cos, sin, cache, batch)
+                if i in taps:
+                    tapped[i] = x
+            hidden = [tapped[i] for i in taps]
         x = decode_glue.rms_norm(x, self.norm.weight, self.norm.eps) if fused else self.norm(x)
         if last_positions is not None:
             read = x[torch.arange(x.shape[0], device=x.device), last_positions.to(x.device)].unsqueeze(1)  # [B, 1, hidden]
         else:
             read = x[:, -1:] if last_only else x
         logits = self.lm_head(read)
-        return ForwardOutput(logits.float(), tuple(tapped[i] for i in taps), x)
+        return ForwardOutput(logits.float(), tuple(hidden), x)
 
     def rope(self, positions: torch.Tensor):  # -> cos, sin_signed [B, T, 1, head_dim]
         freqs = positions.float().unsqueeze(-1) * self.inv_freq  # [B, T, D/2], fp32 as in HF

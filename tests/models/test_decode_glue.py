@@ -157,3 +157,64 @@ def test_head_shapes_it_cannot_take_keep_the_torch_glue(tiny_dirs):
 def test_off_setting_turns_the_glue_off(monkeypatch):
     monkeypatch.setenv(decode_glue.ENV, "off")
     assert not decode_glue.enabled()
+
+
+def _step_outputs(model, monkeypatch, per_layer: bool, taps=(0, 1)):
+    """Logits, taps and cache after a ragged 3-row, 4-token tree verify, through decode_layers or layer by layer."""
+    with monkeypatch.context() as m:
+        if per_layer:
+            m.setattr(decode_glue, "stack_weights", lambda blocks, rows: None)
+        g = torch.Generator().manual_seed(5)
+        cache = KVCache(model.cfg, 3, 64)
+        mask = torch.ones(4, 4, dtype=torch.bool).tril()
+        mask[3, 1] = False
+        with torch.inference_mode():
+            model(torch.randint(0, 300, (3, 10), generator=g), cache=cache)
+            cache.lengths[1:] = torch.tensor([6, 8])
+            out = model(torch.randint(0, 300, (3, 4), generator=g), cache=cache, tree_mask=mask.expand(3, 4, 4), taps=taps)
+    return out, cache
+
+
+@needs_glue
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("gemm", ["auto", "int8"])
+def test_the_one_call_stack_gives_the_per_layer_bits(tiny_dirs, monkeypatch, arch, gemm):
+    model = load_transformer(tiny_dirs[arch])
+    model.pack(gemm=gemm)
+    assert decode_glue.stack_weights(model.blocks, 12) is not None
+    stacked, stacked_cache = _step_outputs(model, monkeypatch, per_layer=False, taps=(1, 0))
+    layered, layered_cache = _step_outputs(model, monkeypatch, per_layer=True, taps=(1, 0))
+    assert torch.equal(stacked.logits, layered.logits)
+    assert len(stacked.hidden) == 2 and all(torch.equal(a, b) for a, b in zip(stacked.hidden, layered.hidden))
+    assert not torch.equal(stacked.hidden[0], stacked.hidden[1])  # in the order asked for, each its own layer's output
+    assert torch.equal(stacked_cache.k, layered_cache.k) and torch.equal(stacked_cache.v, layered_cache.v)
+
+
+@needs_glue
+def test_the_stack_is_used_only_where_every_linear_runs_the_kernel(tiny_dirs):
+    model = load_transformer(tiny_dirs["llama"])
+    assert decode_glue.stack_weights(model.blocks, 4) is None  # unpacked: plain F.linear
+    model.pack()
+    weights = decode_glue.stack_weights(model.blocks, 4)
+    assert len(weights) == decode_glue.LAYER_WEIGHTS * model.cfg.num_layers
+    assert decode_glue.stack_weights(model.blocks, decode_glue.cpu_gemm.MAX_ROWS + 1) is None  # F.linear takes wide inputs
+    model.blocks[1].mlp.down.pack(gemm="onednn")
+    assert decode_glue.stack_weights(model.blocks, 4) is None
+
+
+@needs_glue
+def test_decode_layers_refuses_a_malformed_weight_list(tiny_dirs):
+    model = load_transformer(tiny_dirs["llama"])
+    model.pack()
+    cache = KVCache(model.cfg, 1, 16)
+    x = torch.zeros(1, 1, model.cfg.hidden_size)
+    cos, sin = model.rope(torch.zeros(1, 1, dtype=torch.long))
+    from tandem.models.kv_cache import build_attention_batch
+
+    batch = build_attention_batch(cache, None, 1, None, 1, x.device)
+    weights = decode_glue.stack_weights(model.blocks, 1)
+    with torch.inference_mode():
+        with pytest.raises(RuntimeError, match="weights per layer"):
+            decode_glue.decode_layers(weights[:-1], x, cos, sin, 1e-5, cache, batch, model.cfg.num_heads, model.cfg.num_kv_heads, ())
+        with pytest.raises(RuntimeError, match="tap"):
+            decode_glue.decode_layers(weights, x, cos, sin, 1e-5, cache, batch, model.cfg.num_heads, model.cfg.num_kv_heads, (99,))

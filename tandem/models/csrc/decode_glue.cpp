@@ -12,6 +12,7 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "gemm.h"
 #include "simd.h"
 
 #include <cmath>
@@ -300,6 +301,52 @@ at::Tensor attend_cached(const at::Tensor& qkv, const at::Tensor& cos, const at:
   return out;
 }
 
+// The weights of one layer in decode_layers' list, in this order (None where the layer has none: a bias, Qwen3's
+// q/k norms, the int8 scales of fp32 weights).
+enum LayerWeight { kAttnNorm, kQkv, kQkvScale, kQkvBias, kQNorm, kKNorm, kO, kOScale, kMlpNorm, kGateUp, kGateUpScale, kDown, kDownScale, kPerLayer };
+
+at::Tensor linear(const at::Tensor& x, const c10::optional<at::Tensor>& w, const c10::optional<at::Tensor>& scale,
+                  const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(w.has_value() && w->defined(), "decode_layers: a layer lacks a weight");
+  if (scale.has_value() && scale->defined()) return tandem_kernels::small_gemm_q8(x, *w, *scale, bias);
+  return tandem_kernels::small_gemm(x, *w, bias);
+}
+
+const at::Tensor& required(const c10::optional<at::Tensor>& t, const char* what) {
+  TORCH_CHECK(t.has_value() && t->defined(), "decode_layers: a layer lacks its ", what);
+  return *t;
+}
+
+// Every layer of a cached decode / verify forward in one call: per layer the same ops, in the same order, as
+// Block.forward_fused (norm, qkv GEMM, attend_cached, o GEMM, add + norm, gate_up GEMM, silu_mul, down GEMM,
+// residual add), so the results are the same bits; what goes is the Python and dispatch between them (~30 x 9
+// calls a token). x [B, T, d] the embeddings; weights kPerLayer entries per layer; taps: layers whose outputs to
+// return, in that order.
+std::tuple<at::Tensor, std::vector<at::Tensor>> decode_layers(
+    const at::Tensor& x_in, const c10::List<c10::optional<at::Tensor>>& weights, const at::Tensor& cos, const at::Tensor& sin_signed,
+    double eps, at::Tensor cache_k, at::Tensor cache_v, int64_t row0, const at::Tensor& starts, const c10::optional<at::Tensor>& tree,
+    int64_t num_heads, int64_t num_kv_heads, at::IntArrayRef taps) {
+  TORCH_CHECK(weights.size() % kPerLayer == 0, "decode_layers: ", kPerLayer, " weights per layer, got ", weights.size());
+  const int64_t layers = static_cast<int64_t>(weights.size()) / kPerLayer;
+  for (const int64_t tap : taps) TORCH_CHECK(tap >= 0 && tap < layers, "decode_layers: tap ", tap, " outside the ", layers, " layers");
+  const std::vector<c10::optional<at::Tensor>> w(weights.begin(), weights.end());
+  std::vector<at::Tensor> tapped(taps.size());
+  at::Tensor x = x_in.contiguous();
+  for (int64_t l = 0; l < layers; ++l) {
+    auto W = [&](int i) -> const c10::optional<at::Tensor>& { return w[l * kPerLayer + i]; };
+    const at::Tensor h = rms_norm(x, required(W(kAttnNorm), "attention norm"), eps);
+    const at::Tensor qkv = linear(h, W(kQkv), W(kQkvScale), W(kQkvBias));
+    const at::Tensor attended = attend_cached(qkv, cos, sin_signed, W(kQNorm), W(kKNorm), eps, cache_k, cache_v, l, row0, starts, tree,
+                                              num_heads, num_kv_heads);
+    auto [residual, normed] = add_rms_norm(linear(attended, W(kO), W(kOScale), c10::nullopt), x, required(W(kMlpNorm), "MLP norm"), eps);
+    const at::Tensor down = linear(silu_mul(linear(normed, W(kGateUp), W(kGateUpScale), c10::nullopt)), W(kDown), W(kDownScale), c10::nullopt);
+    x = residual.add_(down);
+    for (size_t j = 0; j < taps.size(); ++j)
+      if (taps[j] == l) tapped[j] = x;  // never written again: the next layer's add_rms_norm makes a new tensor
+  }
+  return {x, tapped};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tandem_cpu, m) {
@@ -308,6 +355,8 @@ TORCH_LIBRARY_FRAGMENT(tandem_cpu, m) {
   m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def("attend_cached(Tensor qkv, Tensor cos, Tensor sin_signed, Tensor? q_norm, Tensor? k_norm, float eps, Tensor(a!) cache_k, "
         "Tensor(b!) cache_v, int layer, int row0, Tensor starts, Tensor? tree, int num_heads, int num_kv_heads) -> Tensor");
+  m.def("decode_layers(Tensor x, Tensor?[] weights, Tensor cos, Tensor sin_signed, float eps, Tensor(a!) cache_k, Tensor(b!) cache_v, "
+        "int row0, Tensor starts, Tensor? tree, int num_heads, int num_kv_heads, int[] taps) -> (Tensor, Tensor[])");
 }
 
 TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) {
@@ -315,4 +364,5 @@ TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) {
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("silu_mul", &silu_mul);
   m.impl("attend_cached", &attend_cached);
+  m.impl("decode_layers", &decode_layers);
 }

@@ -12,6 +12,7 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "gemm.h"
 #include "simd.h"
 
 namespace {
@@ -146,6 +147,11 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale
   return y.view(shape);
 }
 
+}  // namespace
+
+// Entry points, also called by decode_glue.cpp's whole-stack forward (declared in gemm.h).
+namespace tandem_kernels {
+
 at::Tensor small_gemm(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(w.scalar_type() == at::kFloat && w.device().is_cpu(), "small_gemm: w must be an fp32 CPU tensor");
   TORCH_CHECK(w.dim() == 2 && w.is_contiguous(), "small_gemm: w must be a contiguous [N, K] matrix");
@@ -160,6 +166,10 @@ at::Tensor small_gemm_q8(const at::Tensor& x, const at::Tensor& wq, const at::Te
   TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == wq.size(0), "small_gemm_q8: scale must be fp32 [N]");
   return run<int8_t>(x, wq, scale, checked_bias(bias, wq.size(0)));
 }
+
+}  // namespace tandem_kernels
+
+namespace {
 
 // Symmetric weight-only int8 rows: scale[n] = max |w[n, :]| / 127, q = round(w / scale) in [-127, 127]. One pass
 // per row (the torch-op version took ~80 ms for a 16k x 576 draft LM head, a stall at every hot-swap).
@@ -196,7 +206,7 @@ TORCH_LIBRARY(tandem_cpu, m) {
 }
 
 TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) {
-  m.impl("small_gemm", &small_gemm);
-  m.impl("small_gemm_q8", &small_gemm_q8);
+  m.impl("small_gemm", &tandem_kernels::small_gemm);
+  m.impl("small_gemm_q8", &tandem_kernels::small_gemm_q8);
   m.impl("quantize_rows", &quantize_rows);
 }
