@@ -5,7 +5,8 @@ prepacked GEMM streamed those weights at ~60 % of the memory bandwidth, the kern
 1.4). It reads the plain row-major weight, so a model keeps one copy of each weight (a tied LM head shares
 the embedding's), and each output row is summed in an order that does not depend on the other rows, so a
 k-token verify computes exactly what k single-token steps would. `small_gemm_q8` is the same kernel over
-weight-only int8 rows (one fp32 scale per row, fp32 activations): a quarter of the bytes, the same invariance.
+weight-only int8 rows (one fp32 scale per row, fp32 activations), stored interleaved in groups of 4 rows so that
+one sequential stream feeds 4 FMA chains (`pack_q8`): a quarter of the bytes, the same invariance.
 
 Built with torch.utils.cpp_extension into $TANDEM_HOME/build (about 30 s once; `make setup` does it). Where it
 cannot be used (no C++ compiler, no AVX2, not x86-64, or TANDEM_CPU_GEMM=onednn) `available()` is False and
@@ -85,8 +86,8 @@ def _small_gemm_fake(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None
     return x.new_empty((*x.shape[:-1], w.shape[0]))
 
 
-def _small_gemm_q8_fake(x: torch.Tensor, wq: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return x.new_empty((*x.shape[:-1], wq.shape[0]))
+def _small_gemm_q8_fake(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], scale.shape[0]))
 
 
 def small_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:  # x [..., K], weight [N, K] -> [..., N]
@@ -104,8 +105,25 @@ def quantize_rows_reference(weight: torch.Tensor) -> tuple[torch.Tensor, torch.T
     return torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8), scale
 
 
-def small_gemm_q8(x: torch.Tensor, wq: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:  # x [..., K] -> [..., N]
-    return torch.ops.tandem_cpu.small_gemm_q8(x, wq, scale, bias)
+def pack_q8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [N, K] -> (int8 [ceil(N/4), ceil(K/8), 4, 8], scale [N])
+    """quantize_rows, in small_gemm_q8's interleaved layout (rows in groups of 4, k in chunks of 8)."""
+    q, scale = quantize_rows(weight)
+    return torch.ops.tandem_cpu.interleave_q8(q), scale
+
+
+def unpack_q8(packed: torch.Tensor, scale: torch.Tensor, in_features: int) -> torch.Tensor:  # -> int8 [N, K] row-major
+    groups, chunks = packed.shape[:2]
+    rows = packed.permute(0, 2, 1, 3).reshape(groups * 4, chunks * 8)
+    return rows[: scale.numel(), :in_features]
+
+
+def dequantize_q8(packed: torch.Tensor, scale: torch.Tensor, in_features: int) -> torch.Tensor:  # -> fp32 [N, K]
+    return unpack_q8(packed, scale, in_features).float() * scale[:, None]
+
+
+def small_gemm_q8(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:  # x [..., K] -> [..., N]
+    """x @ (scale * q)^T (+ bias) with (packed, scale) = pack_q8(w)."""
+    return torch.ops.tandem_cpu.small_gemm_q8(x, packed, scale, bias)
 
 
 def describe() -> str:

@@ -28,7 +28,7 @@ class Linear(nn.Module):
       second copy; ~1.4x faster than oneDNN at M = 1 here, docs/BENCHMARKS.md 1.4), larger ones F.linear;
     - "onednn": a prepacked oneDNN copy of W (5 tokens ~1.3x the cost of 1), for other dtypes / machines,
       or when asked for (`pack(gemm="onednn")`);
-    - "int8": weight-only int8 rows with one scale each (cpu_gemm.quantize_rows) next to the dense weight, run
+    - "int8": weight-only int8 rows with one scale each (cpu_gemm.pack_q8) next to the dense weight, run
       by the same kernel: a quarter of the bytes, batch-invariant, but not the fp32 weight's numbers (drafter
       modules, whose outputs need not be the target's).
     Either is derived state: `pack()` rebuilds it after weights change, `unpack()` drops it.
@@ -48,7 +48,7 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None  # [out]
         self.packed: torch.Tensor | None = None  # oneDNN blocked layout of weight, CPU only
         self.small_gemm = False  # inference runs tandem.models.cpu_gemm's kernel on the dense weight
-        self.int8: tuple[torch.Tensor, torch.Tensor] | None = None  # (int8 [out, in], fp32 scale [out]) for gemm="int8"
+        self.int8: tuple[torch.Tensor, torch.Tensor] | None = None  # cpu_gemm.pack_q8's (interleaved int8, fp32 scale [out]) for gemm="int8"
         self.batch_hint = 8
         self._weight_requires_grad = True  # restored on unpack() when the dense Parameter was dropped
 
@@ -69,7 +69,7 @@ class Linear(nn.Module):
             if not cpu_gemm.available():
                 raise ValueError(f"gemm 'int8' needs the small-M kernel, which is not available: {cpu_gemm.unusable_reason() or 'the build failed'}")
             self.unpack()
-            self.int8 = cpu_gemm.quantize_rows(weight)
+            self.int8 = cpu_gemm.pack_q8(weight)
             return
         if gemm == "auto" and weight.device.type == "cpu" and weight.dtype == torch.float32 and cpu_gemm.available():
             self.unpack()
@@ -132,8 +132,7 @@ class Linear(nn.Module):
             bias = None if self.bias is None else self.bias.detach()
             if x.numel() <= cpu_gemm.MAX_ROWS * self.in_features:
                 return cpu_gemm.small_gemm_q8(x.float(), *self.int8, bias)
-            q, scale = self.int8
-            return F.linear(x.float(), q.float() * scale[:, None], bias)  # wide inputs: dequantized, same weights
+            return F.linear(x.float(), cpu_gemm.dequantize_q8(*self.int8, self.in_features), bias)  # wide inputs: dequantized, same weights
         if self.small_gemm and not torch.is_grad_enabled() and x.numel() <= cpu_gemm.MAX_ROWS * self.in_features and x.dtype == torch.float32:
             return cpu_gemm.small_gemm(x, self._parameters["weight"], None if self.bias is None else self.bias.detach())
         if self.packed is not None and not torch.is_grad_enabled():

@@ -38,7 +38,7 @@ def test_a_weight_update_keeps_serving_int8(tiny_llama):
     new = {"blocks.0.mlp.down.weight": target.blocks[0].mlp.down.weight.detach() * 2}
     engine.update_target(new, 1)
     down = target.blocks[0].mlp.down
-    assert down.int8 is not None and torch.equal(down.int8[0], cpu_gemm.quantize_rows(new["blocks.0.mlp.down.weight"])[0])
+    assert down.int8 is not None and torch.equal(down.int8[0], cpu_gemm.pack_q8(new["blocks.0.mlp.down.weight"])[0])
     assert all(lin.int8 is not None for lin in target.modules() if isinstance(lin, Linear))
 
 

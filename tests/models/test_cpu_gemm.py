@@ -122,10 +122,25 @@ def test_int8_kernel_matches_the_dequantized_weight_and_is_batch_invariant(m):
     want_q, want_scale = cpu_gemm.quantize_rows_reference(w)
     assert torch.equal(scale, want_scale) and (q.int() - want_q.int()).abs().max().item() <= 1  # a rounding tie may differ by one
     assert q.dtype == torch.int8 and (q.float() * scale[:, None] - w).abs().max().item() <= scale.max().item() / 2 + 1e-6
-    got = cpu_gemm.small_gemm_q8(x, q, scale, b)
+    packed, packed_scale = cpu_gemm.pack_q8(w)
+    assert torch.equal(cpu_gemm.unpack_q8(packed, packed_scale, w.shape[1]), q) and torch.equal(packed_scale, scale)
+    got = cpu_gemm.small_gemm_q8(x, packed, scale, b)
     assert (got - (x @ (q.float() * scale[:, None]).T + b)).abs().max().item() <= TOL
     for i in range(m):
-        assert torch.equal(got[i : i + 1], cpu_gemm.small_gemm_q8(x[i : i + 1], q, scale, b)), i
+        assert torch.equal(got[i : i + 1], cpu_gemm.small_gemm_q8(x[i : i + 1], packed, scale, b)), i
+
+
+@needs_kernel
+@pytest.mark.parametrize("n,k", [(1, 8), (5, 104), (70, 96), (64, 576)])  # row counts that do and do not fill a group of 4
+def test_int8_kernel_sums_like_the_row_major_kernel_bit_for_bit(n, k):
+    """The interleaved layout changes how the weights are read, not what is summed: each output is the fp32
+    kernel's sum over the int8 values (8 lanes over k, the lane reduction), times the row's scale. (A K % 8 tail
+    is summed the same way too, but the compiler may fuse its multiply-adds differently in the two kernels;
+    the test above covers tails.)"""
+    x, w, _ = _data(3, k, n, seed=4)
+    q, scale = cpu_gemm.quantize_rows(w)
+    got = cpu_gemm.small_gemm_q8(x, *cpu_gemm.pack_q8(w))
+    assert torch.equal(got, cpu_gemm.small_gemm(x, q.float()) * scale)
 
 
 @needs_kernel
@@ -135,8 +150,7 @@ def test_int8_linear_serves_the_quantized_weight_and_trains_the_dense_one():
         lin.weight.normal_()
         lin.bias.normal_()
     lin.pack(gemm="int8")
-    q, scale = lin.int8
-    dequantized = q.float() * scale[:, None]
+    dequantized = cpu_gemm.dequantize_q8(*lin.int8, 48)
     for rows in (3, cpu_gemm.MAX_ROWS + 5):  # the kernel, and the dequantized F.linear past MAX_ROWS
         x = torch.randn(rows, 48)
         with torch.no_grad():

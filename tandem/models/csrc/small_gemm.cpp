@@ -147,6 +147,55 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale
   return y.view(shape);
 }
 
+// ---- weight-only int8 rows, interleaved ----------------------------------------------------------------------
+// Layout (interleave_q8): rows in groups of kGroup, and within a group the k axis in chunks of 8:
+// packed[g][c][r][0..8) = q[kGroup g + r][8c .. 8c + 8), zero-padded in N and K. A pass over a group reads its
+// weights as one sequential stream and feeds kGroup independent FMA chains per row of x. Row-major int8 at M = 1
+// had one chain per output and waited on the FMA latency (~7 GB/s of weights here), and reading 4 row-major rows
+// side by side (4 streams) was slower still from DRAM. The per-output sums are the row-major kernel's (8 lanes
+// over k, the lane reduction, the K % 8 tail, the scale, the bias), so results and batch invariance are unchanged.
+constexpr int64_t kGroup = 4;
+constexpr int kGroupRowsX = 3;  // rows of x per pass: 3 x 4 accumulators + 4 weight registers of 16
+
+template <int M>
+void q8_group(const float* x, const int8_t* group, const float* scale, const float* bias, float* y, int64_t n, int64_t K, int64_t N) {
+  const int64_t full = K / 8;
+  __m256 acc[M][kGroup];
+  for (int m = 0; m < M; ++m)
+    for (int r = 0; r < kGroup; ++r) acc[m][r] = _mm256_setzero_ps();
+  for (int64_t c = 0; c < full; ++c) {
+    const int8_t* chunk = group + c * 8 * kGroup;
+    __m256 wv[kGroup];
+    for (int r = 0; r < kGroup; ++r) wv[r] = load8(chunk + 8 * r);
+    for (int m = 0; m < M; ++m) {
+      const __m256 xv = _mm256_loadu_ps(x + m * K + 8 * c);
+      for (int r = 0; r < kGroup; ++r) acc[m][r] = _mm256_fmadd_ps(wv[r], xv, acc[m][r]);
+    }
+  }
+  const int8_t* tail = group + full * 8 * kGroup;
+  for (int m = 0; m < M; ++m) {
+    for (int r = 0; r < kGroup && n + r < N; ++r) {
+      float s = lane_sum(acc[m][r]);
+      for (int64_t kk = 8 * full; kk < K; ++kk) s += x[m * K + kk] * static_cast<float>(tail[8 * r + kk - 8 * full]);
+      s *= scale[n + r];
+      y[m * N + n + r] = bias ? s + bias[n + r] : s;
+    }
+  }
+}
+
+void q8_groups(const float* x, const int8_t* packed, const float* scale, const float* bias, float* y, int64_t g0, int64_t g1,
+               int64_t M, int64_t K, int64_t N) {
+  static constexpr void (*passes[kGroupRowsX + 1])(const float*, const int8_t*, const float*, const float*, float*, int64_t, int64_t, int64_t) = {
+      nullptr, q8_group<1>, q8_group<2>, q8_group<3>};
+  const int64_t group_bytes = (K + 7) / 8 * 8 * kGroup;
+  for (int64_t g = g0; g < g1; ++g) {  // a group's weights (kGroup x K bytes) stay in L1 while every row of x passes
+    for (int64_t m0 = 0; m0 < M; m0 += kGroupRowsX) {
+      const int64_t rows = std::min<int64_t>(kGroupRowsX, M - m0);
+      passes[rows](x + m0 * K, packed + g * group_bytes, scale, bias, y + m0 * N, g * kGroup, K, N);
+    }
+  }
+}
+
 }  // namespace
 
 // Entry points, also called by decode_glue.cpp's whole-stack forward (declared in gemm.h).
@@ -158,13 +207,28 @@ at::Tensor small_gemm(const at::Tensor& x, const at::Tensor& w, const c10::optio
   return run<float>(x, w, at::Tensor(), checked_bias(bias, w.size(0)));
 }
 
-// Weight-only int8: wq [N, K] int8, one fp32 scale per row (w ~ scale[n] * wq[n, :]); activations stay fp32,
-// so the result is exact for the int8 weights and batch-invariant like the fp32 kernel.
-at::Tensor small_gemm_q8(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& scale, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(wq.scalar_type() == at::kChar && wq.device().is_cpu(), "small_gemm_q8: wq must be an int8 CPU tensor");
-  TORCH_CHECK(wq.dim() == 2 && wq.is_contiguous(), "small_gemm_q8: wq must be a contiguous [N, K] matrix");
-  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == wq.size(0), "small_gemm_q8: scale must be fp32 [N]");
-  return run<int8_t>(x, wq, scale, checked_bias(bias, wq.size(0)));
+// Weight-only int8: packed = interleave_q8(q) for q [N, K] int8 with one fp32 scale per row (w ~ scale[n] * q[n, :]);
+// activations stay fp32, so the result is exact for the int8 weights and batch-invariant like the fp32 kernel.
+at::Tensor small_gemm_q8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(packed.scalar_type() == at::kChar && packed.device().is_cpu() && packed.is_contiguous(), "small_gemm_q8: weights must be contiguous int8 on the CPU");
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.dim() == 1, "small_gemm_q8: scale must be fp32 [N]");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.device().is_cpu() && x.dim() >= 1, "small_gemm_q8: x must be an fp32 CPU tensor");
+  const int64_t N = scale.numel(), K = x.size(-1);
+  TORCH_CHECK(packed.dim() == 4 && packed.size(0) == (N + kGroup - 1) / kGroup && packed.size(1) == (K + 7) / 8 && packed.size(2) == kGroup &&
+              packed.size(3) == 8, "small_gemm_q8: weights must be interleave_q8's [ceil(N/4), ceil(K/8), 4, 8] for N = ", N, ", K = ", K);
+  const at::Tensor b = checked_bias(bias, N);
+  const at::Tensor x2 = x.reshape({-1, K}).contiguous();
+  const int64_t M = x2.size(0);
+  at::Tensor y = at::empty({M, N}, x.options());
+  const float *xp = x2.data_ptr<float>(), *sp = scale.data_ptr<float>(), *bp = b.defined() ? b.data_ptr<float>() : nullptr;
+  const int8_t* wp = packed.data_ptr<int8_t>();
+  float* yp = y.data_ptr<float>();
+  if (M > 0 && N > 0) {
+    at::parallel_for(0, packed.size(0), kTile / kGroup, [&](int64_t g0, int64_t g1) { q8_groups(xp, wp, sp, bp, yp, g0, g1, M, K, N); });
+  }
+  std::vector<int64_t> shape = x.sizes().vec();
+  shape.back() = N;
+  return y.view(shape);
 }
 
 }  // namespace tandem_kernels
@@ -197,16 +261,31 @@ std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& weight) {
   return {q, scale};
 }
 
+// q [N, K] int8 -> small_gemm_q8's layout [ceil(N/4), ceil(K/8), 4, 8] (zeros in the padding).
+at::Tensor interleave_q8(const at::Tensor& q) {
+  TORCH_CHECK(q.scalar_type() == at::kChar && q.device().is_cpu() && q.dim() == 2, "interleave_q8: int8 CPU [N, K] only");
+  const at::Tensor qc = q.contiguous();
+  const int64_t N = qc.size(0), K = qc.size(1), G = (N + kGroup - 1) / kGroup, C = (K + 7) / 8;
+  at::Tensor out = at::zeros({G, C, kGroup, 8}, qc.options());
+  const int8_t* src = qc.data_ptr<int8_t>();
+  int8_t* dst = out.data_ptr<int8_t>();
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t k = 0; k < K; ++k) dst[(((n / kGroup) * C + k / 8) * kGroup + n % kGroup) * 8 + k % 8] = src[n * K + k];
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(tandem_cpu, m) {
   m.def("small_gemm(Tensor x, Tensor w, Tensor? bias) -> Tensor");
   m.def("small_gemm_q8(Tensor x, Tensor wq, Tensor scale, Tensor? bias) -> Tensor");
   m.def("quantize_rows(Tensor weight) -> (Tensor, Tensor)");
+  m.def("interleave_q8(Tensor q) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) {
   m.impl("small_gemm", &tandem_kernels::small_gemm);
   m.impl("small_gemm_q8", &tandem_kernels::small_gemm_q8);
   m.impl("quantize_rows", &quantize_rows);
+  m.impl("interleave_q8", &interleave_q8);
 }
