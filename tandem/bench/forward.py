@@ -207,33 +207,43 @@ def gemm_comparison(llm, prompts: list[str], max_tokens: int, rounds: int = 2) -
     return _ab_report(rates, costs, identical, "kernel", "onednn")
 
 
+GLUES = {"fused_stack": (True, True), "fused": (True, False), "torch_ops": (False, False)}  # (fused_glue, fused_stack)
+
+
 def glue_comparison(llm, prompts: list[str], max_tokens: int, rounds: int = 2) -> dict:
-    """The fused per-layer glue (tandem.models.decode_glue) against the torch-op glue, on the same target
-    (`Transformer.fused_glue` switched per prompt): greedy tokens/s interleaved, and the k-token forward cost."""
+    """The layers in one fused call, the fused glue layer by layer (tandem.models.decode_glue) and the torch-op
+    glue, on the same target (`Transformer.fused_glue` / `fused_stack` switched per prompt): greedy tokens/s
+    interleaved, and the k-token forward cost of each."""
     target = llm.target
 
-    def use(fused: bool):
-        return lambda: setattr(target, "fused_glue", fused)
+    def use(glue: str):
+        return lambda: _set_glue(target, glue)
 
-    rates, identical = interleaved_ar({"fused": (llm, use(True)), "torch_ops": (llm, use(False))}, prompts, max_tokens, rounds)
+    rates, identical = interleaved_ar({name: (llm, use(name)) for name in GLUES}, prompts, max_tokens, rounds)
     costs = {}
-    for name, fused in (("fused", True), ("torch_ops", False)):
-        target.fused_glue = fused
+    for name in GLUES:
+        _set_glue(target, name)
         costs[name] = forward_cost_ms(target, ks=(1, 5, 9))
-    target.fused_glue = True
-    return _ab_report(rates, costs, identical, "fused", "torch_ops")
+    _set_glue(target, "fused_stack")
+    report = _ab_report(rates, costs, identical, "fused_stack", "torch_ops")
+    return report | {"stack_over_per_layer": round(rates["fused_stack"] / rates["fused"], 3)}
+
+
+def _set_glue(target: Transformer, glue: str) -> None:
+    target.fused_glue, target.fused_stack = GLUES[glue]
 
 
 def op_profile(model: Transformer, context: int = 200, steps: int = 10, top: int = 12) -> dict[str, list[dict]]:
     """Per-op self time of one cached 1-token forward after `context` tokens (torch.profiler, ms per step),
-    with the torch-op glue and with the fused glue, on the same model: where a decode step's time goes."""
+    with the torch-op glue, the fused glue layer by layer, and the fused layers in one call (what decoding
+    runs; the profiler sees only the one op there), on the same model: where a decode step's time goes."""
     cache = KVCache(model.cfg, 1, context + 2)
     ids = torch.tensor([[5]])
     out = {}
     with torch.inference_mode():
         model(torch.randint(0, model.cfg.vocab_size, (1, context), generator=torch.Generator().manual_seed(0)), cache=cache)
-        for name, fused in (("torch_ops", False), ("fused", True)):
-            model.fused_glue = fused
+        for name in reversed(GLUES):
+            _set_glue(model, name)
             for _ in range(3):
                 model(ids, cache=cache)
                 cache.truncate(0, context)
@@ -245,7 +255,7 @@ def op_profile(model: Transformer, context: int = 200, steps: int = 10, top: int
             total = sum(e.self_cpu_time_total for e in events) / steps / 1000
             out[name] = [{"op": "(all)", "ms_per_step": round(total, 2), "calls_per_step": sum(e.count for e in events) // steps}] + [
                 {"op": e.key, "ms_per_step": round(e.self_cpu_time_total / steps / 1000, 3), "calls_per_step": e.count // steps} for e in events[:top]]
-    model.fused_glue = True
+    _set_glue(model, "fused_stack")
     return out
 
 

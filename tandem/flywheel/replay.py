@@ -40,6 +40,7 @@ class ReplayResult:
 
 
 @torch.inference_mode()
+@torch.inference_mode()  # the serving numerics: a packed head's int8 kernel, as the live engine runs it
 def chain_predictions(head: EagleHead, trace: SequenceTrace, k: int) -> tuple[torch.Tensor, int]:  # [k, R] target ids, first root
     """Row s, column t - first: the token the head drafts at depth s for the step whose pending token is at
     t + 1, for the generated roots t = first .. M - 2 only (the engine never drafts inside the prompt)."""

@@ -344,6 +344,7 @@ class Transformer(nn.Module):
             self.lm_head._restore_weight(self.embed.weight)
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
         self.fused_glue = True  # cached decode / verify steps run decode_glue's fused ops where they apply
+        self.fused_stack = True  # ... and all layers in one decode_glue.decode_layers call where that applies
 
     def linears(self) -> list[Linear]:
         return [m for m in self.modules() if isinstance(m, Linear)]
@@ -398,7 +399,7 @@ class Transformer(nn.Module):
         cos, sin = self.rope(positions)
         x = self.embed(input_ids)
         fused = decode_glue.applies(x, cache, self.fused_glue and decode_glue.enabled() and decode_glue.supports(self.cfg))
-        stack = decode_glue.stack_weights(self.blocks, x.shape[0] * x.shape[1]) if fused else None
+        stack = decode_glue.stack_weights(self.blocks, x.shape[0] * x.shape[1]) if fused and self.fused_stack else None
         if stack is not None:  # every layer in one C++ call, the same ops as forward_fused
             cfg = self.cfg
             x, hidden = decode_glue.decode_layers(stack, x, cos, sin, cfg.rms_norm_eps, cache, batch, cfg.num_heads, cfg.num_kv_heads, taps)

@@ -2,11 +2,14 @@
 from dataclasses import replace
 
 import pytest
+import torch
 
 from tandem.config import SamplingParams
-from tandem.flywheel.replay import replay_request, replay_trace, target_traces
+from tandem.flywheel.replay import generated_roots, replay_request, replay_trace, target_traces, trace_example
 from tandem.models.eagle import EagleConfig, save_eagle
-from tandem.training.offline import TrainConfig, build_examples, train_head
+from tandem.training.offline import TrainConfig, build_examples, eagle_logits, train_head
+
+NEAR_TIE = 1e-3  # top-2 logit gap under which the head's float noise (attention blocking) may pick either token
 
 from flywheel_helpers import eagle_engine, make_prompts
 
@@ -20,8 +23,10 @@ def trained_head_dir(target, tmp_path_factory):
 
 
 def test_replay_matches_live_acceptance(target, trained_head_dir, tmp_path):
-    """Per step: the same pending position, draft length and accepted count, and the same rejected token
-    at the same root and depth, as the live engine's trace of the same request."""
+    """Per step: the same pending position, draft length and accepted count, and a rejection at the same root
+    and depth with the same token, as the live engine's trace of the same request; the token may differ only
+    where the head's two best logits are within NEAR_TIE (the unroll and the cached draft steps attend in
+    different blocks: float noise at a tie), and rarely."""
     from tandem.flywheel.traces import TraceCollector
 
     prompts = make_prompts(10, seed=11)
@@ -40,7 +45,7 @@ def test_replay_matches_live_acceptance(target, trained_head_dir, tmp_path):
     traces = target_traces(target, {str(i): p for i, p in enumerate(prompts)}, 40, taps, cache=tmp_path)
     cached = target_traces(target, {str(i): p for i, p in enumerate(prompts)}, 40, taps, cache=tmp_path)
     assert cached.keys() == traces.keys()
-    rejected = 0
+    rejected = near_ties = 0
     for i, (request, budget) in enumerate(zip(live, budgets)):
         trace = traces[str(i)]
         length = len(prompts[i]) + min(budget, len(trace.tokens) - len(prompts[i]))
@@ -50,11 +55,24 @@ def test_replay_matches_live_acceptance(target, trained_head_dir, tmp_path):
         result = replay_request(engine.drafter.head, trace, 4, budget)
         recorded = live_traces[request.request_id]
         assert result.steps == list(zip(recorded.step_root.tolist(), recorded.step_drafted.tolist(), recorded.step_accepted.tolist()))
-        assert result.rejections == list(zip(recorded.reject_root.tolist(), recorded.reject_depth.tolist(), recorded.reject_token.tolist()))
+        live_rejections = list(zip(recorded.reject_root.tolist(), recorded.reject_depth.tolist(), recorded.reject_token.tolist()))
+        assert [r[:2] for r in result.rejections] == [r[:2] for r in live_rejections]
+        for (root, depth, token), (_, _, live_token) in zip(result.rejections, live_rejections):
+            assert token == live_token or _top2_gap(engine.drafter.head, trace, root, depth) < NEAR_TIE, (i, root, depth)
+            near_ties += token != live_token
         assert len(result.steps) == request.metrics.steps and result.acceptance_length == pytest.approx(request.metrics.acceptance_length)
         rejected += len(result.rejections)
         replayed = replay_trace(trace, result, version=3)
         assert replayed.step_version.tolist() == [3] * len(result.steps)
-        assert replayed.reject_token.tolist() == recorded.reject_token.tolist()
+        assert replayed.reject_token.tolist() == [t for _, _, t in result.rejections]
         assert int(replayed.node_accepted.sum()) == sum(a for _, _, a in result.steps) and int((~replayed.node_accepted).sum()) == len(result.rejections)
-    assert rejected > 0
+    assert rejected > 0 and near_ties <= max(1, rejected // 20)
+
+
+@torch.inference_mode()
+def _top2_gap(head, trace, root: int, depth: int) -> float:
+    """Gap between the two best draft logits the replay saw at this root and depth."""
+    roots = generated_roots(trace)
+    logits, _ = eagle_logits(head, [trace_example(trace)], depth + 1, roots, roots)
+    top = logits[depth][0, root - int(roots[0])].topk(2).values
+    return float(top[0] - top[1])

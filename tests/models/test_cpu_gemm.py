@@ -175,13 +175,13 @@ def test_int8_target_keeps_the_fp32_weights_for_updates_and_is_close(tiny_dirs):
 
 
 @needs_kernel
-def test_eagle_head_serves_an_int8_lm_head_unless_told_not_to(tiny_llama):
+def test_eagle_head_serves_int8_weights_unless_told_not_to(tiny_llama):
     from tandem.models.eagle import EagleConfig, draft_vocab_from_tokens, new_eagle_head
 
     target = load_transformer(tiny_llama)
     cfg = EagleConfig.for_target(target.cfg, 64)
     head = new_eagle_head(target, cfg, draft_vocab_from_tokens([], 64, target.cfg.vocab_size), torch.Generator().manual_seed(0))
     head.pack()
-    assert head.lm_head.int8 is not None and head.fc.small_gemm
-    head.pack(int8_lm_head=False)
-    assert head.lm_head.int8 is None and head.lm_head.small_gemm
+    assert all(lin.int8 is not None for lin in head.linears())
+    head.pack(int8=False)
+    assert all(lin.int8 is None and lin.small_gemm for lin in head.linears())

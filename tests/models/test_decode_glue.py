@@ -159,31 +159,30 @@ def test_off_setting_turns_the_glue_off(monkeypatch):
     assert not decode_glue.enabled()
 
 
-def _step_outputs(model, monkeypatch, per_layer: bool, taps=(0, 1)):
+def _step_outputs(model, stack: bool, taps=(0, 1)):
     """Logits, taps and cache after a ragged 3-row, 4-token tree verify, through decode_layers or layer by layer."""
-    with monkeypatch.context() as m:
-        if per_layer:
-            m.setattr(decode_glue, "stack_weights", lambda blocks, rows: None)
-        g = torch.Generator().manual_seed(5)
-        cache = KVCache(model.cfg, 3, 64)
-        mask = torch.ones(4, 4, dtype=torch.bool).tril()
-        mask[3, 1] = False
-        with torch.inference_mode():
-            model(torch.randint(0, 300, (3, 10), generator=g), cache=cache)
-            cache.lengths[1:] = torch.tensor([6, 8])
-            out = model(torch.randint(0, 300, (3, 4), generator=g), cache=cache, tree_mask=mask.expand(3, 4, 4), taps=taps)
+    model.fused_stack = stack
+    g = torch.Generator().manual_seed(5)
+    cache = KVCache(model.cfg, 3, 64)
+    mask = torch.ones(4, 4, dtype=torch.bool).tril()
+    mask[3, 1] = False
+    with torch.inference_mode():
+        model(torch.randint(0, 300, (3, 10), generator=g), cache=cache)
+        cache.lengths[1:] = torch.tensor([6, 8])
+        out = model(torch.randint(0, 300, (3, 4), generator=g), cache=cache, tree_mask=mask.expand(3, 4, 4), taps=taps)
+    model.fused_stack = True
     return out, cache
 
 
 @needs_glue
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("gemm", ["auto", "int8"])
-def test_the_one_call_stack_gives_the_per_layer_bits(tiny_dirs, monkeypatch, arch, gemm):
+def test_the_one_call_stack_gives_the_per_layer_bits(tiny_dirs, arch, gemm):
     model = load_transformer(tiny_dirs[arch])
     model.pack(gemm=gemm)
     assert decode_glue.stack_weights(model.blocks, 12) is not None
-    stacked, stacked_cache = _step_outputs(model, monkeypatch, per_layer=False, taps=(1, 0))
-    layered, layered_cache = _step_outputs(model, monkeypatch, per_layer=True, taps=(1, 0))
+    stacked, stacked_cache = _step_outputs(model, stack=True, taps=(1, 0))
+    layered, layered_cache = _step_outputs(model, stack=False, taps=(1, 0))
     assert torch.equal(stacked.logits, layered.logits)
     assert len(stacked.hidden) == 2 and all(torch.equal(a, b) for a, b in zip(stacked.hidden, layered.hidden))
     assert not torch.equal(stacked.hidden[0], stacked.hidden[1])  # in the order asked for, each its own layer's output

@@ -269,8 +269,12 @@ at::Tensor interleave_q8(const at::Tensor& q) {
   at::Tensor out = at::zeros({G, C, kGroup, 8}, qc.options());
   const int8_t* src = qc.data_ptr<int8_t>();
   int8_t* dst = out.data_ptr<int8_t>();
-  for (int64_t n = 0; n < N; ++n)
-    for (int64_t k = 0; k < K; ++k) dst[(((n / kGroup) * C + k / 8) * kGroup + n % kGroup) * 8 + k % 8] = src[n * K + k];
+  at::parallel_for(0, N, 256, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {
+      int8_t* row = dst + (n / kGroup * C * kGroup + n % kGroup) * 8;  // chunk c of row n is at row + c * 8 * kGroup
+      for (int64_t c = 0; c < C; ++c) std::memcpy(row + c * 8 * kGroup, src + n * K + 8 * c, std::min<int64_t>(8, K - 8 * c));
+    }
+  });
   return out;
 }
 
