@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.errors import InvalidParameterError, ModelLoadError
-from tandem.models import cpu_gemm
+from tandem.models import cpu_gemm, decode_glue
 from tandem.models.config import ModelConfig
 from tandem.models.kv_cache import AttentionBatch, KVCache, build_attention_batch
 from tandem.models.transformer import Linear, MLP, RMSNorm, Transformer, apply_rope, pack_linears, rope_inv_freq, unpack_linears
@@ -235,6 +235,7 @@ class EagleHead(nn.Module):
         if cfg.shared_lm_head:
             self._share_lm_head(target_lm_head)
         self.register_buffer("inv_freq", rope_inv_freq(layer), persistent=False)
+        self.fused_glue = True  # cached chain steps and catch-ups run decode_glue's fused ops where they apply
 
     def _share_lm_head(self, target_lm_head: torch.Tensor | None) -> None:
         """The LM head holds the target's rows of the draft vocabulary, frozen (requires_grad False: no
@@ -283,12 +284,28 @@ class EagleHead(nn.Module):
         if cache_mask is not None:
             batch = dataclasses.replace(batch, mask=cache_mask.to(input_ids.device), is_causal=False)
         cos, sin = self.rope(batch.write_slots.to(input_ids.device) if positions is None else positions)
-        hidden = self.residual(features, self.attn(self.layer_input(input_ids, features), cos, sin, cache, batch))
+        fused = cache_mask is None and decode_glue.applies(features, cache, self.fused_glue and decode_glue.enabled() and decode_glue.supports(self.attn.cfg))
+        if fused:
+            hidden = self.forward_fused(input_ids, features, cos, sin, cache, batch)
+        else:
+            hidden = self.residual(features, self.attn(self.layer_input(input_ids, features), cos, sin, cache, batch))
         if cache is not None:
             cache.lengths[batch.rows] += t
-        if logits_at is not None:
-            return self.lm_head(self.norm(hidden[torch.arange(b), logits_at.to(hidden.device)].unsqueeze(1))), hidden
-        return self.lm_head(self.norm(hidden)), hidden
+        read = hidden if logits_at is None else hidden[torch.arange(b), logits_at.to(hidden.device)].unsqueeze(1)
+        normed = decode_glue.rms_norm(read, self.norm.weight, self.norm.eps) if fused else self.norm(read)
+        return self.lm_head(normed), hidden
+
+    def forward_fused(self, input_ids, features, cos, sin, cache: KVCache, batch: AttentionBatch) -> torch.Tensor:  # -> hidden [B, T, d]
+        """The layer of forward() through decode_glue's fused ops (a cached chain step or catch-up: causal over
+        the draft cache, fp32 CPU inference): the same computation as layer_input + attn + residual."""
+        cfg = self.attn.cfg
+        embeds = F.embedding(input_ids, self.embed_weight).to(features.dtype)
+        x = torch.cat([decode_glue.rms_norm(embeds, self.input_norm.weight, self.input_norm.eps),
+                       decode_glue.rms_norm(features, self.hidden_norm.weight, self.hidden_norm.eps)], dim=-1)
+        attended = decode_glue.attend_cached(self.attn.qkv(x), cos, sin, None, None, cfg.rms_norm_eps, cache.k, cache.v, 0,
+                                             batch.rows.start or 0, batch.starts, batch.tree, cfg.num_heads, cfg.num_kv_heads)
+        hidden, h = decode_glue.add_rms_norm(self.attn.o(attended), features, self.mlp_norm.weight, self.mlp_norm.eps)
+        return hidden + self.mlp.down(decode_glue.silu_mul(self.mlp.gate_up(h)))
 
     def unroll(
         self,

@@ -110,6 +110,41 @@ def test_cached_chain_matches_training_time_unroll(target):
                 assert torch.allclose(logits[0, 0], unrolled[s][0, root], atol=TOL)
 
 
+@pytest.mark.parametrize("packed", [False, True])
+def test_cached_head_steps_through_the_fused_glue_match_the_torch_ops(target, packed):
+    """A ragged batched catch-up, then chain steps: decode_glue's fused layer (where it applies) against the
+    torch-op layer, on the same head, cache contents included."""
+    from tandem.models import decode_glue
+
+    if not decode_glue.enabled():
+        pytest.skip("the CPU kernels did not build here")
+    head = head_for(target)
+    if packed:
+        head.pack()
+    d = head.cfg.hidden_size
+
+    def run(fused: bool):
+        head.fused_glue = fused
+        cache = KVCache(head.cfg.layer_config(), 3, 64)
+        cache.lengths[:] = torch.tensor([0, 3, 5])
+        gen = torch.Generator().manual_seed(4)
+        outs = []
+        with torch.inference_mode():
+            logits, hidden = head(torch.randint(0, 256, (3, 6), generator=gen), torch.randn(3, 6, d, generator=gen), cache=cache,
+                                  logits_at=torch.tensor([5, 2, 4]))
+            outs += [logits, hidden]
+            for _ in range(3):
+                logits, hidden = head(torch.randint(0, 256, (3, 1), generator=gen), hidden[:, -1:], cache=cache)
+                outs += [logits, hidden]
+        return outs, cache
+
+    fused, fused_cache = run(True)
+    eager, eager_cache = run(False)
+    for a, b in zip(fused, eager):
+        assert (a - b).abs().max().item() <= TOL * max(1.0, b.abs().max().item())
+    assert (fused_cache.k - eager_cache.k).abs().max().item() <= TOL and torch.equal(fused_cache.lengths, eager_cache.lengths)
+
+
 def test_unrolling_a_sample_of_roots_matches_the_full_unroll(target):
     head, ex = head_for(target), sequence(target)
     t, steps = len(ex.tokens) - 1, 3
