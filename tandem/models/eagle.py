@@ -258,9 +258,8 @@ class EagleHead(nn.Module):
         alone (16k x 576, ~70 % of the fp32 bytes) made a step ~2x cheaper for about the same acceptance
         (docs/BENCHMARKS.md 3.2); the layer's Linears too: the same greedy acceptance on the peer prompts, ~20 %
         less drafting time (BENCHMARKS 1.6). `int8=False` keeps fp32 (the small-M kernel or oneDNN)."""
-        pack_linears(self, batch_hint=4)
-        if int8 and cpu_gemm.available() and self.fc.weight.device.type == "cpu":
-            pack_linears(self, batch_hint=4, gemm="int8")
+        int8_here = int8 and cpu_gemm.available() and self.fc.weight.device.type == "cpu"
+        pack_linears(self, batch_hint=4, gemm="int8" if int8_here else "auto")
 
     def unpack(self) -> None:
         unpack_linears(self)

@@ -51,6 +51,7 @@ class Linear(nn.Module):
         self.int8: tuple[torch.Tensor, torch.Tensor] | None = None  # cpu_gemm.pack_q8's (interleaved int8, fp32 scale [out]) for gemm="int8"
         self.batch_hint = 8
         self._weight_requires_grad = True  # restored on unpack() when the dense Parameter was dropped
+        decode_glue.linears_changed()  # a new Linear (one put in place of another): cached weight stacks are stale
 
     @property
     def dense_dropped(self) -> bool:
@@ -65,6 +66,7 @@ class Linear(nn.Module):
         if gemm not in GEMMS:
             raise ValueError(f"gemm must be one of {GEMMS}, got {gemm!r}")
         weight = self.dense_weight()
+        decode_glue.linears_changed()
         if gemm == "int8":
             if not cpu_gemm.available():
                 raise ValueError(f"gemm 'int8' needs the small-M kernel, which is not available: {cpu_gemm.unusable_reason() or 'the build failed'}")
@@ -91,6 +93,7 @@ class Linear(nn.Module):
             self._weight_requires_grad = self._parameters.pop("weight").requires_grad
 
     def unpack(self) -> None:
+        decode_glue.linears_changed()
         if self.dense_dropped:
             self._restore_weight(self.packed.to_dense())
         self.packed = None

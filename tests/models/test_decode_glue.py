@@ -217,3 +217,18 @@ def test_decode_layers_refuses_a_malformed_weight_list(tiny_dirs):
             decode_glue.decode_layers(weights[:-1], x, cos, sin, 1e-5, cache, batch, model.cfg.num_heads, model.cfg.num_kv_heads, ())
         with pytest.raises(RuntimeError, match="tap"):
             decode_glue.decode_layers(weights, x, cos, sin, 1e-5, cache, batch, model.cfg.num_heads, model.cfg.num_kv_heads, (99,))
+
+
+@needs_glue
+def test_the_cached_stack_follows_a_repack(tiny_dirs):
+    model = load_transformer(tiny_dirs["llama"])
+    model.pack()
+    first = decode_glue.stack_weights(model.blocks, 4)
+    assert decode_glue.stack_weights(model.blocks, 4) is first  # cached
+    model.unpack()
+    with torch.no_grad():
+        model.blocks[0].mlp.down.weight.mul_(2.0)
+    model.pack(gemm="int8")
+    again = decode_glue.stack_weights(model.blocks, 4)
+    assert again is not first and again[decode_glue.LAYER_WEIGHTS - 1] is not None  # down's int8 scale now
+    assert torch.equal(again[11], model.blocks[0].mlp.down.int8[0])

@@ -23,25 +23,24 @@ constexpr int64_t kStreamMaxM = 16;
 constexpr int kBlockX = 4;  // more rows: register blocks of 4 rows of x x 3 rows of w (12 accumulators + 3 w + 1 x
 constexpr int kBlockW = 3;  // of 16 ymm registers), ~1.1-1.25x faster from M = 32 on, ~0.9x below (BENCHMARKS 1.5)
 
-// 8 weights of row w at k as fp32 lanes: fp32 rows load directly, int8 rows widen (weight-only int8).
-inline __m256 load8(const float* w) { return _mm256_loadu_ps(w); }
+// 8 int8 weights at w widened to fp32 lanes (weight-only int8, below).
 inline __m256 load8(const int8_t* w) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w))));
 }
 
-// One register block: y[m, n] = scale[n] * sum_k x[m, k] w[n, k] + bias[n] for the M rows of x at x and the
+// One register block: y[m, n] = sum_k x[m, k] w[n, k] + bias[n] for the M rows of x at x and the
 // NW rows of w from n. Each output has its own accumulator, fed in the same k order whatever M and NW (the
 // blocking only decides how many of them run side by side), so its result does not depend on the blocking,
 // the pass or the tile it falls in: stream_pass below gives the same bits.
-template <typename W, int M, int NW>
-void block(const float* x, const W* w, const float* scale, const float* bias, float* y, int64_t n, int64_t K, int64_t N) {
+template <int M, int NW>
+void block(const float* x, const float* w, const float* bias, float* y, int64_t n, int64_t K, int64_t N) {
   __m256 acc[M][NW];
   for (int m = 0; m < M; ++m)
     for (int j = 0; j < NW; ++j) acc[m][j] = _mm256_setzero_ps();
   int64_t k = 0;
   for (; k + 8 <= K; k += 8) {
     __m256 wv[NW];
-    for (int j = 0; j < NW; ++j) wv[j] = load8(w + (n + j) * K + k);
+    for (int j = 0; j < NW; ++j) wv[j] = _mm256_loadu_ps(w + (n + j) * K + k);
     for (int m = 0; m < M; ++m) {
       const __m256 xv = _mm256_loadu_ps(x + m * K + k);
       for (int j = 0; j < NW; ++j) acc[m][j] = _mm256_fmadd_ps(wv[j], xv, acc[m][j]);
@@ -49,10 +48,9 @@ void block(const float* x, const W* w, const float* scale, const float* bias, fl
   }
   for (int m = 0; m < M; ++m) {
     for (int j = 0; j < NW; ++j) {
-      const W* wr = w + (n + j) * K;
+      const float* wr = w + (n + j) * K;
       float s = lane_sum(acc[m][j]);
-      for (int64_t kk = k; kk < K; ++kk) s += x[m * K + kk] * static_cast<float>(wr[kk]);
-      if (scale) s *= scale[n + j];
+      for (int64_t kk = k; kk < K; ++kk) s += x[m * K + kk] * wr[kk];
       y[m * N + n + j] = bias ? s + bias[n + j] : s;
     }
   }
@@ -60,62 +58,58 @@ void block(const float* x, const W* w, const float* scale, const float* bias, fl
 
 // Rows [n0, n1) of w against the M rows of x at x, one w row at a time (what decode and short verifies run:
 // a single stream through w, at the memory bandwidth).
-template <typename W, int M>
-void stream_pass(const float* x, const W* w, const float* scale, const float* bias, float* y, int64_t n0, int64_t n1, int64_t K, int64_t N) {
+template <int M>
+void stream_pass(const float* x, const float* w, const float* bias, float* y, int64_t n0, int64_t n1, int64_t K, int64_t N) {
   for (int64_t n = n0; n < n1; ++n) {
-    const W* wr = w + n * K;
+    const float* wr = w + n * K;
     __m256 acc[M];
     for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
     int64_t k = 0;
     for (; k + 8 <= K; k += 8) {
-      const __m256 wv = load8(wr + k);
+      const __m256 wv = _mm256_loadu_ps(wr + k);
       for (int m = 0; m < M; ++m) acc[m] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + m * K + k), acc[m]);
     }
     for (int m = 0; m < M; ++m) {
       float s = lane_sum(acc[m]);
-      for (int64_t kk = k; kk < K; ++kk) s += x[m * K + kk] * static_cast<float>(wr[kk]);
-      if (scale) s *= scale[n];
+      for (int64_t kk = k; kk < K; ++kk) s += x[m * K + kk] * wr[kk];
       y[m * N + n] = bias ? s + bias[n] : s;
     }
   }
 }
 
 // The same in register blocks of kBlockW rows of w (the last ones one by one): fewer loads per FMA once M is large.
-template <typename W, int M>
-void blocked_pass(const float* x, const W* w, const float* scale, const float* bias, float* y, int64_t n0, int64_t n1, int64_t K, int64_t N) {
+template <int M>
+void blocked_pass(const float* x, const float* w, const float* bias, float* y, int64_t n0, int64_t n1, int64_t K, int64_t N) {
   int64_t n = n0;
-  for (; n + kBlockW <= n1; n += kBlockW) block<W, M, kBlockW>(x, w, scale, bias, y, n, K, N);
-  for (; n < n1; ++n) block<W, M, 1>(x, w, scale, bias, y, n, K, N);
+  for (; n + kBlockW <= n1; n += kBlockW) block<M, kBlockW>(x, w, bias, y, n, K, N);
+  for (; n < n1; ++n) block<M, 1>(x, w, bias, y, n, K, N);
 }
 
-template <typename W>
-using Pass = void (*)(const float*, const W*, const float*, const float*, float*, int64_t, int64_t, int64_t, int64_t);
+using Pass = void (*)(const float*, const float*, const float*, float*, int64_t, int64_t, int64_t, int64_t);
 
 // Every row of x against rows [n0, n1) of w, tile by tile: the rows of x in even passes of at most `most`.
-template <typename W>
-void tiles(const Pass<W>* passes, int64_t most, const float* x, const W* w, const float* scale, const float* bias, float* y,
+void tiles(const Pass* passes, int64_t most, const float* x, const float* w, const float* bias, float* y,
            int64_t n0, int64_t n1, int64_t M, int64_t K, int64_t N) {
   const int64_t num_passes = (M + most - 1) / most;  // rows split evenly: 13 rows run as 7 + 6, not 12 + 1
   for (int64_t t0 = n0; t0 < n1; t0 += kTile) {
     const int64_t t1 = std::min(n1, t0 + kTile);
     for (int64_t i = 0, m0 = 0; i < num_passes; ++i) {
       const int64_t rows = (M - m0) / (num_passes - i);
-      passes[rows](x + m0 * K, w, scale, bias, y + m0 * N, t0, t1, K, N);
+      passes[rows](x + m0 * K, w, bias, y + m0 * N, t0, t1, K, N);
       m0 += rows;
     }
   }
 }
 
-template <typename W>
-void tiles(const float* x, const W* w, const float* scale, const float* bias, float* y, int64_t n0, int64_t n1, int64_t M, int64_t K, int64_t N) {
-  static constexpr Pass<W> stream[kStreamRows + 1] = {nullptr, stream_pass<W, 1>, stream_pass<W, 2>, stream_pass<W, 3>, stream_pass<W, 4>,
-                                                      stream_pass<W, 5>, stream_pass<W, 6>, stream_pass<W, 7>, stream_pass<W, 8>,
-                                                      stream_pass<W, 9>, stream_pass<W, 10>, stream_pass<W, 11>, stream_pass<W, 12>};
-  static constexpr Pass<W> blocked[kBlockX + 1] = {nullptr, blocked_pass<W, 1>, blocked_pass<W, 2>, blocked_pass<W, 3>, blocked_pass<W, 4>};
+void tiles(const float* x, const float* w, const float* bias, float* y, int64_t n0, int64_t n1, int64_t M, int64_t K, int64_t N) {
+  static constexpr Pass stream[kStreamRows + 1] = {nullptr, stream_pass<1>, stream_pass<2>, stream_pass<3>, stream_pass<4>,
+                                                   stream_pass<5>, stream_pass<6>, stream_pass<7>, stream_pass<8>,
+                                                   stream_pass<9>, stream_pass<10>, stream_pass<11>, stream_pass<12>};
+  static constexpr Pass blocked[kBlockX + 1] = {nullptr, blocked_pass<1>, blocked_pass<2>, blocked_pass<3>, blocked_pass<4>};
   if (M <= kStreamMaxM) {
-    tiles<W>(stream, kStreamRows, x, w, scale, bias, y, n0, n1, M, K, N);
+    tiles(stream, kStreamRows, x, w, bias, y, n0, n1, M, K, N);
   } else {
-    tiles<W>(blocked, kBlockX, x, w, scale, bias, y, n0, n1, M, K, N);
+    tiles(blocked, kBlockX, x, w, bias, y, n0, n1, M, K, N);
   }
 }
 
@@ -126,8 +120,7 @@ at::Tensor checked_bias(const c10::optional<at::Tensor>& bias, int64_t N) {
   return b;
 }
 
-template <typename W>
-at::Tensor run(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale, const at::Tensor& b) {
+at::Tensor run(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b) {
   const int64_t N = w.size(0), K = w.size(1);
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.device().is_cpu(), "small_gemm: x must be an fp32 CPU tensor");
   TORCH_CHECK(x.dim() >= 1 && x.size(-1) == K, "small_gemm: x has ", x.size(-1), " features, w expects ", K);
@@ -135,12 +128,11 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale
   const int64_t M = x2.size(0);
   at::Tensor y = at::empty({M, N}, x.options());
   const float* xp = x2.data_ptr<float>();
-  const W* wp = w.data_ptr<W>();
-  const float* sp = scale.defined() ? scale.data_ptr<float>() : nullptr;
+  const float* wp = w.data_ptr<float>();
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
   if (M > 0 && N > 0) {
-    at::parallel_for(0, N, kTile, [&](int64_t n0, int64_t n1) { tiles<W>(xp, wp, sp, bp, yp, n0, n1, M, K, N); });
+    at::parallel_for(0, N, kTile, [&](int64_t n0, int64_t n1) { tiles(xp, wp, bp, yp, n0, n1, M, K, N); });
   }
   std::vector<int64_t> shape = x.sizes().vec();
   shape.back() = N;
@@ -152,8 +144,9 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale
 // packed[g][c][r][0..8) = q[kGroup g + r][8c .. 8c + 8), zero-padded in N and K. A pass over a group reads its
 // weights as one sequential stream and feeds kGroup independent FMA chains per row of x. Row-major int8 at M = 1
 // had one chain per output and waited on the FMA latency (~7 GB/s of weights here), and reading 4 row-major rows
-// side by side (4 streams) was slower still from DRAM. The per-output sums are the row-major kernel's (8 lanes
-// over k, the lane reduction, the K % 8 tail, the scale, the bias), so results and batch invariance are unchanged.
+// side by side (4 streams) was slower still from DRAM. Each output is summed as the fp32 kernel sums (8 lanes over
+// k, the lane reduction, the K % 8 tail), then scaled and biased: the same bits as the row-major int8 kernel it
+// replaced, and batch-invariant whatever the rows of x or the passes.
 constexpr int64_t kGroup = 4;
 constexpr int kGroupRowsX = 3;  // rows of x per pass: 3 x 4 accumulators + 4 weight registers of 16
 
@@ -204,7 +197,7 @@ namespace tandem_kernels {
 at::Tensor small_gemm(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(w.scalar_type() == at::kFloat && w.device().is_cpu(), "small_gemm: w must be an fp32 CPU tensor");
   TORCH_CHECK(w.dim() == 2 && w.is_contiguous(), "small_gemm: w must be a contiguous [N, K] matrix");
-  return run<float>(x, w, at::Tensor(), checked_bias(bias, w.size(0)));
+  return run(x, w, checked_bias(bias, w.size(0)));
 }
 
 // Weight-only int8: packed = interleave_q8(q) for q [N, K] int8 with one fp32 scale per row (w ~ scale[n] * q[n, :]);
@@ -282,7 +275,7 @@ at::Tensor interleave_q8(const at::Tensor& q) {
 
 TORCH_LIBRARY(tandem_cpu, m) {
   m.def("small_gemm(Tensor x, Tensor w, Tensor? bias) -> Tensor");
-  m.def("small_gemm_q8(Tensor x, Tensor wq, Tensor scale, Tensor? bias) -> Tensor");
+  m.def("small_gemm_q8(Tensor x, Tensor packed, Tensor scale, Tensor? bias) -> Tensor");
   m.def("quantize_rows(Tensor weight) -> (Tensor, Tensor)");
   m.def("interleave_q8(Tensor q) -> Tensor");
 }
