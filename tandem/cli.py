@@ -169,7 +169,9 @@ def _bench_decode_command(bench) -> None:
     p.add_argument("--adaptive-k", action="store_true")
     p.add_argument("--drafter-model", default=None)
     p.add_argument("--drafter-path", default=None, help="a head directory, or eagle=DIR,mtp=DIR")
-    p.add_argument("--peers", default="", help="comma list: hf")
+    p.add_argument("--peers", default="", help="comma list: hf (HF transformers), ortg (onnxruntime-genai plain + n-gram, in a child process)")
+    p.add_argument("--ortg-python", default=None, help="Python that has onnxruntime-genai (default: the peer harness's venv under $TANDEM_BENCH_CACHE)")
+    p.add_argument("--ortg-model", default=None, help="onnxruntime-genai model dir (default: the peer harness's SmolLM2 fp32 export)")
     p.add_argument("--no-pack", action="store_true", help="don't prepack target weights (halves memory, slower)")
     p.add_argument("--compile", action="store_true", help="every runner on the compiled decode / verify forward (compiles each shape once)")
     p.add_argument("--threads", type=int, default=2)
@@ -188,6 +190,7 @@ def _bench_decode(args) -> int:
         per_domain=args.per_domain, max_tokens=args.max_tokens, batch_size=args.batch_size,
         num_draft_tokens=args.num_draft_tokens, adaptive_k=args.adaptive_k, drafter_model=args.drafter_model,
         drafter_path=args.drafter_path, peers=tuple(p for p in args.peers.split(",") if p), pack_weights=not args.no_pack,
+        ortg_python=args.ortg_python, ortg_model=args.ortg_model,
         compile=args.compile,
     )
     return _emit(run_decode_bench(config), args.json_out)

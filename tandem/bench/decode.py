@@ -33,7 +33,9 @@ class DecodeBenchConfig:
     adaptive_k: bool = False
     drafter_model: str | None = None  # draft_model / HF assisted generation
     drafter_path: str | None = None  # eagle / mtp heads: one DIR, or "eagle=DIR,mtp=DIR"
-    peers: tuple[str, ...] = ()  # "hf"
+    peers: tuple[str, ...] = ()  # "hf", "ortg" (onnxruntime-genai, in a child process: tandem.bench.peers)
+    ortg_python: str | None = None  # the interpreter that has onnxruntime-genai (default: the peer harness's venv)
+    ortg_model: str | None = None  # its fp32 model directory (default: the peer harness's SmolLM2 export)
     pack_weights: bool = True  # False saves a copy of the weights (big targets next to HF peers in one process)
     compile: bool = False  # every engine on the compiled decode / verify forward (tandem.models.compiled)
 
@@ -45,10 +47,14 @@ class DecodeBenchConfig:
         for name in self.drafters:
             if "@" in name and name.split("@", 1)[1] not in WEIGHT_SUFFIXES:
                 raise InvalidParameterError(f"runner {name!r}: the part after '@' must be one of {WEIGHT_SUFFIXES}")
+        unknown = set(self.peers) - set(PEERS)
+        if unknown:
+            raise InvalidParameterError(f"--peers: unknown {sorted(unknown)}; choose from {PEERS}")
         if any(n.endswith("@int8") for n in self.drafters) and "ar@int8" not in self.drafters:
             raise InvalidParameterError("int8 runners need 'ar@int8' too (their greedy reference: plain decoding of the int8 target)")
 
 
+PEERS = ("hf", "ortg")
 WEIGHT_SUFFIXES = ("int8",)  # NAME@int8: the runner serves the weight-only int8 target
 
 
@@ -108,7 +114,7 @@ class Tally:
 
 
 def run_decode_bench(config: DecodeBenchConfig) -> dict:
-    """Every runner (tandem drafters, then HF peers) decodes each prompt batch in turn, interleaved."""
+    """Every runner (tandem drafters, then the peers) decodes each prompt batch in turn, interleaved."""
     from tandem.llm import LLM
 
     base = LLM(model=config.model, max_batch_size=config.batch_size, pack_weights=config.pack_weights, compile=config.compile)
@@ -123,6 +129,10 @@ def run_decode_bench(config: DecodeBenchConfig) -> dict:
         from tandem.bench.peers import hf_runners
 
         runners |= hf_runners(base, config)
+    if "ortg" in config.peers:
+        from tandem.bench.peers import ortg_runners
+
+        runners |= ortg_runners(base, config)
     for run in runners.values():
         run([token_ids[0][:16]])  # warm-up
     tallies: dict[str, dict[str, Tally]] = {name: {} for name in runners}

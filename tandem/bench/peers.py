@@ -1,11 +1,18 @@
-"""HF transformers as a peer in `tandem bench decode`: plain, prompt-lookup and assisted generation.
+"""Peers in `tandem bench decode`: HF transformers (plain, prompt-lookup and assisted generation) in this
+process, onnxruntime-genai (plain and n-gram) in a child process of the peer harness's venv.
 
-Same prompts (already chat-templated token ids), greedy, batch 1 (HF's assisted generation supports no
-more), same threads, in the same run as tandem's drafters, so speedups are comparable ratios.
+Same prompts (already chat-templated token ids), greedy, batch 1 (their speculative generation supports no
+more), same threads, in the same run as tandem's drafters and interleaved with them prompt by prompt, so
+speedups are ratios measured on the same minutes of this machine.
 """
 from __future__ import annotations
 
+import atexit
+import json
+import os
+import subprocess
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -53,3 +60,63 @@ def _generate(hf, ids: list[int], max_tokens: int, eos, kwargs) -> list[int]:
         out = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_tokens, do_sample=False,
                           eos_token_id=eos, pad_token_id=eos[0] if eos else 0, **kwargs)
     return out[0, len(ids) :].tolist()
+
+
+PEER_CACHE_ENV = "TANDEM_BENCH_CACHE"  # the peer harness's cache root (../shared/peers), default ~/.cache/tandem-peers
+
+
+def peer_cache() -> Path:
+    return Path(os.environ.get(PEER_CACHE_ENV) or Path.home() / ".cache" / "tandem-peers")
+
+
+def ortg_paths(python: str | None, model: str | None) -> tuple[Path, Path]:
+    """The interpreter that has onnxruntime-genai and its fp32 model directory: given, or the peer harness's."""
+    py = Path(python) if python else peer_cache() / "env" / "venv" / "bin" / "python"
+    model_dir = Path(model) if model else peer_cache() / "models" / "smollm2_onnx_fp32"
+    if not py.exists():
+        raise InvalidParameterError(f"--peers ortg: no Python at {py} (set up ../shared/peers, or pass --ortg-python)")
+    if not (model_dir / "genai_config.json").exists():
+        raise InvalidParameterError(f"--peers ortg: {model_dir} is not an onnxruntime-genai model (run the peer harness once, or pass --ortg-model)")
+    return py, model_dir
+
+
+class OrtgPeer:
+    """onnxruntime-genai in a child process (tandem/bench/ortg_worker.py), one JSON line per request."""
+
+    def __init__(self, python: Path, model_dir: Path, threads: int, eos: list[int]):
+        worker = Path(__file__).with_name("ortg_worker.py")
+        cmd = [str(python), str(worker), "--model", str(model_dir), "--threads", str(threads), "--eos", ",".join(map(str, eos))]
+        self.process = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
+        ready = self._read()
+        self.version = f"onnxruntime-genai {ready['ready']}"
+
+    def generate(self, ids: list[int], max_tokens: int, mode: str) -> list[int]:
+        self.process.stdin.write(json.dumps({"ids": ids, "max_tokens": max_tokens, "mode": mode}) + "\n")
+        reply = self._read()
+        if "error" in reply:
+            raise RuntimeError(f"onnxruntime-genai peer: {reply['error']}")
+        return reply["token_ids"]
+
+    def _read(self) -> dict:
+        line = self.process.stdout.readline()
+        if not line:
+            raise RuntimeError(f"onnxruntime-genai peer exited (code {self.process.poll()}); its stderr is above")
+        return json.loads(line)
+
+    def close(self) -> None:
+        self.process.stdin.close()
+        self.process.wait(timeout=30)
+
+
+def ortg_runners(base, config) -> dict:
+    """`ortg` (plain) and `ortg_ngram` (its prompt lookup) over one child process, batch 1."""
+    if config.batch_size != 1:
+        raise InvalidParameterError("--peers ortg needs --batch-size 1")
+    python, model_dir = ortg_paths(config.ortg_python, config.ortg_model)
+    peer = OrtgPeer(python, model_dir, torch.get_num_threads(), sorted(base.target.cfg.eos_token_ids))
+    atexit.register(peer.close)
+
+    def runner(mode: str):
+        return lambda batch: [PeerOutput(peer.generate(ids, config.max_tokens, mode)) for ids in batch]
+
+    return {"ortg": runner("plain"), "ortg_ngram": runner("ngram")}

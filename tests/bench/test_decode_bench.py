@@ -69,3 +69,45 @@ def test_int8_runners_need_their_reference():
         DecodeBenchConfig(drafters=("ar", "ngram@int8"))
     with pytest.raises(InvalidParameterError, match="after '@'"):
         DecodeBenchConfig(drafters=("ar", "ngram@bf16"))
+
+
+def test_peers_are_named_from_a_known_list_and_ortg_says_what_it_lacks(tmp_path):
+    from tandem.bench.decode import DecodeBenchConfig
+    from tandem.bench.peers import ortg_paths
+    from tandem.errors import InvalidParameterError
+
+    with pytest.raises(InvalidParameterError, match="unknown"):
+        DecodeBenchConfig(peers=("vllm",))
+    with pytest.raises(InvalidParameterError, match="no Python"):
+        ortg_paths(str(tmp_path / "missing-python"), None)
+    python = tmp_path / "python"
+    python.write_text("")
+    with pytest.raises(InvalidParameterError, match="not an onnxruntime-genai model"):
+        ortg_paths(str(python), str(tmp_path))
+
+
+def _peer_harness_ortg():
+    from tandem.bench.peers import ortg_paths
+
+    try:
+        return ortg_paths(None, None)
+    except Exception:
+        return None
+
+
+@pytest.mark.slow  # loads the peer harness's fp32 SmolLM2 in onnxruntime-genai (a child process)
+@pytest.mark.skipif(_peer_harness_ortg() is None, reason="no peer harness (../shared/peers) set up on this machine")
+def test_ortg_peer_decodes_greedily_in_its_own_process():
+    from tandem.bench.peers import OrtgPeer
+
+    python, model_dir = _peer_harness_ortg()
+    peer = OrtgPeer(python, model_dir, threads=1, eos=[2])
+    try:
+        prompt = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018, 411, 407, 19712, 8182, 2]
+        plain, ngram = peer.generate(prompt, 12, "plain"), peer.generate(prompt, 12, "ngram")
+        assert 1 <= len(plain) <= 12 and plain == ngram  # its n-gram decoding is lossless too
+        with pytest.raises(RuntimeError, match="onnxruntime-genai peer"):
+            peer.generate(prompt, 12, "no-such-mode")
+        assert peer.generate(prompt, 4, "plain") == plain[:4]  # max_tokens respected, greedy prefix
+    finally:
+        peer.close()
