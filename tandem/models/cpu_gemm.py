@@ -7,6 +7,9 @@ the embedding's), and each output row is summed in an order that does not depend
 k-token verify computes exactly what k single-token steps would. `small_gemm_q8` is the same kernel over
 weight-only int8 rows (one fp32 scale per row, fp32 activations), stored interleaved in groups of 4 rows so that
 one sequential stream feeds 4 FMA chains (`pack_q8`): a quarter of the bytes, the same invariance.
+`wide_gemm` (csrc/wide_gemm.cpp) serves inputs of many tokens per sequence (prefill) from the same weight: packed
+panels and an outer-product register block, compute-bound rather than bandwidth-bound, invariant in the number of
+rows too, but in its own summation order (Linear uses it for prefill only, never for decode or verify).
 
 Built with torch.utils.cpp_extension into $TANDEM_HOME/build (about 30 s once; `make setup` does it). Where it
 cannot be used (no C++ compiler, no AVX2, not x86-64, or TANDEM_CPU_GEMM=onednn) `available()` is False and
@@ -24,7 +27,7 @@ from pathlib import Path
 import torch
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = (CSRC / "small_gemm.cpp", CSRC / "decode_glue.cpp")  # one extension: the GEMMs and the per-layer glue (decode_glue.py)
+SOURCES = (CSRC / "small_gemm.cpp", CSRC / "wide_gemm.cpp", CSRC / "decode_glue.cpp")  # one extension: the GEMMs and the per-layer glue (decode_glue.py)
 HEADERS = (CSRC / "simd.h", CSRC / "gemm.h")
 ENV = "TANDEM_CPU_GEMM"  # "onednn": never use the kernel (A/B runs, a suspected kernel problem)
 MAX_ROWS = 512  # measured here up to 512 rows: the register-blocked path beats F.linear (MKL) 1.1-1.5x from 64 rows on
@@ -79,6 +82,7 @@ def _load() -> bool:
         return False
     torch.library.register_fake("tandem_cpu::small_gemm")(_small_gemm_fake)
     torch.library.register_fake("tandem_cpu::small_gemm_q8")(_small_gemm_q8_fake)
+    torch.library.register_fake("tandem_cpu::wide_gemm")(_small_gemm_fake)
     return True
 
 
@@ -92,6 +96,11 @@ def _small_gemm_q8_fake(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tens
 
 def small_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:  # x [..., K], weight [N, K] -> [..., N]
     return torch.ops.tandem_cpu.small_gemm(x, weight, bias)
+
+
+def wide_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:  # x [..., K], weight [N, K] -> [..., N]
+    """The same product for prefill-sized inputs: faster from ~17 rows on, invariant in the rows, not small_gemm's bits."""
+    return torch.ops.tandem_cpu.wide_gemm(x, weight, bias)
 
 
 def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [N, K] -> int8 [N, K], fp32 scale [N]

@@ -6,8 +6,9 @@ SmolLM2 token here. With these a layer is nine calls: norm, qkv GEMM, `attend_ca
 RoPE, cache write, attention over the cached prefix and the new tokens' tree), o GEMM, add + norm, gate_up
 GEMM, `silu_mul`, down GEMM, residual add. Built into the same extension as the small-M GEMM
 (tandem.models.cpu_gemm), used where it is: fp32 on CPU, inference, a KV cache, at most MAX_NEW_TOKENS new
-tokens per row (prefill chunks keep SDPA, which is blocked for long queries), not inside torch.compile (the
-compiled forward fuses the glue itself). Each output is computed from its own row in a fixed order, so a
+tokens per row, not inside torch.compile (the compiled forward fuses the glue itself). Prefills of more tokens
+keep SDPA (blocked for long queries; attend_cached is not) with the fused norms and SiLU around it
+(`applies_prefill`, Block.forward_prefill). Each output is computed from its own row in a fixed order, so a
 row's logits do not depend on the other rows of a verify or a batch (batch invariance, as the GEMM's).
 
 Where every Linear of every layer runs the kernel (fp32 or int8 rows) and the batch fits it, `decode_layers`
@@ -37,15 +38,27 @@ def supports(cfg) -> bool:
 
 
 def applies(x: torch.Tensor, cache, enabled_here: bool) -> bool:
-    """Whether a layer over x [B, T, hidden] with this cache takes the fused path."""
+    """Whether a layer over x [B, T, hidden] with this cache takes the fused path (decode / verify: T <= 16)."""
     return (
-        enabled_here
+        _inference_fp32(x, enabled_here)
         and cache is not None
         and x.shape[1] <= MAX_NEW_TOKENS
-        and x.dtype == torch.float32
-        and x.device.type == "cpu"
         and cache.k.dtype == torch.float32
         and cache.k.is_contiguous()
+    )
+
+
+def applies_prefill(x: torch.Tensor, enabled_here: bool) -> bool:
+    """Whether a layer over x [B, T, hidden] runs the fused norms and SiLU around SDPA (Block.forward_prefill):
+    a prefill of more than MAX_NEW_TOKENS tokens per row, with or without a cache."""
+    return _inference_fp32(x, enabled_here) and x.shape[1] > MAX_NEW_TOKENS
+
+
+def _inference_fp32(x: torch.Tensor, enabled_here: bool) -> bool:
+    return (
+        enabled_here
+        and x.dtype == torch.float32
+        and x.device.type == "cpu"
         and not torch.is_grad_enabled()
         and not torch.compiler.is_compiling()
     )

@@ -25,7 +25,9 @@ class Linear(nn.Module):
     1-token one. `pack()` picks, per weight:
     - "small": fp32 on an AVX2 CPU where tandem.models.cpu_gemm built: inputs of <= cpu_gemm.MAX_ROWS rows
       (decode, verify) run the batch-invariant small-M kernel on the dense row-major weight itself (no
-      second copy; ~1.4x faster than oneDNN at M = 1 here, docs/BENCHMARKS.md 1.4), larger ones F.linear;
+      second copy; ~1.4x faster than oneDNN at M = 1 here, docs/BENCHMARKS.md 1.4), prefill-shaped inputs
+      ([B, T, in] with T > 16 tokens per row) the wide kernel on the same weight (faster for many rows, in
+      its own summation order), other large ones F.linear;
     - "onednn": a prepacked oneDNN copy of W (5 tokens ~1.3x the cost of 1), for other dtypes / machines,
       or when asked for (`pack(gemm="onednn")`);
     - "int8": weight-only int8 rows with one scale each (cpu_gemm.pack_q8) next to the dense weight, run
@@ -136,8 +138,12 @@ class Linear(nn.Module):
             if x.numel() <= cpu_gemm.MAX_ROWS * self.in_features:
                 return cpu_gemm.small_gemm_q8(x.float(), *self.int8, bias)
             return F.linear(x.float(), cpu_gemm.dequantize_q8(*self.int8, self.in_features), bias)  # wide inputs: dequantized, same weights
-        if self.small_gemm and not torch.is_grad_enabled() and x.numel() <= cpu_gemm.MAX_ROWS * self.in_features and x.dtype == torch.float32:
-            return cpu_gemm.small_gemm(x, self._parameters["weight"], None if self.bias is None else self.bias.detach())
+        if self.small_gemm and not torch.is_grad_enabled() and x.dtype == torch.float32:
+            bias = None if self.bias is None else self.bias.detach()
+            if x.dim() == 3 and x.shape[1] > decode_glue.MAX_NEW_TOKENS:  # prefill-shaped: [B, T > 16, in]
+                return cpu_gemm.wide_gemm(x, self._parameters["weight"], bias)
+            if x.numel() <= cpu_gemm.MAX_ROWS * self.in_features:
+                return cpu_gemm.small_gemm(x, self._parameters["weight"], bias)
         if self.packed is not None and not torch.is_grad_enabled():
             bias = None if self.bias is None else self.bias.detach()
             if torch.compiler.is_compiling():  # an opaque call: inductor lowers mkldnn linears only for frozen constants
@@ -321,6 +327,13 @@ class Block(nn.Module):
         x = x + self.attn(self.attn_norm(x), cos, sin, cache, batch)
         return x + self.mlp(self.mlp_norm(x))
 
+    def forward_prefill(self, x, cos, sin, cache: KVCache | None, batch: AttentionBatch):
+        """forward() with decode_glue's norm / residual / SiLU ops around the same attention (SDPA): a prefill of
+        more than 16 tokens per row, fp32 CPU inference."""
+        h = decode_glue.rms_norm(x, self.attn_norm.weight, self.attn_norm.eps)
+        x, h = decode_glue.add_rms_norm(self.attn(h, cos, sin, cache, batch), x, self.mlp_norm.weight, self.mlp_norm.eps)
+        return x + self.mlp.down(decode_glue.silu_mul(self.mlp.gate_up(h)))
+
     def forward_fused(self, x, cos, sin, cache: KVCache, batch: AttentionBatch):
         """forward() with the glue as decode_glue's fused ops (a cached decode / verify step, fp32 CPU inference)."""
         h = decode_glue.rms_norm(x, self.attn_norm.weight, self.attn_norm.eps)
@@ -401,19 +414,22 @@ class Transformer(nn.Module):
         (what the compiled path traces: no host syncs, no Python-side state changes)."""
         cos, sin = self.rope(positions)
         x = self.embed(input_ids)
-        fused = decode_glue.applies(x, cache, self.fused_glue and decode_glue.enabled() and decode_glue.supports(self.cfg))
+        glue = self.fused_glue and decode_glue.enabled()
+        fused = decode_glue.applies(x, cache, glue and decode_glue.supports(self.cfg))
+        prefill = not fused and decode_glue.applies_prefill(x, glue)
         stack = decode_glue.stack_weights(self.blocks, x.shape[0] * x.shape[1]) if fused and self.fused_stack else None
         if stack is not None:  # every layer in one C++ call, the same ops as forward_fused
             cfg = self.cfg
             x, hidden = decode_glue.decode_layers(stack, x, cos, sin, cfg.rms_norm_eps, cache, batch, cfg.num_heads, cfg.num_kv_heads, taps)
         else:
+            layer = Block.forward_fused if fused else Block.forward_prefill if prefill else Block.__call__
             tapped = {}
             for i, block in enumerate(self.blocks):
-                x = block.forward_fused(x, cos, sin, cache, batch) if fused else block(x, cos, sin, cache, batch)
+                x = layer(block, x, cos, sin, cache, batch)
                 if i in taps:
                     tapped[i] = x
             hidden = [tapped[i] for i in taps]
-        x = decode_glue.rms_norm(x, self.norm.weight, self.norm.eps) if fused else self.norm(x)
+        x = decode_glue.rms_norm(x, self.norm.weight, self.norm.eps) if fused or prefill else self.norm(x)
         if last_positions is not None:
             read = x[torch.arange(x.shape[0], device=x.device), last_positions.to(x.device)].unsqueeze(1)  # [B, 1, hidden]
         else:

@@ -1,9 +1,9 @@
-"""The small-M fp32 GEMM kernel (tandem.models.cpu_gemm) and the Linear path that uses it."""
+"""The small-M fp32 GEMM kernel, the wide (prefill) kernel (tandem.models.cpu_gemm) and the Linear paths that use them."""
 import pytest
 import torch
 import torch.nn.functional as F
 
-from tandem.models import cpu_gemm
+from tandem.models import cpu_gemm, decode_glue
 from tandem.models.loader import load_transformer
 from tandem.models.transformer import Linear
 
@@ -34,6 +34,37 @@ def test_each_row_is_bit_identical_to_the_row_alone(m):
     for i in range(m):
         assert torch.equal(together[i : i + 1], cpu_gemm.small_gemm(x[i : i + 1], w, b)), i
     assert torch.equal(together[3:], cpu_gemm.small_gemm(x[3:], w, b))
+
+
+@needs_kernel
+@pytest.mark.parametrize("m", [1, 5, 6, 7, 17, 64, 131])  # register blocks of 6 rows and the 1-5 row tails
+@pytest.mark.parametrize("k,n", [(64, 96), (37, 50), (576, 200), (200, 7)])  # K % 8 != 0, N % 16 != 0, N < 16
+def test_wide_kernel_matches_matmul(m, k, n):
+    x, w, b = _data(m, k, n, seed=2)
+    reference = x.double() @ w.double().T
+    assert (cpu_gemm.wide_gemm(x, w).double() - reference).abs().max().item() <= TOL * max(1.0, k / 64)
+    assert (cpu_gemm.wide_gemm(x, w, b).double() - (reference + b.double())).abs().max().item() <= TOL * max(1.0, k / 64)
+
+
+@needs_kernel
+def test_wide_kernel_rows_do_not_depend_on_the_other_rows():
+    """A prompt's prefill gets the same bits alone, in a padded batch or split into chunks (of > 16 tokens)."""
+    x, w, b = _data(131, 576, 200, seed=3)
+    together = cpu_gemm.wide_gemm(x, w, b)
+    for rows in (slice(0, 1), slice(5, 6), slice(7, 30), slice(100, 131)):
+        assert torch.equal(together[rows], cpu_gemm.wide_gemm(x[rows], w, b)), rows
+    assert torch.equal(cpu_gemm.wide_gemm(x.view(1, 131, 576), w, b)[0], together)
+
+
+@needs_kernel
+def test_wide_kernel_refuses_bad_input_clearly():
+    x, w, _ = _data(20, 16, 8)
+    with pytest.raises(RuntimeError, match="wide_gemm"):
+        cpu_gemm.wide_gemm(torch.randn(20, 15), w)
+    with pytest.raises(RuntimeError, match="fp32"):
+        cpu_gemm.wide_gemm(x.double(), w.double())
+    with pytest.raises(RuntimeError, match="contiguous"):
+        cpu_gemm.wide_gemm(x, torch.randn(16, 8).T)
 
 
 @needs_kernel
@@ -83,7 +114,7 @@ def test_packed_model_keeps_one_dense_copy_and_matches(tiny_dirs, arch):
 
 
 @needs_kernel
-def test_linear_routes_large_inputs_and_grad_mode_to_f_linear():
+def test_linear_routes_inputs_by_shape_and_grad_mode_to_f_linear():
     lin = Linear(32, 24, bias=True)
     with torch.no_grad():
         lin.weight.normal_()
@@ -95,6 +126,12 @@ def test_linear_routes_large_inputs_and_grad_mode_to_f_linear():
         assert torch.equal(lin(big), F.linear(big, lin.weight, lin.bias))  # past MAX_ROWS: exactly F.linear
         small = torch.randn(3, 32)
         assert torch.equal(lin(small), cpu_gemm.small_gemm(small, lin.weight, lin.bias))
+        verify = torch.randn(30, decode_glue.MAX_NEW_TOKENS, 32)  # decode / verify shaped, 480 rows: the small kernel
+        assert torch.equal(lin(verify), cpu_gemm.small_gemm(verify, lin.weight, lin.bias))
+        prefill = torch.randn(2, decode_glue.MAX_NEW_TOKENS + 1, 32)  # more tokens per row: the wide kernel
+        assert torch.equal(lin(prefill), cpu_gemm.wide_gemm(prefill, lin.weight, lin.bias))
+        long_prefill = torch.randn(1, cpu_gemm.MAX_ROWS + 1, 32)  # ... also past MAX_ROWS
+        assert torch.equal(lin(long_prefill), cpu_gemm.wide_gemm(long_prefill, lin.weight, lin.bias))
     x = torch.randn(3, 32, requires_grad=True)
     lin(x).sum().backward()  # grad mode: F.linear, gradients flow
     assert lin.weight.grad is not None and x.grad is not None

@@ -147,6 +147,39 @@ def test_applies_only_to_cached_short_fp32_inference(tiny_dirs):
     assert not decode_glue.applies(x, cache, True)  # grad mode: training keeps the autograd path
 
 
+@needs_glue
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("cached", [True, False])
+def test_prefill_glue_matches_eager(tiny_dirs, arch, cached):
+    """A prefill of > 16 tokens per row: fused norms / SiLU around SDPA, wide GEMMs, against the torch-op forward."""
+    model = load_transformer(tiny_dirs[arch])
+    model.pack()
+    ids = torch.randint(0, 300, (2, decode_glue.MAX_NEW_TOKENS + 9), generator=torch.Generator().manual_seed(4))
+    outs, caches = [], []
+    for fused in (False, True):
+        model.fused_glue = fused
+        cache = KVCache(model.cfg, 2, 64) if cached else None
+        with torch.inference_mode():
+            outs.append(model(ids, cache=cache, taps=(0, 1)))
+        caches.append(cache)
+    eager, fused = outs
+    assert (fused.logits - eager.logits).abs().max() <= TOL * max(1.0, eager.logits.abs().max().item())
+    for a, b in zip(fused.hidden, eager.hidden):
+        assert (a - b).abs().max() <= TOL * max(1.0, b.abs().max().item())
+    if cached:
+        assert (caches[1].k - caches[0].k).abs().max() <= TOL and (caches[1].v - caches[0].v).abs().max() <= TOL
+
+
+def test_applies_prefill_only_to_long_fp32_inference():
+    long = torch.zeros(1, decode_glue.MAX_NEW_TOKENS + 1, 8)
+    with torch.inference_mode():
+        assert decode_glue.applies_prefill(long, True)
+        assert not decode_glue.applies_prefill(long, False)
+        assert not decode_glue.applies_prefill(long[:, : decode_glue.MAX_NEW_TOKENS], True)  # decode / verify: applies()
+        assert not decode_glue.applies_prefill(long.bfloat16(), True)
+    assert not decode_glue.applies_prefill(long, True)  # grad mode
+
+
 def test_head_shapes_it_cannot_take_keep_the_torch_glue(tiny_dirs):
     cfg = load_transformer(tiny_dirs["llama"]).cfg
     assert decode_glue.supports(cfg)

@@ -1,0 +1,131 @@
+// y = x @ w^T (+ bias) for fp32 activations with many rows per sequence (prefill: more than 16 new tokens), w the
+// same plain row-major [N, K] weight the small-M kernel reads (the model keeps one copy).
+//
+// Why: small_gemm.cpp sums each output as a dot product (8 lanes over k, a lane reduction), which keeps a decode
+// row's bits independent of the batch but leaves compute on the table once there are many rows. Here each thread
+// packs 16 rows of w at a time into a [K][16] panel (transposed in registers) and runs a 6 x 16 outer-product
+// register block over it: 12 accumulators, 2 panel loads and 6 broadcasts per 12 FMAs, no lane reductions
+// (~1.1-1.3x small_gemm from 17 rows on, docs/BENCHMARKS.md 1.7).
+//
+// Each y[m, n] is one accumulator lane fed k = 0, 1, ..., K - 1 in order, then the bias: the result does not
+// depend on M, on the row blocking or on the thread split, so a prompt prefilled alone or in a padded batch, or
+// in chunks of more than 16 tokens, gets the same bits. It is not the small-M kernel's summation order: a
+// prefill and a decode step of the same tokens may round differently (decode and verify never use this kernel).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <vector>
+
+namespace {
+
+constexpr int kNR = 16;  // columns of a panel: two ymm
+constexpr int kMR = 6;  // rows of x per register block: 6 x 2 accumulators + 2 panel loads + 1 broadcast of 16 ymm
+
+// 8 x 8 floats transposed in registers.
+inline void transpose8(__m256 r[8]) {
+  const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+  const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+  const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+  const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+  const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+  const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+  const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+  const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+  r[0] = _mm256_permute2f128_ps(u0, u4, 0x20); r[1] = _mm256_permute2f128_ps(u1, u5, 0x20);
+  r[2] = _mm256_permute2f128_ps(u2, u6, 0x20); r[3] = _mm256_permute2f128_ps(u3, u7, 0x20);
+  r[4] = _mm256_permute2f128_ps(u0, u4, 0x31); r[5] = _mm256_permute2f128_ps(u1, u5, 0x31);
+  r[6] = _mm256_permute2f128_ps(u2, u6, 0x31); r[7] = _mm256_permute2f128_ps(u3, u7, 0x31);
+}
+
+// P [K][16]: rows n0..n0+16 of w transposed (zeros past N).
+void pack_panel(const float* w, float* P, int64_t n0, int64_t N, int64_t K) {
+  const int64_t cols = std::min<int64_t>(kNR, N - n0);
+  if (cols < kNR || K % 8) {
+    std::fill(P, P + K * kNR, 0.f);
+    for (int64_t j = 0; j < cols; ++j) {
+      const float* row = w + (n0 + j) * K;
+      for (int64_t k = 0; k < K; ++k) P[k * kNR + j] = row[k];
+    }
+    return;
+  }
+  for (int half = 0; half < 2; ++half) {
+    const float* rows = w + (n0 + 8 * half) * K;
+    for (int64_t k = 0; k < K; k += 8) {
+      __m256 r[8];
+      for (int j = 0; j < 8; ++j) r[j] = _mm256_loadu_ps(rows + j * K + k);
+      transpose8(r);
+      for (int i = 0; i < 8; ++i) _mm256_storeu_ps(P + (k + i) * kNR + 8 * half, r[i]);
+    }
+  }
+}
+
+template <int MR>
+void block(const float* x, const float* P, const float* bias, float* y, int64_t n0, int64_t N, int64_t K) {
+  // y[m, n0 + j] = sum_k x[m, k] P[k][j] (+ bias) for the MR rows of x at x. (The accumulators stay in registers only
+  // while every loop over m is unrolled: GCC spills an array of __m256 that a rolled loop indexes.)
+  const int64_t cols = std::min<int64_t>(kNR, N - n0);
+  alignas(32) float out[MR][kNR];
+  __m256 acc[MR][2];
+#pragma GCC unroll 8
+  for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    const __m256 p0 = _mm256_loadu_ps(P + k * kNR), p1 = _mm256_loadu_ps(P + k * kNR + 8);
+#pragma GCC unroll 8
+    for (int m = 0; m < MR; ++m) {
+      const __m256 xv = _mm256_broadcast_ss(x + m * K + k);
+      acc[m][0] = _mm256_fmadd_ps(xv, p0, acc[m][0]);
+      acc[m][1] = _mm256_fmadd_ps(xv, p1, acc[m][1]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int m = 0; m < MR; ++m) {
+    _mm256_store_ps(out[m], acc[m][0]);
+    _mm256_store_ps(out[m] + 8, acc[m][1]);
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int64_t j = 0; j < cols; ++j) y[m * N + n0 + j] = bias ? out[m][j] + bias[n0 + j] : out[m][j];
+}
+
+using Block = void (*)(const float*, const float*, const float*, float*, int64_t, int64_t, int64_t);
+
+void panels(const float* x, const float* w, const float* bias, float* y, int64_t p0, int64_t p1, int64_t M, int64_t K, int64_t N) {
+  static constexpr Block blocks[kMR + 1] = {nullptr, block<1>, block<2>, block<3>, block<4>, block<5>, block<6>};
+  std::vector<float> P(K * kNR);  // this thread's panel
+  for (int64_t p = p0; p < p1; ++p) {
+    const int64_t n0 = p * kNR;
+    pack_panel(w, P.data(), n0, N, K);
+    int64_t m = 0;
+    for (; m + kMR <= M; m += kMR) block<kMR>(x + m * K, P.data(), bias, y + m * N, n0, N, K);
+    if (m < M) blocks[M - m](x + m * K, P.data(), bias, y + m * N, n0, N, K);
+  }
+}
+
+at::Tensor wide_gemm(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(w.scalar_type() == at::kFloat && w.device().is_cpu() && w.dim() == 2 && w.is_contiguous(), "wide_gemm: w must be a contiguous fp32 CPU [N, K] matrix");
+  const int64_t N = w.size(0), K = w.size(1);
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.device().is_cpu() && x.dim() >= 1 && x.size(-1) == K, "wide_gemm: x must be fp32 CPU [..., ", K, "]");
+  at::Tensor b;
+  if (bias.has_value() && bias->defined()) {
+    b = bias->contiguous();
+    TORCH_CHECK(b.scalar_type() == at::kFloat && b.numel() == N, "wide_gemm: bias must be fp32 [N]");
+  }
+  const at::Tensor x2 = x.reshape({-1, K}).contiguous();
+  const int64_t M = x2.size(0);
+  at::Tensor y = at::empty({M, N}, x.options());
+  const float *xp = x2.data_ptr<float>(), *wp = w.data_ptr<float>(), *bp = b.defined() ? b.data_ptr<float>() : nullptr;
+  float* yp = y.data_ptr<float>();
+  if (M > 0 && N > 0) {
+    at::parallel_for(0, (N + kNR - 1) / kNR, 1, [&](int64_t p0, int64_t p1) { panels(xp, wp, bp, yp, p0, p1, M, K, N); });
+  }
+  std::vector<int64_t> shape = x.sizes().vec();
+  shape.back() = N;
+  return y.view(shape);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(tandem_cpu, m) { m.def("wide_gemm(Tensor x, Tensor w, Tensor? bias) -> Tensor"); }
+
+TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) { m.impl("wide_gemm", &wide_gemm); }
