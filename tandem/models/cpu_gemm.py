@@ -83,6 +83,7 @@ def _load() -> bool:
     torch.library.register_fake("tandem_cpu::small_gemm")(_small_gemm_fake)
     torch.library.register_fake("tandem_cpu::small_gemm_q8")(_small_gemm_q8_fake)
     torch.library.register_fake("tandem_cpu::wide_gemm")(_small_gemm_fake)
+    torch.library.register_fake("tandem_cpu::wide_gemm_q8")(_small_gemm_q8_fake)
     return True
 
 
@@ -101,6 +102,11 @@ def small_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
 def wide_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:  # x [..., K], weight [N, K] -> [..., N]
     """The same product for prefill-sized inputs: faster from ~17 rows on, invariant in the rows, not small_gemm's bits."""
     return torch.ops.tandem_cpu.wide_gemm(x, weight, bias)
+
+
+def wide_gemm_q8(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """wide_gemm over the dequantized int8 weight (dequantize_q8), bit for bit, without materialising it."""
+    return torch.ops.tandem_cpu.wide_gemm_q8(x, packed, scale, bias)
 
 
 def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [N, K] -> int8 [N, K], fp32 scale [N]

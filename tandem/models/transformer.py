@@ -31,8 +31,9 @@ class Linear(nn.Module):
     - "onednn": a prepacked oneDNN copy of W (5 tokens ~1.3x the cost of 1), for other dtypes / machines,
       or when asked for (`pack(gemm="onednn")`);
     - "int8": weight-only int8 rows with one scale each (cpu_gemm.pack_q8) next to the dense weight, run
-      by the same kernel: a quarter of the bytes, batch-invariant, but not the fp32 weight's numbers (drafter
-      modules, whose outputs need not be the target's).
+      by the same kernel (prefill-shaped inputs: the wide kernel over panels widened from them): a quarter of
+      the bytes, batch-invariant, but not the fp32 weight's numbers (drafter modules, whose outputs need not be
+      the target's; the int8 target, the user's choice).
     Either is derived state: `pack()` rebuilds it after weights change, `unpack()` drops it.
 
     One copy of W, not two: `pack(keep_dense=False)` drops the dense Parameter once the packed copy
@@ -135,6 +136,8 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.int8 is not None and not torch.is_grad_enabled():
             bias = None if self.bias is None else self.bias.detach()
+            if x.dim() == 3 and x.shape[1] > decode_glue.MAX_NEW_TOKENS:  # prefill-shaped
+                return cpu_gemm.wide_gemm_q8(x.float(), *self.int8, bias)
             if x.numel() <= cpu_gemm.MAX_ROWS * self.in_features:
                 return cpu_gemm.small_gemm_q8(x.float(), *self.int8, bias)
             return F.linear(x.float(), cpu_gemm.dequantize_q8(*self.int8, self.in_features), bias)  # wide inputs: dequantized, same weights

@@ -57,6 +57,18 @@ def test_wide_kernel_rows_do_not_depend_on_the_other_rows():
 
 
 @needs_kernel
+@pytest.mark.parametrize("m", [1, 7, 40])
+@pytest.mark.parametrize("k,n", [(64, 96), (37, 50), (576, 200), (200, 7)])  # K % 8 != 0, N % 16 != 0, N < 16
+def test_wide_int8_kernel_is_the_wide_kernel_over_the_dequantized_weight(m, k, n):
+    x, w, b = _data(m, k, n, seed=5)
+    packed, scale = cpu_gemm.pack_q8(w)
+    dense = cpu_gemm.dequantize_q8(packed, scale, k).contiguous()
+    assert torch.equal(cpu_gemm.wide_gemm_q8(x, packed, scale, b), cpu_gemm.wide_gemm(x, dense, b))
+    with pytest.raises(RuntimeError, match="interleave_q8"):
+        cpu_gemm.wide_gemm_q8(torch.randn(m, k + 8), packed, scale)
+
+
+@needs_kernel
 def test_wide_kernel_refuses_bad_input_clearly():
     x, w, _ = _data(20, 16, 8)
     with pytest.raises(RuntimeError, match="wide_gemm"):
@@ -192,6 +204,9 @@ def test_int8_linear_serves_the_quantized_weight_and_trains_the_dense_one():
         x = torch.randn(rows, 48)
         with torch.no_grad():
             assert (lin(x) - F.linear(x, dequantized, lin.bias)).abs().max().item() <= TOL
+    prefill = torch.randn(2, decode_glue.MAX_NEW_TOKENS + 3, 48)  # prefill-shaped: the wide kernel over the int8 rows
+    with torch.no_grad():
+        assert torch.equal(lin(prefill), cpu_gemm.wide_gemm_q8(prefill, *lin.int8, lin.bias))
     x = torch.randn(3, 48, requires_grad=True)
     assert torch.equal(lin(x), F.linear(x, lin.weight, lin.bias))  # grad mode: the fp32 Parameter
     lin.unpack()

@@ -5,7 +5,8 @@
 // row's bits independent of the batch but leaves compute on the table once there are many rows. Here each thread
 // packs 16 rows of w at a time into a [K][16] panel (transposed in registers) and runs a 6 x 16 outer-product
 // register block over it: 12 accumulators, 2 panel loads and 6 broadcasts per 12 FMAs, no lane reductions
-// (~1.1-1.3x small_gemm from 17 rows on, docs/BENCHMARKS.md 1.7).
+// (~1.1-1.3x small_gemm from 17 rows on, docs/BENCHMARKS.md 1.7). The weight-only int8 model's prefill runs the same
+// block over panels widened from its int8 rows (wide_gemm_q8).
 //
 // Each y[m, n] is one accumulator lane fed k = 0, 1, ..., K - 1 in order, then the bias: the result does not
 // depend on M, on the row blocking or on the thread split, so a prompt prefilled alone or in a padded batch, or
@@ -61,6 +62,37 @@ void pack_panel(const float* w, float* P, int64_t n0, int64_t N, int64_t K) {
   }
 }
 
+// The same panel from weight-only int8 rows in small_gemm_q8's interleaved layout ([ceil(N/4)][ceil(K/8)][4][8], zero
+// padded): P[k][j] = q[n0 + j][k] * scale[n0 + j], the fp32 values dequantize_q8 gives, so the product is the fp32
+// kernel's over the dequantized weight, bit for bit. P has room for K rounded up to 8 rows.
+inline __m256 load8_q8(const int8_t* q) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q))));
+}
+
+void pack_panel_q8(const int8_t* packed, const float* scale, float* P, int64_t n0, int64_t N, int64_t K) {
+  const int64_t chunks = (K + 7) / 8;
+  auto row_chunk = [&](int64_t n, int64_t c) { return packed + ((n / 4 * chunks + c) * 4 + n % 4) * 8; };
+  const int64_t cols = std::min<int64_t>(kNR, N - n0);
+  if (cols < kNR) {
+    std::fill(P, P + chunks * 8 * kNR, 0.f);
+    for (int64_t j = 0; j < cols; ++j)
+      for (int64_t c = 0; c < chunks; ++c)
+        for (int i = 0; i < 8; ++i) P[(8 * c + i) * kNR + j] = static_cast<float>(row_chunk(n0 + j, c)[i]) * scale[n0 + j];
+    return;
+  }
+  for (int half = 0; half < 2; ++half) {
+    for (int64_t c = 0; c < chunks; ++c) {
+      __m256 r[8];
+      for (int j = 0; j < 8; ++j) {
+        const int64_t n = n0 + 8 * half + j;
+        r[j] = _mm256_mul_ps(load8_q8(row_chunk(n, c)), _mm256_set1_ps(scale[n]));
+      }
+      transpose8(r);
+      for (int i = 0; i < 8; ++i) _mm256_storeu_ps(P + (8 * c + i) * kNR + 8 * half, r[i]);
+    }
+  }
+}
+
 template <int MR>
 void block(const float* x, const float* P, const float* bias, float* y, int64_t n0, int64_t N, int64_t K) {
   // y[m, n0 + j] = sum_k x[m, k] P[k][j] (+ bias) for the MR rows of x at x. (The accumulators stay in registers only
@@ -90,42 +122,72 @@ void block(const float* x, const float* P, const float* bias, float* y, int64_t 
 
 using Block = void (*)(const float*, const float*, const float*, float*, int64_t, int64_t, int64_t);
 
-void panels(const float* x, const float* w, const float* bias, float* y, int64_t p0, int64_t p1, int64_t M, int64_t K, int64_t N) {
+// Every row of x against panels [p0, p1) of the weight; Pack fills one panel (fp32 or int8 rows).
+template <typename Pack>
+void panels(const Pack& pack, const float* x, const float* bias, float* y, int64_t p0, int64_t p1, int64_t M, int64_t K, int64_t N) {
   static constexpr Block blocks[kMR + 1] = {nullptr, block<1>, block<2>, block<3>, block<4>, block<5>, block<6>};
-  std::vector<float> P(K * kNR);  // this thread's panel
+  std::vector<float> P((K + 7) / 8 * 8 * kNR);  // this thread's panel
   for (int64_t p = p0; p < p1; ++p) {
     const int64_t n0 = p * kNR;
-    pack_panel(w, P.data(), n0, N, K);
+    pack(P.data(), n0);
     int64_t m = 0;
     for (; m + kMR <= M; m += kMR) block<kMR>(x + m * K, P.data(), bias, y + m * N, n0, N, K);
     if (m < M) blocks[M - m](x + m * K, P.data(), bias, y + m * N, n0, N, K);
   }
 }
 
-at::Tensor wide_gemm(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(w.scalar_type() == at::kFloat && w.device().is_cpu() && w.dim() == 2 && w.is_contiguous(), "wide_gemm: w must be a contiguous fp32 CPU [N, K] matrix");
-  const int64_t N = w.size(0), K = w.size(1);
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.device().is_cpu() && x.dim() >= 1 && x.size(-1) == K, "wide_gemm: x must be fp32 CPU [..., ", K, "]");
-  at::Tensor b;
-  if (bias.has_value() && bias->defined()) {
-    b = bias->contiguous();
-    TORCH_CHECK(b.scalar_type() == at::kFloat && b.numel() == N, "wide_gemm: bias must be fp32 [N]");
-  }
+at::Tensor checked_bias(const c10::optional<at::Tensor>& bias, int64_t N) {
+  if (!bias.has_value() || !bias->defined()) return at::Tensor();
+  at::Tensor b = bias->contiguous();
+  TORCH_CHECK(b.scalar_type() == at::kFloat && b.numel() == N, "wide_gemm: bias must be fp32 [N]");
+  return b;
+}
+
+template <typename Pack>
+at::Tensor run(const at::Tensor& x, int64_t N, const at::Tensor& b, const Pack& pack) {
+  const int64_t K = x.size(-1);
   const at::Tensor x2 = x.reshape({-1, K}).contiguous();
   const int64_t M = x2.size(0);
   at::Tensor y = at::empty({M, N}, x.options());
-  const float *xp = x2.data_ptr<float>(), *wp = w.data_ptr<float>(), *bp = b.defined() ? b.data_ptr<float>() : nullptr;
+  const float *xp = x2.data_ptr<float>(), *bp = b.defined() ? b.data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
   if (M > 0 && N > 0) {
-    at::parallel_for(0, (N + kNR - 1) / kNR, 1, [&](int64_t p0, int64_t p1) { panels(xp, wp, bp, yp, p0, p1, M, K, N); });
+    at::parallel_for(0, (N + kNR - 1) / kNR, 1, [&](int64_t p0, int64_t p1) { panels(pack, xp, bp, yp, p0, p1, M, K, N); });
   }
   std::vector<int64_t> shape = x.sizes().vec();
   shape.back() = N;
   return y.view(shape);
 }
 
+at::Tensor wide_gemm(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(w.scalar_type() == at::kFloat && w.device().is_cpu() && w.dim() == 2 && w.is_contiguous(), "wide_gemm: w must be a contiguous fp32 CPU [N, K] matrix");
+  const int64_t N = w.size(0), K = w.size(1);
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.device().is_cpu() && x.dim() >= 1 && x.size(-1) == K, "wide_gemm: x must be fp32 CPU [..., ", K, "]");
+  const float* wp = w.data_ptr<float>();
+  return run(x, N, checked_bias(bias, N), [&](float* P, int64_t n0) { pack_panel(wp, P, n0, N, K); });
+}
+
+// x @ (scale * q)^T (+ bias) with (packed, scale) = pack_q8(w): the weight-only int8 model's prefill.
+at::Tensor wide_gemm_q8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.device().is_cpu() && x.dim() >= 1, "wide_gemm_q8: x must be an fp32 CPU tensor");
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.dim() == 1, "wide_gemm_q8: scale must be fp32 [N]");
+  const int64_t N = scale.numel(), K = x.size(-1);
+  TORCH_CHECK(packed.scalar_type() == at::kChar && packed.is_contiguous() && packed.dim() == 4 && packed.size(0) == (N + 3) / 4 &&
+              packed.size(1) == (K + 7) / 8 && packed.size(2) == 4 && packed.size(3) == 8,
+              "wide_gemm_q8: weights must be interleave_q8's [ceil(N/4), ceil(K/8), 4, 8] for N = ", N, ", K = ", K);
+  const int8_t* qp = packed.data_ptr<int8_t>();
+  const float* sp = scale.data_ptr<float>();
+  return run(x, N, checked_bias(bias, N), [&](float* P, int64_t n0) { pack_panel_q8(qp, sp, P, n0, N, K); });
+}
+
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(tandem_cpu, m) { m.def("wide_gemm(Tensor x, Tensor w, Tensor? bias) -> Tensor"); }
+TORCH_LIBRARY_FRAGMENT(tandem_cpu, m) {
+  m.def("wide_gemm(Tensor x, Tensor w, Tensor? bias) -> Tensor");
+  m.def("wide_gemm_q8(Tensor x, Tensor packed, Tensor scale, Tensor? bias) -> Tensor");
+}
 
-TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) { m.impl("wide_gemm", &wide_gemm); }
+TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) {
+  m.impl("wide_gemm", &wide_gemm);
+  m.impl("wide_gemm_q8", &wide_gemm_q8);
+}
