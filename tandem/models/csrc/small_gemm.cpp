@@ -22,6 +22,8 @@ constexpr int kStreamRows = 12;  // few rows (M <= kStreamMaxM): up to 12 rows o
 constexpr int64_t kStreamMaxM = 16;
 constexpr int kBlockX = 4;  // more rows: register blocks of 4 rows of x x 3 rows of w (12 accumulators + 3 w + 1 x
 constexpr int kBlockW = 3;  // of 16 ymm registers), ~1.1-1.25x faster from M = 32 on, ~0.9x below (BENCHMARKS 1.5)
+constexpr int64_t kPrefetchBytes = 1024;  // the weight stream is prefetched this far ahead into L1: a decode step
+// 1.06-1.11x (fp32) and 1.07x (int8) faster here (BENCHMARKS 1.7); it moves no value, so no result changes
 
 // 8 int8 weights at w widened to fp32 lanes (weight-only int8, below).
 inline __m256 load8(const int8_t* w) {
@@ -66,6 +68,7 @@ void stream_pass(const float* x, const float* w, const float* bias, float* y, in
     for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
     int64_t k = 0;
     for (; k + 8 <= K; k += 8) {
+      _mm_prefetch(reinterpret_cast<const char*>(wr + k) + kPrefetchBytes, _MM_HINT_T0);
       const __m256 wv = _mm256_loadu_ps(wr + k);
       for (int m = 0; m < M; ++m) acc[m] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + m * K + k), acc[m]);
     }
@@ -158,6 +161,7 @@ void q8_group(const float* x, const int8_t* group, const float* scale, const flo
     for (int r = 0; r < kGroup; ++r) acc[m][r] = _mm256_setzero_ps();
   for (int64_t c = 0; c < full; ++c) {
     const int8_t* chunk = group + c * 8 * kGroup;
+    _mm_prefetch(reinterpret_cast<const char*>(chunk) + kPrefetchBytes, _MM_HINT_T0);
     __m256 wv[kGroup];
     for (int r = 0; r < kGroup; ++r) wv[r] = load8(chunk + 8 * r);
     for (int m = 0; m < M; ++m) {
