@@ -48,10 +48,16 @@ def applies(x: torch.Tensor, cache, enabled_here: bool) -> bool:
     )
 
 
+def prefill_shaped(x: torch.Tensor) -> bool:
+    """x [B, T, features] with more than MAX_NEW_TOKENS tokens per row: a prefill, never a decode / verify step
+    (what picks the wide GEMM kernel and the prefill glue: by tokens per sequence, never by rows)."""
+    return x.dim() == 3 and x.shape[1] > MAX_NEW_TOKENS
+
+
 def applies_prefill(x: torch.Tensor, enabled_here: bool) -> bool:
     """Whether a layer over x [B, T, hidden] runs the fused norms and SiLU around SDPA (Block.forward_prefill):
-    a prefill of more than MAX_NEW_TOKENS tokens per row, with or without a cache."""
-    return _inference_fp32(x, enabled_here) and x.shape[1] > MAX_NEW_TOKENS
+    a prefill-shaped input, with or without a cache."""
+    return _inference_fp32(x, enabled_here) and prefill_shaped(x)
 
 
 def _inference_fp32(x: torch.Tensor, enabled_here: bool) -> bool:

@@ -136,14 +136,14 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.int8 is not None and not torch.is_grad_enabled():
             bias = None if self.bias is None else self.bias.detach()
-            if x.dim() == 3 and x.shape[1] > decode_glue.MAX_NEW_TOKENS:  # prefill-shaped
+            if decode_glue.prefill_shaped(x):
                 return cpu_gemm.wide_gemm_q8(x.float(), *self.int8, bias)
             if x.numel() <= cpu_gemm.MAX_ROWS * self.in_features:
                 return cpu_gemm.small_gemm_q8(x.float(), *self.int8, bias)
             return F.linear(x.float(), cpu_gemm.dequantize_q8(*self.int8, self.in_features), bias)  # wide inputs: dequantized, same weights
         if self.small_gemm and not torch.is_grad_enabled() and x.dtype == torch.float32:
             bias = None if self.bias is None else self.bias.detach()
-            if x.dim() == 3 and x.shape[1] > decode_glue.MAX_NEW_TOKENS:  # prefill-shaped: [B, T > 16, in]
+            if decode_glue.prefill_shaped(x):
                 return cpu_gemm.wide_gemm(x, self._parameters["weight"], bias)
             if x.numel() <= cpu_gemm.MAX_ROWS * self.in_features:
                 return cpu_gemm.small_gemm(x, self._parameters["weight"], bias)

@@ -9,3 +9,8 @@ inline float lane_sum(__m256 v) {
   s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
   return _mm_cvtss_f32(s);
 }
+
+// 8 int8 values at q widened to fp32 lanes (weight-only int8 rows).
+inline __m256 load8_i8(const int8_t* q) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q))));
+}

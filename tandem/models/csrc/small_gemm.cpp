@@ -25,11 +25,6 @@ constexpr int kBlockW = 3;  // of 16 ymm registers), ~1.1-1.25x faster from M = 
 constexpr int64_t kPrefetchBytes = 1024;  // the weight stream is prefetched this far ahead into L1: a decode step
 // 1.06-1.11x (fp32) and 1.07x (int8) faster here (BENCHMARKS 1.7); it moves no value, so no result changes
 
-// 8 int8 weights at w widened to fp32 lanes (weight-only int8, below).
-inline __m256 load8(const int8_t* w) {
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w))));
-}
-
 // One register block: y[m, n] = sum_k x[m, k] w[n, k] + bias[n] for the M rows of x at x and the
 // NW rows of w from n. Each output has its own accumulator, fed in the same k order whatever M and NW (the
 // blocking only decides how many of them run side by side), so its result does not depend on the blocking,
@@ -116,13 +111,6 @@ void tiles(const float* x, const float* w, const float* bias, float* y, int64_t 
   }
 }
 
-at::Tensor checked_bias(const c10::optional<at::Tensor>& bias, int64_t N) {
-  if (!bias.has_value() || !bias->defined()) return at::Tensor();
-  at::Tensor b = bias->contiguous();
-  TORCH_CHECK(b.scalar_type() == at::kFloat && b.numel() == N, "small_gemm: bias must be fp32 [N]");
-  return b;
-}
-
 at::Tensor run(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b) {
   const int64_t N = w.size(0), K = w.size(1);
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.device().is_cpu(), "small_gemm: x must be an fp32 CPU tensor");
@@ -163,7 +151,7 @@ void q8_group(const float* x, const int8_t* group, const float* scale, const flo
     const int8_t* chunk = group + c * 8 * kGroup;
     _mm_prefetch(reinterpret_cast<const char*>(chunk) + kPrefetchBytes, _MM_HINT_T0);
     __m256 wv[kGroup];
-    for (int r = 0; r < kGroup; ++r) wv[r] = load8(chunk + 8 * r);
+    for (int r = 0; r < kGroup; ++r) wv[r] = load8_i8(chunk + 8 * r);
     for (int m = 0; m < M; ++m) {
       const __m256 xv = _mm256_loadu_ps(x + m * K + 8 * c);
       for (int r = 0; r < kGroup; ++r) acc[m][r] = _mm256_fmadd_ps(wv[r], xv, acc[m][r]);
@@ -201,7 +189,7 @@ namespace tandem_kernels {
 at::Tensor small_gemm(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(w.scalar_type() == at::kFloat && w.device().is_cpu(), "small_gemm: w must be an fp32 CPU tensor");
   TORCH_CHECK(w.dim() == 2 && w.is_contiguous(), "small_gemm: w must be a contiguous [N, K] matrix");
-  return run(x, w, checked_bias(bias, w.size(0)));
+  return run(x, w, checked_bias(bias, w.size(0), "small_gemm"));
 }
 
 // Weight-only int8: packed = interleave_q8(q) for q [N, K] int8 with one fp32 scale per row (w ~ scale[n] * q[n, :]);
@@ -213,7 +201,7 @@ at::Tensor small_gemm_q8(const at::Tensor& x, const at::Tensor& packed, const at
   const int64_t N = scale.numel(), K = x.size(-1);
   TORCH_CHECK(packed.dim() == 4 && packed.size(0) == (N + kGroup - 1) / kGroup && packed.size(1) == (K + 7) / 8 && packed.size(2) == kGroup &&
               packed.size(3) == 8, "small_gemm_q8: weights must be interleave_q8's [ceil(N/4), ceil(K/8), 4, 8] for N = ", N, ", K = ", K);
-  const at::Tensor b = checked_bias(bias, N);
+  const at::Tensor b = checked_bias(bias, N, "small_gemm_q8");
   const at::Tensor x2 = x.reshape({-1, K}).contiguous();
   const int64_t M = x2.size(0);
   at::Tensor y = at::empty({M, N}, x.options());

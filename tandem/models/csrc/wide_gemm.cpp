@@ -19,6 +19,9 @@
 #include <algorithm>
 #include <vector>
 
+#include "gemm.h"
+#include "simd.h"
+
 namespace {
 
 constexpr int kNR = 16;  // columns of a panel: two ymm
@@ -65,10 +68,6 @@ void pack_panel(const float* w, float* P, int64_t n0, int64_t N, int64_t K) {
 // The same panel from weight-only int8 rows in small_gemm_q8's interleaved layout ([ceil(N/4)][ceil(K/8)][4][8], zero
 // padded): P[k][j] = q[n0 + j][k] * scale[n0 + j], the fp32 values dequantize_q8 gives, so the product is the fp32
 // kernel's over the dequantized weight, bit for bit. P has room for K rounded up to 8 rows.
-inline __m256 load8_q8(const int8_t* q) {
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q))));
-}
-
 void pack_panel_q8(const int8_t* packed, const float* scale, float* P, int64_t n0, int64_t N, int64_t K) {
   const int64_t chunks = (K + 7) / 8;
   auto row_chunk = [&](int64_t n, int64_t c) { return packed + ((n / 4 * chunks + c) * 4 + n % 4) * 8; };
@@ -85,7 +84,7 @@ void pack_panel_q8(const int8_t* packed, const float* scale, float* P, int64_t n
       __m256 r[8];
       for (int j = 0; j < 8; ++j) {
         const int64_t n = n0 + 8 * half + j;
-        r[j] = _mm256_mul_ps(load8_q8(row_chunk(n, c)), _mm256_set1_ps(scale[n]));
+        r[j] = _mm256_mul_ps(load8_i8(row_chunk(n, c)), _mm256_set1_ps(scale[n]));
       }
       transpose8(r);
       for (int i = 0; i < 8; ++i) _mm256_storeu_ps(P + (8 * c + i) * kNR + 8 * half, r[i]);
@@ -136,13 +135,6 @@ void panels(const Pack& pack, const float* x, const float* bias, float* y, int64
   }
 }
 
-at::Tensor checked_bias(const c10::optional<at::Tensor>& bias, int64_t N) {
-  if (!bias.has_value() || !bias->defined()) return at::Tensor();
-  at::Tensor b = bias->contiguous();
-  TORCH_CHECK(b.scalar_type() == at::kFloat && b.numel() == N, "wide_gemm: bias must be fp32 [N]");
-  return b;
-}
-
 template <typename Pack>
 at::Tensor run(const at::Tensor& x, int64_t N, const at::Tensor& b, const Pack& pack) {
   const int64_t K = x.size(-1);
@@ -164,7 +156,7 @@ at::Tensor wide_gemm(const at::Tensor& x, const at::Tensor& w, const c10::option
   const int64_t N = w.size(0), K = w.size(1);
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.device().is_cpu() && x.dim() >= 1 && x.size(-1) == K, "wide_gemm: x must be fp32 CPU [..., ", K, "]");
   const float* wp = w.data_ptr<float>();
-  return run(x, N, checked_bias(bias, N), [&](float* P, int64_t n0) { pack_panel(wp, P, n0, N, K); });
+  return run(x, N, tandem_kernels::checked_bias(bias, N, "wide_gemm"), [&](float* P, int64_t n0) { pack_panel(wp, P, n0, N, K); });
 }
 
 // x @ (scale * q)^T (+ bias) with (packed, scale) = pack_q8(w): the weight-only int8 model's prefill.
@@ -177,7 +169,7 @@ at::Tensor wide_gemm_q8(const at::Tensor& x, const at::Tensor& packed, const at:
               "wide_gemm_q8: weights must be interleave_q8's [ceil(N/4), ceil(K/8), 4, 8] for N = ", N, ", K = ", K);
   const int8_t* qp = packed.data_ptr<int8_t>();
   const float* sp = scale.data_ptr<float>();
-  return run(x, N, checked_bias(bias, N), [&](float* P, int64_t n0) { pack_panel_q8(qp, sp, P, n0, N, K); });
+  return run(x, N, tandem_kernels::checked_bias(bias, N, "wide_gemm_q8"), [&](float* P, int64_t n0) { pack_panel_q8(qp, sp, P, n0, N, K); });
 }
 
 }  // namespace
