@@ -70,6 +70,16 @@ inline void norm_row(const float* x, const float* w, float eps, float* y, int64_
   for (int64_t i = 0; i < n; ++i) y[i] = w[i] * (x[i] * inv);
 }
 
+// Rows [0, rows) of a row-wise op, split among the threads once there are enough of them (a prefill, a wide
+// decode batch); one row, or a few, run inline. Each row is computed alone, so the split changes no value.
+template <typename F>
+void for_rows(int64_t rows, int64_t row_floats, const F& f) {
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 14) / std::max<int64_t>(1, row_floats));
+  at::parallel_for(0, rows, grain, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) f(r);
+  });
+}
+
 void check_rows(const at::Tensor& x, const at::Tensor& w, const char* op) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.device().is_cpu() && x.is_contiguous(), op, ": x must be a contiguous fp32 CPU tensor");
   TORCH_CHECK(w.scalar_type() == at::kFloat && w.is_contiguous() && w.dim() == 1 && w.numel() == x.size(-1), op, ": weight must be fp32 [", x.size(-1), "]");
@@ -81,7 +91,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   at::Tensor y = at::empty_like(x);
   const float *xp = x.data_ptr<float>(), *wp = weight.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  for (int64_t r = 0; r < rows; ++r) norm_row(xp + r * n, wp, static_cast<float>(eps), yp + r * n, n);
+  for_rows(rows, n, [&](int64_t r) { norm_row(xp + r * n, wp, static_cast<float>(eps), yp + r * n, n); });
   return y;
 }
 
@@ -93,8 +103,10 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
   at::Tensor sum = at::empty_like(x), y = at::empty_like(x);
   const float *xp = x.data_ptr<float>(), *rp = residual.data_ptr<float>(), *wp = weight.data_ptr<float>();
   float *sp = sum.data_ptr<float>(), *yp = y.data_ptr<float>();
-  for (int64_t i = 0; i < rows * n; ++i) sp[i] = rp[i] + xp[i];
-  for (int64_t r = 0; r < rows; ++r) norm_row(sp + r * n, wp, static_cast<float>(eps), yp + r * n, n);
+  for_rows(rows, n, [&](int64_t r) {
+    for (int64_t i = r * n; i < (r + 1) * n; ++i) sp[i] = rp[i] + xp[i];
+    norm_row(sp + r * n, wp, static_cast<float>(eps), yp + r * n, n);
+  });
   return {sum, y};
 }
 
@@ -107,13 +119,13 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   at::Tensor y = at::empty(shape, gate_up.options());
   const float* g = gate_up.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  for (int64_t r = 0; r < rows; ++r) {
+  for_rows(rows, 2 * width, [&](int64_t r) {
     const float *gr = g + r * 2 * width, *ur = gr + width;
     float* yr = yp + r * width;
     for (int64_t i = 0; i < width; ++i) yr[i] = -gr[i];
     exp_inplace(yr, width);  // e^-gate
     for (int64_t i = 0; i < width; ++i) yr[i] = gr[i] / (1.0f + yr[i]) * ur[i];
-  }
+  });
   return y;
 }
 
