@@ -243,7 +243,7 @@ class Engine:
         request.metrics.prefill_time_s = time.perf_counter() - start
         request.metrics.first_token_time = time.perf_counter()
         self.stats.prefill_tokens += len(request.prompt_ids)
-        output = self._commit(request, [token], self._logprobs(request, logits, result))
+        output = self._commit(request, [token], self._logprobs([request], [result], logits.unsqueeze(0))[0])
         if self.drafter is not None:
             self.drafter.on_prefill(request, out)
         if self.observers:
@@ -263,14 +263,16 @@ class Engine:
             out = self.compiled(ids, positions, mask)
         else:
             out = self.model(ids, positions=positions, cache=self.cache, rows=slice(0, len(requests)), tree_mask=mask, taps=self.taps)
-        outputs, results = [], []
+        results = []
         argmax = self._greedy_argmax(requests, out.logits)
+        probs = self._step_target_probs(requests, drafts, out.logits)
         for b, (request, draft) in enumerate(zip(requests, drafts)):
             logits = out.logits[b, : len(draft) + 1]
-            result, target_probs = self._verify(request, draft, logits, None if argmax is None else argmax[b, : len(draft) + 1])
+            result, target_probs = self._verify(request, draft, logits, None if argmax is None else argmax[b, : len(draft) + 1], probs[b])
             self.cache.keep_path(request.row, starts[b], [0] + [1 + i for i in result.accepted_nodes])
             results.append((result, target_probs))
-            outputs.append(self._commit(request, result.tokens, self._logprobs(request, logits, result)))
+        logprobs = self._logprobs(requests, [result for result, _ in results], out.logits, [p for _, p in results])
+        outputs = [self._commit(request, result.tokens, lp) for request, (result, _), lp in zip(requests, results, logprobs)]
         t2 = time.perf_counter()
         self._account(requests, drafts, results, draft_s=t1 - t0, verify_s=t2 - t1)
         self._notify(requests, drafts, results, out, starts)
@@ -285,13 +287,32 @@ class Engine:
             return None
         return logits.argmax(-1).cpu()
 
-    def _verify(self, request: Request, draft: DraftTree, logits: torch.Tensor, argmax: torch.Tensor | None = None):  # logits [N+1, V]
-        """Verify one request's draft (argmax [N+1]: logits.argmax(-1), if already computed); target_probs [N+1, V]
-        is returned only when it was needed or recorded."""
-        if request.params.greedy and not self.config.record_steps:
+    def _needs_target_probs(self, request: Request) -> bool:
+        return not request.params.greedy or self.config.record_steps
+
+    def _step_target_probs(self, requests: list[Request], drafts: list[DraftTree], logits: torch.Tensor) -> list[torch.Tensor | None]:
+        """Each request's target_probs [N+1, V] where its verify needs them (sampled, or recorded), from one
+        sampling_probs call over all those rows (a row's probabilities do not depend on the other rows)."""
+        needed = [b for b, r in enumerate(requests) if self._needs_target_probs(r)]
+        found: list[torch.Tensor | None] = [None] * len(requests)
+        if not needed:
+            return found
+        sizes = [len(drafts[b]) + 1 for b in needed]
+        rows = torch.cat([logits[b, :n] for b, n in zip(needed, sizes)])
+        owners = [requests[b] for b, n in zip(needed, sizes) for _ in range(n)]
+        for b, part in zip(needed, self._target_probs(owners, rows).split(sizes)):
+            found[b] = part
+        return found
+
+    def _verify(self, request: Request, draft: DraftTree, logits: torch.Tensor, argmax: torch.Tensor | None = None,
+                target_probs: torch.Tensor | None = None):  # logits [N+1, V]
+        """Verify one request's draft (argmax [N+1] / target_probs [N+1, V]: already computed for the step, or None);
+        target_probs is returned only when it was needed or recorded."""
+        if not self._needs_target_probs(request):
             return verify_greedy(draft.parents, draft.tokens, logits.argmax(-1).cpu() if argmax is None else argmax), None
         n = len(draft)
-        target_probs = self._target_probs([request] * (n + 1), logits)
+        if target_probs is None:
+            target_probs = self._target_probs([request] * (n + 1), logits)
         uniform = draw_uniform([request.generator], n + 1)[0]
         return verify_tree(draft.parents, draft.tokens, draft.probs(target_probs.shape[-1]), target_probs, uniform), target_probs
 
@@ -333,18 +354,32 @@ class Engine:
         top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
         return sampling_probs(logits.float().cpu(), temperature, top_k, top_p)
 
-    def _logprobs(self, request: Request, logits: torch.Tensor, result) -> list[tuple[float, float]] | None:  # logits [N+1, V]
-        """(sampled, policy) log-prob of each emitted token, read from the verify forward at the position it
-        was drawn (the root, then after each accepted node): the same rows plain decoding would read."""
-        if not request.params.logprobs:
-            return None
-        rows = [0] + [1 + j for j in result.accepted_nodes]
-        p, n = request.params, len(rows)
-        sampled, policy = token_logprobs(
-            logits[rows].float().cpu(), torch.tensor(result.tokens), torch.full((n,), float(p.temperature)),
-            torch.full((n,), p.top_k, dtype=torch.long), torch.full((n,), float(p.top_p)),
-        )
-        return list(zip(sampled.tolist(), policy.tolist()))
+    def _logprobs(self, requests: list[Request], results: list, logits: torch.Tensor,
+                  probs: list[torch.Tensor | None] | None = None) -> list[list[tuple[float, float]] | None]:
+        """Per request, (sampled, policy) log-prob of each emitted token, read from the verify forward (logits
+        [B, T, V]) at the position it was drawn (the root, then after each accepted node): the same rows plain
+        decoding would read; None where the request did not ask. One call for the step's requests; probs: the
+        verify's target_probs per request (reused for the sampled log-probs where all of them have them)."""
+        wanted = [b for b, r in enumerate(requests) if r.params.logprobs]
+        found: list[list[tuple[float, float]] | None] = [None] * len(requests)
+        if not wanted:
+            return found
+        rows = {b: [0] + [1 + j for j in results[b].accepted_nodes] for b in wanted}
+        picked = logits[[b for b in wanted for _ in rows[b]], [t for b in wanted for t in rows[b]]].float().cpu()  # [M, V]
+        tokens = torch.tensor([token for b in wanted for token in results[b].tokens])
+        if probs is not None and all(probs[b] is not None for b in wanted):
+            sampled = torch.cat([probs[b][rows[b]] for b in wanted]).gather(-1, tokens.view(-1, 1)).squeeze(-1).log()
+            policy = torch.log_softmax(picked, dim=-1).gather(-1, tokens.view(-1, 1)).squeeze(-1)
+        else:
+            params = [requests[b].params for b in wanted for _ in rows[b]]
+            sampled, policy = token_logprobs(
+                picked, tokens, torch.tensor([float(p.temperature) for p in params]),
+                torch.tensor([p.top_k for p in params], dtype=torch.long), torch.tensor([float(p.top_p) for p in params]),
+            )
+        pairs = list(zip(sampled.tolist(), policy.tolist()))
+        for b in wanted:
+            found[b], pairs = pairs[: len(rows[b])], pairs[len(rows[b]) :]
+        return found
 
     def _commit(self, request: Request, tokens: list[int], logprobs: list[tuple[float, float]] | None = None) -> StepOutput:
         """Append emitted tokens, stopping at EOS / a stop token / max_tokens (later tokens are dropped)."""
