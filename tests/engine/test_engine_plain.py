@@ -47,6 +47,21 @@ def test_batched_equals_one_at_a_time(tiny_llama):
     assert [len(o) for o in batched] == [3, 9, 5, 12, 1]
 
 
+def test_batched_sampling_and_logprobs_equal_one_at_a_time(tiny_llama):
+    # the step computes sampling probabilities, argmax and log-probs once for all rows: each request must still
+    # get exactly what it gets alone (mixed temperatures / top-k / top-p, a greedy request among sampled ones)
+    ps = prompts(4, seed=4)
+    params = [SamplingParams(max_tokens=8, temperature=t, top_k=k, top_p=p, seed=s, ignore_eos=True, logprobs=True)
+              for t, k, p, s in ((1.0, 0, 1.0, 1), (0.7, 20, 1.0, 2), (0.0, 0, 1.0, None), (1.3, 0, 0.8, 3))]
+    batched = engine_for(tiny_llama, max_batch_size=4).run(ps, params)
+    single = [engine_for(tiny_llama, max_batch_size=1).run([p], [sp])[0] for p, sp in zip(ps, params)]
+    assert [r.output_ids for r in batched] == [r.output_ids for r in single]
+    assert [r.output_logprobs for r in batched] == [r.output_logprobs for r in single]
+    assert [r.output_policy_logprobs for r in batched] == [r.output_policy_logprobs for r in single]
+    assert all(len(r.output_logprobs) == 8 for r in batched)
+    assert batched[2].output_logprobs == [0.0] * 8  # greedy: the sampled distribution is one-hot
+
+
 def test_seeded_sampling_is_reproducible_and_seed_dependent(tiny_llama):
     engine = engine_for(tiny_llama, max_batch_size=4)
     p = prompts(1, seed=2)[0]
