@@ -318,8 +318,8 @@ at::Tensor attend_cached(const at::Tensor& qkv, const at::Tensor& cos, const at:
       const int64_t part = i % split, g = (i / split) % Hkv, t = (i / (split * Hkv)) % T, b = i / (split * Hkv * T);
       const int64_t prefix = sp[b], head = g * group + part * per_item;
       const bool* allowed = tp ? tp + (b * T + t) * T : nullptr;
-      // Causal: keys after t are invisible to it; they would add exact zeros (to the softmax sum and to each value
-      // sum), so stopping at t gives the same bits and halves a long prefill's work. A tree may allow any slot.
+      // Causal: the keys after t are invisible to it and would add exact zeros (to the softmax sum and to each value
+      // sum), so stopping at t gives the same bits with less work for the later rows of a chain. A tree may allow any slot.
       const int64_t keys = allowed ? prefix + T : prefix + t + 1;
       kAttendHeads[per_item](qp + ((b * T + t) * H + head) * D, slot(kc, b, g, 0), slot(vc, b, g, 0), keys, D, scale, prefix,
                              allowed, t, scores.data(), op + ((b * T + t) * H + head) * D, split == 1);
