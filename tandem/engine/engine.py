@@ -44,6 +44,13 @@ def _prefill_groups(requests: list[Request], budget: int) -> list[list[Request]]
     return groups
 
 
+def _sampling_tensors(requests: list[Request]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """temperature [N], top_k [N] (long), top_p [N] of one request per row, as ops.sampling takes them."""
+    params = [r.params for r in requests]
+    return (torch.tensor([p.temperature for p in params], dtype=torch.float32), torch.tensor([p.top_k for p in params], dtype=torch.long),
+            torch.tensor([p.top_p for p in params], dtype=torch.float32))
+
+
 def _progress(message: str) -> None:
     print(f"[tandem] {message}", file=sys.stderr, flush=True)
 
@@ -347,12 +354,8 @@ class Engine:
             parents_with_root.append(torch.cat([torch.tensor([-1]), draft.parents + 1]))
         return ids.to(device), positions.to(device), tree_ops.batch_tree_attention_mask(parents_with_root, width)
 
-    def _target_probs(self, requests: list[Request], logits: torch.Tensor) -> torch.Tensor:  # logits [N, V]
-        params = [r.params for r in requests]
-        temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32)
-        top_k = torch.tensor([p.top_k for p in params], dtype=torch.long)
-        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
-        return sampling_probs(logits.float().cpu(), temperature, top_k, top_p)
+    def _target_probs(self, requests: list[Request], logits: torch.Tensor) -> torch.Tensor:  # logits [N, V], one request per row
+        return sampling_probs(logits.float().cpu(), *_sampling_tensors(requests))
 
     def _logprobs(self, requests: list[Request], results: list, logits: torch.Tensor,
                   probs: list[torch.Tensor | None] | None = None) -> list[list[tuple[float, float]] | None]:
@@ -371,11 +374,7 @@ class Engine:
             sampled = torch.cat([probs[b][rows[b]] for b in wanted]).gather(-1, tokens.view(-1, 1)).squeeze(-1).log()
             policy = torch.log_softmax(picked, dim=-1).gather(-1, tokens.view(-1, 1)).squeeze(-1)
         else:
-            params = [requests[b].params for b in wanted for _ in rows[b]]
-            sampled, policy = token_logprobs(
-                picked, tokens, torch.tensor([float(p.temperature) for p in params]),
-                torch.tensor([p.top_k for p in params], dtype=torch.long), torch.tensor([float(p.top_p) for p in params]),
-            )
+            sampled, policy = token_logprobs(picked, tokens, *_sampling_tensors([requests[b] for b in wanted for _ in rows[b]]))
         pairs = list(zip(sampled.tolist(), policy.tolist()))
         for b in wanted:
             found[b], pairs = pairs[: len(rows[b])], pairs[len(rows[b]) :]

@@ -195,12 +195,8 @@ at::Tensor small_gemm(const at::Tensor& x, const at::Tensor& w, const c10::optio
 // Weight-only int8: packed = interleave_q8(q) for q [N, K] int8 with one fp32 scale per row (w ~ scale[n] * q[n, :]);
 // activations stay fp32, so the result is exact for the int8 weights and batch-invariant like the fp32 kernel.
 at::Tensor small_gemm_q8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(packed.scalar_type() == at::kChar && packed.device().is_cpu() && packed.is_contiguous(), "small_gemm_q8: weights must be contiguous int8 on the CPU");
-  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.dim() == 1, "small_gemm_q8: scale must be fp32 [N]");
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.device().is_cpu() && x.dim() >= 1, "small_gemm_q8: x must be an fp32 CPU tensor");
-  const int64_t N = scale.numel(), K = x.size(-1);
-  TORCH_CHECK(packed.dim() == 4 && packed.size(0) == (N + kGroup - 1) / kGroup && packed.size(1) == (K + 7) / 8 && packed.size(2) == kGroup &&
-              packed.size(3) == 8, "small_gemm_q8: weights must be interleave_q8's [ceil(N/4), ceil(K/8), 4, 8] for N = ", N, ", K = ", K);
+  static_assert(kGroup == 4, "checked_q8 (gemm.h) checks groups of 4 rows");
+  const int64_t N = checked_q8(x, packed, scale, "small_gemm_q8"), K = x.size(-1);
   const at::Tensor b = checked_bias(bias, N, "small_gemm_q8");
   const at::Tensor x2 = x.reshape({-1, K}).contiguous();
   const int64_t M = x2.size(0);

@@ -161,12 +161,7 @@ at::Tensor wide_gemm(const at::Tensor& x, const at::Tensor& w, const c10::option
 
 // x @ (scale * q)^T (+ bias) with (packed, scale) = pack_q8(w): the weight-only int8 model's prefill.
 at::Tensor wide_gemm_q8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.device().is_cpu() && x.dim() >= 1, "wide_gemm_q8: x must be an fp32 CPU tensor");
-  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.dim() == 1, "wide_gemm_q8: scale must be fp32 [N]");
-  const int64_t N = scale.numel(), K = x.size(-1);
-  TORCH_CHECK(packed.scalar_type() == at::kChar && packed.is_contiguous() && packed.dim() == 4 && packed.size(0) == (N + 3) / 4 &&
-              packed.size(1) == (K + 7) / 8 && packed.size(2) == 4 && packed.size(3) == 8,
-              "wide_gemm_q8: weights must be interleave_q8's [ceil(N/4), ceil(K/8), 4, 8] for N = ", N, ", K = ", K);
+  const int64_t N = tandem_kernels::checked_q8(x, packed, scale, "wide_gemm_q8"), K = x.size(-1);
   const int8_t* qp = packed.data_ptr<int8_t>();
   const float* sp = scale.data_ptr<float>();
   return run(x, N, tandem_kernels::checked_bias(bias, N, "wide_gemm_q8"), [&](float* P, int64_t n0) { pack_panel_q8(qp, sp, P, n0, N, K); });
