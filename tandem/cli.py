@@ -286,6 +286,13 @@ def _train_command(sub) -> None:
 def _train(args) -> int:
     from tandem.training.offline import run_train
 
+    if args.recipe and args.ablate:
+        from tandem.training.ablation import run_ablation
+        from tandem.training.recipes import get_recipe
+
+        run_ablation(get_recipe(args.recipe), args.out, args.ablate, args.ablate_steps, args.parallel, name=args.recipe)
+        print((Path(args.out).expanduser() / "ablation" / "report.md").read_text())
+        return 0
     if args.recipe:
         from tandem.training.pipeline import run_recipe
 

@@ -366,6 +366,10 @@ def add_train_command(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--kinds", default=None, help="with --recipe: feature kinds to produce/train on (reference,regenerated)")
     p.add_argument("--export", default=None, help="with --recipe: copy the best head here (fp16 + card)")
     p.add_argument("--init", default=None, help="with --recipe: start from this exported head (its weights and draft vocabulary) when DIR has no checkpoint yet")
+    p.add_argument("--ablate", action="append", default=[], metavar="FIELD=V1,V2",
+                   help="with --recipe: train one fresh head per value (one field changed from the recipe) on DIR/features, same steps, one table (repeatable)")
+    p.add_argument("--ablate-steps", type=int, default=100, help="with --ablate: optimiser steps per variant")
+    p.add_argument("--parallel", type=int, default=2, help="with --ablate: variants trained at once (one thread each)")
     p.set_defaults(func=run_train)
     return p
 

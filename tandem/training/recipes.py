@@ -28,13 +28,14 @@ class Recipe:
     regen_batch: int = 32  # sequences decoded at once when regenerating answers
     heldout_per_domain: int = 8
     eval_every: int = 60  # optimiser steps between held-out evaluations / checkpoints
+    eval_depth: int = 4  # held-out chains are this many drafts long, whatever `unroll` trains (ablations compare at one depth)
     feature_kinds: tuple[str, ...] = ("reference", "regenerated")  # feature directories the trainer streams
     finetune_fraction: float = 0.15  # last share of the time: regenerated features only (the target's own answers)
     extra_prompts: bool = True  # also regenerate the extra SQL / chat prompts (tandem.training.more_prompts)
     seed: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("draft_vocab", "unroll", "rows", "row_len", "max_doc_tokens", "max_new_tokens", "regen_batch", "eval_every"):
+        for name in ("draft_vocab", "unroll", "rows", "row_len", "max_doc_tokens", "max_new_tokens", "regen_batch", "eval_every", "eval_depth"):
             if getattr(self, name) < 1:
                 raise InvalidParameterError(f"recipe {name} must be >= 1, got {getattr(self, name)}")
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from tandem.errors import ModelLoadError
+from tandem.errors import InvalidParameterError, ModelLoadError
 from tandem.models.eagle import EagleConfig, EagleHead, load_eagle, new_eagle_head, save_eagle, target_identity
 from tandem.training.features import DOMAIN_NAMES, FeatureStream, shard_docs, pack_documents, read_index
 from tandem.training.packed import next_valid, packed_loss, packed_unroll, shifted
@@ -220,9 +220,13 @@ def sample_roots(batch, fraction: float, rng: random.Random) -> torch.Tensor | N
     return torch.tensor(sorted(rng.sample(candidates, min(count, len(candidates)))), dtype=torch.long)
 
 
-def train_recipe(recipe: Recipe, out: Path, hours: float, log=print, init: str | Path | None = None) -> dict:
-    """Train (or resume) until `hours` of optimisation have passed in this session; without a checkpoint
-    in `out`, start from the exported head `init` when given (see `starting_point`)."""
+def train_recipe(recipe: Recipe, out: Path, hours: float | None, log=print, init: str | Path | None = None, max_steps: int | None = None) -> dict:
+    """Train (or resume) until `hours` of optimisation have passed in this session, or until the run has taken
+    `max_steps` optimiser steps (then the learning-rate schedule follows steps, not time: runs that must be
+    compared at equal data, as in an ablation); without a checkpoint in `out`, start from the exported head
+    `init` when given (see `starting_point`)."""
+    if hours is None and max_steps is None:
+        raise InvalidParameterError("train_recipe needs hours or max_steps")
     from tandem.training.recipes import load_target
 
     target, tokenizer = load_target(recipe)
@@ -242,16 +246,16 @@ def train_recipe(recipe: Recipe, out: Path, hours: float, log=print, init: str |
         log(json.dumps(_checkpoint_and_eval(head, optimizer, state, heldout, ckpt_root, out, recipe, float("nan"), {}, 0.0)))
     target_rows = target.lm_head.weight.detach().float()[head.draft_to_target]  # [Vd, d]
     rng = random.Random(f"{recipe.seed}:{state.step}")
-    budget = 3600 * hours  # this session's wall time; the schedule spans all sessions' time
+    budget = 3600 * hours if hours is not None else float("inf")  # this session's wall time; the schedule spans all sessions' time
     session_start = start = time.monotonic()
     total = state.seconds + budget
     stream = FeatureStream(feature_dirs, target_identity(target.cfg))
     batches = stream.batches(recipe.rows, recipe.row_len, rng)
     window_tokens, window_start = 0, time.monotonic()
     bar = tqdm(desc="train eagle", unit="step", disable=None)
-    while time.monotonic() - session_start < budget:
+    while time.monotonic() - session_start < budget and (max_steps is None or state.step < max_steps):
         batch = next(batches)
-        progress = (state.seconds + time.monotonic() - start) / max(total, 1e-9)
+        progress = state.step / max_steps if max_steps else (state.seconds + time.monotonic() - start) / max(total, 1e-9)
         for group in optimizer.param_groups:
             group["lr"] = lr_at(state.step, progress, peak_lr, recipe.warmup)
         loss, stats = packed_loss(head, target_rows, batch, recipe.unroll, sample_roots(batch, recipe.chain_fraction, rng))
@@ -321,7 +325,7 @@ def vocab_source_counts(tokenizer, recipe: Recipe) -> dict[str, Counter]:
 
 def _checkpoint_and_eval(head, optimizer, state: TrainState, heldout: Path, ckpt_root: Path, out: Path, recipe: Recipe, loss: float, stats: dict, tokens_per_s: float) -> dict:
     head.eval()
-    report = evaluate_heldout(head, heldout, recipe.unroll, recipe.row_len)
+    report = evaluate_heldout(head, heldout, recipe.eval_depth, recipe.row_len)
     head.train()
     entry = {"step": state.step, "tokens": state.tokens, "seconds": round(state.seconds, 1), "loss": round(loss, 4), "train_tokens_per_s": round(tokens_per_s, 1), "train_top1": [round(c / max(n, 1), 3) for c, n in zip(stats.get("correct", []), stats.get("counted", []))], "heldout": report}
     state.history.append(entry)
