@@ -9,7 +9,9 @@ weight-only int8 rows (one fp32 scale per row, fp32 activations), stored interle
 one sequential stream feeds 4 FMA chains (`pack_q8`): a quarter of the bytes, the same invariance.
 `wide_gemm` (csrc/wide_gemm.cpp) serves inputs of many tokens per sequence (prefill) from the same weight: packed
 panels and an outer-product register block, compute-bound rather than bandwidth-bound, invariant in the number of
-rows too, but in its own summation order (Linear uses it for prefill only, never for decode or verify).
+rows too, but in its own summation order (Linear uses it for prefill only, never for decode or verify). Where the
+CPU has AVX-512 the wide kernel and small_gemm's many-row blocks run on 512-bit registers (the same fused
+multiply-adds in the same order, so the same bits as the AVX2 blocks; `set_isa`).
 
 Built with torch.utils.cpp_extension into $TANDEM_HOME/build (about 30 s once; `make setup` does it). Where it
 cannot be used (no C++ compiler, no AVX2, not x86-64, or TANDEM_CPU_GEMM=onednn) `available()` is False and
@@ -102,6 +104,21 @@ def small_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
 def wide_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:  # x [..., K], weight [N, K] -> [..., N]
     """The same product for prefill-sized inputs: faster from ~17 rows on, invariant in the rows, not small_gemm's bits."""
     return torch.ops.tandem_cpu.wide_gemm(x, weight, bias)
+
+
+def set_isa(isa: str) -> str:
+    """Run the kernels' AVX-512 blocks ("avx512", the default where the CPU has AVX-512 F + DQ) or their AVX2 blocks
+    ("avx2"; also TANDEM_CPU_ISA=avx2); returns the one in use before. Both give the same bits (A/B runs, tests)."""
+    if not available():
+        raise RuntimeError(f"the CPU kernels are not available: {unusable_reason() or 'the build failed'}")
+    return torch.ops.tandem_cpu.set_isa(isa)
+
+
+def isa() -> str:
+    """The kernels' blocks in use: "avx512" or "avx2"."""
+    current = set_isa("avx2")
+    set_isa(current)
+    return current
 
 
 def wide_gemm_q8(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -26,6 +26,31 @@ def test_kernel_matches_matmul(m, k, n):
 
 
 @needs_kernel
+@pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() != "AVX512", reason="no AVX-512 on this CPU")
+@pytest.mark.parametrize("m,k,n", [(1, 8, 16), (9, 40, 48), (12, 64, 33), (17, 576, 200), (60, 581, 101), (131, 576, 90), (20, 7, 9)])
+def test_avx512_blocks_give_the_avx2_bits(m, k, n):
+    """The AVX-512 blocks (default where the CPU has them) do the AVX2 blocks' FMAs in the same order: the same bits
+    for every kernel, rows from the streaming path to the blocked one, K % 8 tails and N tails included."""
+    x, w, b = _data(m, k, n, seed=3)
+    packed, scale = cpu_gemm.pack_q8(w)
+    kernels = (lambda: cpu_gemm.small_gemm(x, w, b), lambda: cpu_gemm.wide_gemm(x, w, b), lambda: cpu_gemm.wide_gemm(x, w),
+               lambda: cpu_gemm.wide_gemm_q8(x, packed, scale, b))
+    before = cpu_gemm.set_isa("avx2")
+    try:
+        slow = [f() for f in kernels]
+        assert cpu_gemm.set_isa("avx512") == "avx2" and cpu_gemm.isa() == "avx512"
+        assert all(torch.equal(a, f()) for a, f in zip(slow, kernels, strict=True))
+    finally:
+        cpu_gemm.set_isa(before)
+
+
+@needs_kernel
+def test_isa_switch_refuses_unknown_names():
+    with pytest.raises(RuntimeError, match="avx2 or avx512"):
+        cpu_gemm.set_isa("sse2")
+
+
+@needs_kernel
 @pytest.mark.parametrize("m", [2, 5, 8, 9, 23, 64, 131])  # 23 and more: the blocked path against the streaming one
 def test_each_row_is_bit_identical_to_the_row_alone(m):
     """Batch invariance: a k-token verify row equals the single-token step's row bit for bit."""

@@ -3,6 +3,9 @@
 #pragma once
 #include <torch/extension.h>
 
+#include <cstdlib>
+#include <string>
+
 namespace tandem_kernels {
 
 // y = x @ w^T (+ bias); x [..., K] fp32, w a contiguous fp32 [N, K].
@@ -28,6 +31,25 @@ inline int64_t checked_q8(const at::Tensor& x, const at::Tensor& packed, const a
   TORCH_CHECK(packed.dim() == 4 && packed.size(0) == (N + 3) / 4 && packed.size(1) == (K + 7) / 8 && packed.size(2) == 4 && packed.size(3) == 8,
               op, ": weights must be interleave_q8's [ceil(N/4), ceil(K/8), 4, 8] for N = ", N, ", K = ", K);
   return N;
+}
+
+// Whether the GEMM kernels run their AVX-512 blocks: where the CPU has AVX-512 (F and DQ), unless TANDEM_CPU_ISA=avx2 or
+// set_isa("avx2") says otherwise. The AVX-512 blocks do the same fused multiply-adds in the same order as the AVX2 ones
+// (same bits), so this is a speed switch only (A/B runs, tests). One flag per process (an inline function's static).
+inline bool avx512_supported() { return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq"); }
+
+inline bool& use_avx512() {
+  static bool on = avx512_supported() && std::string(std::getenv("TANDEM_CPU_ISA") ? std::getenv("TANDEM_CPU_ISA") : "") != "avx2";
+  return on;
+}
+
+// "avx512" or "avx2"; returns the ISA in use before. "avx512" on a CPU without it is an error.
+inline std::string set_isa(const std::string& isa) {
+  TORCH_CHECK(isa == "avx2" || isa == "avx512", "set_isa: isa must be avx2 or avx512, got ", isa);
+  TORCH_CHECK(isa == "avx2" || avx512_supported(), "set_isa: this CPU has no AVX-512 (F + DQ)");
+  const std::string before = use_avx512() ? "avx512" : "avx2";
+  use_avx512() = isa == "avx512";
+  return before;
 }
 
 }  // namespace tandem_kernels

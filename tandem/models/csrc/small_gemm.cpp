@@ -25,6 +25,13 @@ constexpr int kBlockW = 3;  // of 16 ymm registers), ~1.1-1.25x faster from M = 
 constexpr int64_t kPrefetchBytes = 1024;  // the weight stream is prefetched this far ahead into L1: a decode step
 // 1.06-1.11x (fp32) and 1.07x (int8) faster here (BENCHMARKS 1.7); it moves no value, so no result changes
 
+// s + the K % 8 tail of one output's dot product (k0 .. K - 1), in one compiled copy for every block and pass, so the
+// AVX-512 blocks (compiled for another target) cannot round it differently (e.g. by contracting into FMAs).
+__attribute__((noinline)) float tail_dot(const float* x, const float* w, float s, int64_t k0, int64_t K) {
+  for (int64_t k = k0; k < K; ++k) s += x[k] * w[k];
+  return s;
+}
+
 // One register block: y[m, n] = sum_k x[m, k] w[n, k] + bias[n] for the M rows of x at x and the
 // NW rows of w from n. Each output has its own accumulator, fed in the same k order whatever M and NW (the
 // blocking only decides how many of them run side by side), so its result does not depend on the blocking,
@@ -47,7 +54,7 @@ void block(const float* x, const float* w, const float* bias, float* y, int64_t 
     for (int j = 0; j < NW; ++j) {
       const float* wr = w + (n + j) * K;
       float s = lane_sum(acc[m][j]);
-      for (int64_t kk = k; kk < K; ++kk) s += x[m * K + kk] * wr[kk];
+      if (k < K) s = tail_dot(x + m * K, wr, s, k, K);
       y[m * N + n + j] = bias ? s + bias[n + j] : s;
     }
   }
@@ -69,7 +76,7 @@ void stream_pass(const float* x, const float* w, const float* bias, float* y, in
     }
     for (int m = 0; m < M; ++m) {
       float s = lane_sum(acc[m]);
-      for (int64_t kk = k; kk < K; ++kk) s += x[m * K + kk] * wr[kk];
+      if (k < K) s = tail_dot(x + m * K, wr, s, k, K);
       y[m * N + n] = bias ? s + bias[n] : s;
     }
   }
@@ -81,6 +88,55 @@ void blocked_pass(const float* x, const float* w, const float* bias, float* y, i
   int64_t n = n0;
   for (; n + kBlockW <= n1; n += kBlockW) block<M, kBlockW>(x, w, bias, y, n, K, N);
   for (; n < n1; ++n) block<M, 1>(x, w, bias, y, n, K, N);
+}
+
+// The AVX-512 register block (CPUs that have it): two rows of w per zmm (row n in the low 8 lanes, row n + 1 in the
+// high 8) against the same 8 values of x broadcast to both halves, so every lane does exactly the FMA the AVX2 block
+// does for its output, in the same k order, and each half is reduced by the same lane_sum: the AVX2 block's bits,
+// with twice the work per instruction and 32 registers (8 rows of x x 6 rows of w: 24 accumulators).
+constexpr int kBlockX512 = 8;
+constexpr int64_t kStreamMaxM512 = 8;  // with AVX-512 the blocks take over from this many rows of x (the stream stays below)
+constexpr int kBlockW512 = 6;
+
+template <int M, int NW>
+__attribute__((target("avx512f,avx512dq"))) void block512(const float* x, const float* w, const float* bias, float* y, int64_t n, int64_t K, int64_t N) {
+  static_assert(NW % 2 == 0, "two rows of w per register");
+  constexpr int NZ = NW / 2;
+  __m512 acc[M][NZ];
+#pragma GCC unroll 8
+  for (int m = 0; m < M; ++m)
+#pragma GCC unroll 4
+    for (int j = 0; j < NZ; ++j) acc[m][j] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 8 <= K; k += 8) {
+    __m512 wv[NZ];
+#pragma GCC unroll 4
+    for (int j = 0; j < NZ; ++j)
+      wv[j] = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(w + (n + 2 * j) * K + k)), _mm256_loadu_ps(w + (n + 2 * j + 1) * K + k), 1);
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m) {
+      const __m512 xv = _mm512_broadcast_f32x8(_mm256_loadu_ps(x + m * K + k));
+#pragma GCC unroll 4
+      for (int j = 0; j < NZ; ++j) acc[m][j] = _mm512_fmadd_ps(wv[j], xv, acc[m][j]);
+    }
+  }
+  for (int m = 0; m < M; ++m) {
+    for (int j = 0; j < NW; ++j) {
+      const __m512 pair = acc[m][j / 2];
+      const float* wr = w + (n + j) * K;
+      float s = lane_sum(j % 2 ? _mm512_extractf32x8_ps(pair, 1) : _mm512_castps512_ps256(pair));
+      if (k < K) s = tail_dot(x + m * K, wr, s, k, K);
+      y[m * N + n + j] = bias ? s + bias[n + j] : s;
+    }
+  }
+}
+
+template <int M>
+__attribute__((target("avx512f,avx512dq"))) void blocked_pass512(const float* x, const float* w, const float* bias, float* y, int64_t n0, int64_t n1, int64_t K, int64_t N) {
+  int64_t n = n0;
+  for (; n + kBlockW512 <= n1; n += kBlockW512) block512<M, kBlockW512>(x, w, bias, y, n, K, N);
+  for (; n + 2 <= n1; n += 2) block512<M, 2>(x, w, bias, y, n, K, N);
+  if (n < n1) block<M, 1>(x, w, bias, y, n, K, N);
 }
 
 using Pass = void (*)(const float*, const float*, const float*, float*, int64_t, int64_t, int64_t, int64_t);
@@ -104,8 +160,13 @@ void tiles(const float* x, const float* w, const float* bias, float* y, int64_t 
                                                    stream_pass<5>, stream_pass<6>, stream_pass<7>, stream_pass<8>,
                                                    stream_pass<9>, stream_pass<10>, stream_pass<11>, stream_pass<12>};
   static constexpr Pass blocked[kBlockX + 1] = {nullptr, blocked_pass<1>, blocked_pass<2>, blocked_pass<3>, blocked_pass<4>};
-  if (M <= kStreamMaxM) {
+  static constexpr Pass blocked512[kBlockX512 + 1] = {nullptr, blocked_pass512<1>, blocked_pass512<2>, blocked_pass512<3>, blocked_pass512<4>,
+                                                      blocked_pass512<5>, blocked_pass512<6>, blocked_pass512<7>, blocked_pass512<8>};
+  const bool avx512 = tandem_kernels::use_avx512();
+  if (M <= (avx512 ? kStreamMaxM512 : kStreamMaxM)) {
     tiles(stream, kStreamRows, x, w, bias, y, n0, n1, M, K, N);
+  } else if (avx512) {
+    tiles(blocked512, kBlockX512, x, w, bias, y, n0, n1, M, K, N);
   } else {
     tiles(blocked, kBlockX, x, w, bias, y, n0, n1, M, K, N);
   }
@@ -266,6 +327,7 @@ TORCH_LIBRARY(tandem_cpu, m) {
   m.def("small_gemm_q8(Tensor x, Tensor packed, Tensor scale, Tensor? bias) -> Tensor");
   m.def("quantize_rows(Tensor weight) -> (Tensor, Tensor)");
   m.def("interleave_q8(Tensor q) -> Tensor");
+  m.def("set_isa(str isa) -> str", &tandem_kernels::set_isa);
 }
 
 TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) {
