@@ -30,6 +30,7 @@ class ThroughputConfig:
     prefill_batch_tokens: int = 0  # > 0: batched prefill (EngineConfig.prefill_batch_tokens)
     prefill_chunk_tokens: int = 0  # > 0: chunked prefill (EngineConfig.prefill_chunk_tokens)
     stop_at_eos: bool = False  # like the peer harness (vllm batched); default: every request emits max_tokens
+    isa_ab: bool = False  # also A/B the CPU kernels' AVX2 and AVX-512 blocks (same bits), alternated twice
 
     def __post_init__(self) -> None:
         if self.num_prompts < 1 or self.concurrency < 1 or self.max_tokens < 1:
@@ -56,7 +57,32 @@ def run_throughput_bench(cfg: ThroughputConfig) -> dict:
     results, outputs = {}, {}
     for name, engine in runners.items():
         results[name], outputs[name] = serve_all(engine, ids, params)
-    result = {"model": cfg.model, "prompts": len(ids), "concurrency": cfg.concurrency, "max_tokens": cfg.max_tokens,
+    if cfg.isa_ab:
+        return result_of(cfg, results, outputs) | {"isa_ab": isa_comparison(lambda: runner(False), ids, params)}
+    return result_of(cfg, results, outputs)
+
+
+def isa_comparison(new_engine, ids: list[list[int]], params: SamplingParams, rounds: int = 2) -> dict:
+    """The same prompts served with the kernels' AVX2 and AVX-512 blocks, alternated `rounds` times (a fresh engine per
+    run): tokens/s per arm and run, the ratio of the medians, and whether every run emitted the same tokens."""
+    from tandem.models import cpu_gemm
+
+    before, runs, tokens = cpu_gemm.isa(), {"avx2": [], "avx512": []}, []
+    try:
+        for _ in range(rounds):
+            for isa in runs:
+                cpu_gemm.set_isa(isa)
+                result, out = serve_all(new_engine(), ids, params)
+                runs[isa].append(result)
+                tokens.append(out)
+    finally:
+        cpu_gemm.set_isa(before)
+    rate = {isa: statistics.median(r["output_tokens_per_s"] for r in rs) for isa, rs in runs.items()}
+    return {"runs": runs, "avx512_speedup": round(rate["avx512"] / rate["avx2"], 3), "identical": all(t == tokens[0] for t in tokens)}
+
+
+def result_of(cfg: ThroughputConfig, results: dict, outputs: dict) -> dict:
+    result = {"model": cfg.model, "prompts": len(next(iter(outputs.values()))), "concurrency": cfg.concurrency, "max_tokens": cfg.max_tokens,
               "drafter": cfg.drafter, "prefill_batch_tokens": cfg.prefill_batch_tokens, "prefill_chunk_tokens": cfg.prefill_chunk_tokens, "stop_at_eos": cfg.stop_at_eos, "machine": machine_info(), "runners": results}
     if cfg.compile:
         result["compiled_speedup"] = round(results["compiled"]["output_tokens_per_s"] / results["eager"]["output_tokens_per_s"], 3)
@@ -105,6 +131,7 @@ def add_bench_throughput_command(bench) -> None:
     p.add_argument("--prefill-batch-tokens", type=int, default=0, help="> 0: batched prefill of admitted requests")
     p.add_argument("--prefill-chunk-tokens", type=int, default=0, help="> 0: at most this many prompt tokens per step (long prompts in chunks)")
     p.add_argument("--stop-at-eos", action="store_true", help="requests end at EOS (as in the peer harness); default: all emit --max-tokens")
+    p.add_argument("--isa-ab", action="store_true", help="also A/B the CPU kernels' AVX2 and AVX-512 blocks (needs an AVX-512 CPU)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json", dest="json_out", default=None)
     p.set_defaults(func=_run)
@@ -117,7 +144,7 @@ def _run(args) -> int:
 
     torch.set_num_threads(args.threads)
     cfg = ThroughputConfig(args.model, args.prompts, args.num_prompts, args.concurrency, args.max_tokens, args.max_model_len, args.compile, args.drafter,
-                           args.prefill_batch_tokens, args.prefill_chunk_tokens, args.stop_at_eos)
+                           args.prefill_batch_tokens, args.prefill_chunk_tokens, args.stop_at_eos, args.isa_ab)
     result = run_throughput_bench(cfg)
     text = json.dumps(result, indent=2)
     print(text)

@@ -2,10 +2,14 @@
 batching changes no output token."""
 import json
 
+import pytest
+import torch
+
 from tandem.bench.throughput import serve_all
 from tandem.cli import main
 from tandem.config import EngineConfig, SamplingParams
 from tandem.engine.engine import Engine
+from tandem.models import cpu_gemm
 from tandem.models.loader import load_transformer
 
 PROMPTS = ["abc abc abc", "select x from y", "hello there", "one two three four", "zzz"]
@@ -35,3 +39,16 @@ def test_concurrency_changes_no_token(tiny_llama):
         stats, outs[concurrency] = serve_all(Engine(model, EngineConfig(max_batch_size=concurrency, max_model_len=64)), ids, params)
         assert stats["output_tokens"] == 60
     assert outs[1] == outs[4]
+
+
+@pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() != "AVX512" or not cpu_gemm.available(), reason="needs the CPU kernels and AVX-512")
+def test_isa_ab_serves_the_same_tokens_with_both_blocks(tiny_llama, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"domain": "chat", "prompt": p * 8}) for p in PROMPTS))  # > 16 tokens: the wide kernel
+    out = tmp_path / "out.json"
+    before = cpu_gemm.isa()
+    assert main(["bench", "throughput", "--model", tiny_llama, "--prompts", str(prompts), "--concurrency", "5", "--max-tokens", "4",
+                 "--max-model-len", "128", "--threads", "1", "--isa-ab", "--json", str(out)]) == 0
+    ab = json.loads(out.read_text())["isa_ab"]
+    assert [len(ab["runs"][isa]) for isa in ("avx2", "avx512")] == [2, 2] and ab["identical"] and ab["avx512_speedup"] > 0
+    assert cpu_gemm.isa() == before  # the switch is restored
