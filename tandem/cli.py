@@ -287,11 +287,12 @@ def _train(args) -> int:
     from tandem.training.offline import run_train
 
     if args.recipe and args.ablate:
-        from tandem.training.ablation import run_ablation
+        from tandem.training.ablation import ablation_dir, markdown_table, run_ablation
         from tandem.training.recipes import get_recipe
 
-        run_ablation(get_recipe(args.recipe), args.out, args.ablate, args.ablate_steps, args.parallel, name=args.recipe)
-        print((Path(args.out).expanduser() / "ablation" / "report.md").read_text())
+        report = run_ablation(get_recipe(args.recipe), args.out, args.ablate, args.ablate_steps, args.parallel, name=args.recipe)
+        print(markdown_table(report))
+        print(f"(also {ablation_dir(Path(args.out), args.ablate_steps)}/report.json)")
         return 0
     if args.recipe:
         from tandem.training.pipeline import run_recipe

@@ -4,7 +4,7 @@ Every variant changes one recipe field (the recipe's own setting is the baseline
 same feature shards (DIR/features, made by the recipe's features phase) for the same number of optimiser
 steps, and is scored on the same held-out answers with chains of `Recipe.eval_depth` drafts, so the variants
 differ only in the field. Variants run in child processes (`parallel` at a time, one thread each), each in
-DIR/ablation/<variant>, resumable like any recipe run; DIR/ablation/report.json and a Markdown table collect
+DIR/ablation-<steps>/<variant>, resumable like any recipe run; report.json and report.md there collect
 the final held-out scores and each variant's training speed.
 """
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 from concurrent.futures import ProcessPoolExecutor
+from contextlib import contextmanager
 from dataclasses import asdict, fields, replace
 from multiprocessing import get_context
 from pathlib import Path
@@ -53,22 +54,43 @@ def run_ablation(recipe: Recipe, out: str | Path, specs: list[str], steps: int, 
         raise InvalidParameterError(f"{out}/features has no regenerated shards or held-out answers: run `tandem train --recipe NAME "
                                     f"--out {out} --phase features --kinds regenerated` first")
     variants = parse_ablations(recipe, specs)
+    root = ablation_dir(out, steps)
     results = {}
-    os.environ.update(OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE")  # what the children inherit: two spinning jobs on 2 cores slow both ~10x
-    with ProcessPoolExecutor(max_workers=parallel, mp_context=get_context("spawn")) as pool:
-        futures = {v: pool.submit(train_variant, recipe, overrides, str(_variant_dir(out, v)), steps) for v, overrides in variants.items()}
-        for variant, future in futures.items():
-            results[variant] = future.result()
-            log(f"ablation {variant}: {json.dumps(results[variant])}")
+    with _child_env(OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE"):  # two spinning jobs on 2 cores slow both ~10x
+        with ProcessPoolExecutor(max_workers=parallel, mp_context=get_context("spawn")) as pool:
+            futures = {v: pool.submit(train_variant, recipe, overrides, str(_variant_dir(out, root, v)), steps) for v, overrides in variants.items()}
+            for variant, future in futures.items():
+                results[variant] = future.result()
+                log(f"ablation {variant}: {json.dumps(results[variant])}")
     report = {"recipe": name, "settings": asdict(recipe), "steps": steps, "eval_depth": recipe.eval_depth, "features": str(out / "features"), "variants": results}
-    (out / "ablation" / "report.json").write_text(json.dumps(report, indent=1) + "\n")
-    (out / "ablation" / "report.md").write_text(markdown_table(report) + "\n")
+    (root / "report.json").write_text(json.dumps(report, indent=1) + "\n")
+    (root / "report.md").write_text(markdown_table(report) + "\n")
     return report
 
 
-def _variant_dir(out: Path, variant: str) -> Path:
-    """DIR/ablation/<variant>, its features a link to the shared shards (the regenerated ones: the target's own text)."""
-    directory = out / "ablation" / variant.replace("=", "-")
+def ablation_dir(out: Path, steps: int) -> Path:
+    """DIR/ablation-<steps>: runs of another step budget never resume these checkpoints."""
+    return Path(out).expanduser() / f"ablation-{steps}"
+
+
+@contextmanager
+def _child_env(**values: str):
+    """Set environment variables for the children spawned inside the block, then restore the parent's."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _variant_dir(out: Path, root: Path, variant: str) -> Path:
+    """ROOT/<variant>, its features a link to DIR/features (the regenerated shards: the target's own text)."""
+    directory = root / variant.replace("=", "-")
     directory.mkdir(parents=True, exist_ok=True)
     link = directory / "features"
     if not link.exists():

@@ -1,6 +1,7 @@
 """Trained ablations: variants differ from the recipe in one field, train the same steps on the same shards, and
 land in one table; bad specs are refused before anything trains."""
 import json
+import os
 
 import pytest
 
@@ -32,6 +33,7 @@ def test_an_ablation_needs_the_features_first(tmp_path):
 
 def test_every_variant_trains_the_same_steps_and_lands_in_the_table(tiny_llama, tmp_path):
     write_features(load_transformer(tiny_llama), tmp_path)
+    threads = os.environ.get("OMP_NUM_THREADS")
     recipe = Recipe(model=tiny_llama, draft_vocab=64, rows=1, row_len=64, warmup=1, eval_every=50)
     report = run_ablation(recipe, tmp_path, ["unroll=2"], steps=3, parallel=2, log=lambda _: None)
     assert list(report["variants"]) == [BASELINE, "unroll=2"]
@@ -39,8 +41,11 @@ def test_every_variant_trains_the_same_steps_and_lands_in_the_table(tiny_llama, 
         assert variant["steps"] == 3 and variant["tokens"] > 0
         assert set(variant["acceptance_length"]) == {"code", "sql"}
     assert report["eval_depth"] == 4 and report["variants"]["unroll=2"]["overrides"] == {"unroll": 2}
-    assert json.loads((tmp_path / "ablation" / "report.json").read_text()) == json.loads(json.dumps(report))
+    assert json.loads((tmp_path / "ablation-3" / "report.json").read_text()) == json.loads(json.dumps(report))
     table = markdown_table(report).splitlines()
     assert len(table) == 4 and table[3].startswith("| unroll=2 |")
     again = run_ablation(recipe, tmp_path, ["unroll=2"], steps=3, parallel=1, log=lambda _: None)  # resumed: nothing more to train
     assert all(v["steps"] == 3 for v in again["variants"].values())
+    longer = run_ablation(recipe, tmp_path, [], steps=4, parallel=1, log=lambda _: None)  # another budget: its own runs, from scratch
+    assert list(longer["variants"]) == [BASELINE] and longer["variants"][BASELINE]["steps"] == 4
+    assert (tmp_path / "ablation-4" / BASELINE.replace("=", "-") / "ckpt").is_dir() and os.environ.get("OMP_NUM_THREADS") == threads
