@@ -20,7 +20,7 @@ from pathlib import Path
 from tandem.errors import InvalidParameterError
 from tandem.training.recipes import Recipe
 
-ABLATABLE = ("draft_vocab", "unroll", "chain_fraction", "lr", "rows", "row_len")  # fields a variant may change
+ABLATABLE = ("draft_vocab", "unroll", "chain_fraction", "lr", "warmup")  # fields a variant may change (not the batch shape: same steps must mean same data)
 BASELINE = "baseline"
 
 
