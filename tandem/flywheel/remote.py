@@ -23,7 +23,6 @@ import concurrent.futures
 import contextlib
 import json
 import multiprocessing as mp
-import os
 import queue
 import shutil
 import tempfile
@@ -36,6 +35,7 @@ from pathlib import Path
 
 import torch
 
+from tandem.child_env import child_environment
 from tandem.errors import InvalidParameterError, TandemError
 from tandem.flywheel.buffer import BufferStats, TraceBuffer, refill
 from tandem.flywheel.traces import SequenceTrace, trace_from_bytes, trace_to_bytes
@@ -290,17 +290,6 @@ class TrainerProcess:
         self._refresh()
 
 
-@contextlib.contextmanager
-def child_environment(**variables: str):
-    """Environment variables for a process started in the block (spawn copies the environment), restored after."""
-    saved = {name: os.environ.get(name) for name in variables}
-    os.environ.update(variables)
-    try:
-        yield
-    finally:
-        os.environ.update({name: value for name, value in saved.items() if value is not None})
-        for name in [name for name, value in saved.items() if value is None]:
-            del os.environ[name]
 
 
 # ---- the child's side ---------------------------------------------------------------------------------------------

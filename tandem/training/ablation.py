@@ -10,13 +10,12 @@ the final held-out scores and each variant's training speed.
 from __future__ import annotations
 
 import json
-import os
 from concurrent.futures import ProcessPoolExecutor
-from contextlib import contextmanager
 from dataclasses import asdict, fields, replace
 from multiprocessing import get_context
 from pathlib import Path
 
+from tandem.child_env import child_environment
 from tandem.errors import InvalidParameterError
 from tandem.training.recipes import Recipe
 
@@ -56,7 +55,7 @@ def run_ablation(recipe: Recipe, out: str | Path, specs: list[str], steps: int, 
     variants = parse_ablations(recipe, specs)
     root = ablation_dir(out, steps)
     results = {}
-    with _child_env(OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE"):  # two spinning jobs on 2 cores slow both ~10x
+    with child_environment(OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE"):  # two spinning jobs on 2 cores slow both ~10x
         with ProcessPoolExecutor(max_workers=parallel, mp_context=get_context("spawn")) as pool:
             futures = {v: pool.submit(train_variant, recipe, overrides, str(_variant_dir(out, root, v)), steps) for v, overrides in variants.items()}
             for variant, future in futures.items():
@@ -71,21 +70,6 @@ def run_ablation(recipe: Recipe, out: str | Path, specs: list[str], steps: int, 
 def ablation_dir(out: Path, steps: int) -> Path:
     """DIR/ablation-<steps>: runs of another step budget never resume these checkpoints."""
     return Path(out).expanduser() / f"ablation-{steps}"
-
-
-@contextmanager
-def _child_env(**values: str):
-    """Set environment variables for the children spawned inside the block, then restore the parent's."""
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def _variant_dir(out: Path, root: Path, variant: str) -> Path:
