@@ -290,8 +290,6 @@ class TrainerProcess:
         self._refresh()
 
 
-
-
 # ---- the child's side ---------------------------------------------------------------------------------------------
 def child_main(workdir: str, config_json: str, traces, control, status) -> None:
     """The child's entry: build the buffer and the trainer, then serve the queues until the trace stream ends."""

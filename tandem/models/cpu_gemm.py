@@ -116,9 +116,9 @@ def set_isa(isa: str) -> str:
 
 def isa() -> str:
     """The kernels' blocks in use: "avx512" or "avx2"."""
-    current = set_isa("avx2")
-    set_isa(current)
-    return current
+    if not available():
+        raise RuntimeError(f"the CPU kernels are not available: {unusable_reason() or 'the build failed'}")
+    return torch.ops.tandem_cpu.current_isa()
 
 
 def wide_gemm_q8(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -43,11 +43,13 @@ inline bool& use_avx512() {
   return on;
 }
 
+inline std::string current_isa() { return use_avx512() ? "avx512" : "avx2"; }
+
 // "avx512" or "avx2"; returns the ISA in use before. "avx512" on a CPU without it is an error.
 inline std::string set_isa(const std::string& isa) {
   TORCH_CHECK(isa == "avx2" || isa == "avx512", "set_isa: isa must be avx2 or avx512, got ", isa);
   TORCH_CHECK(isa == "avx2" || avx512_supported(), "set_isa: this CPU has no AVX-512 (F + DQ)");
-  const std::string before = use_avx512() ? "avx512" : "avx2";
+  const std::string before = current_isa();
   use_avx512() = isa == "avx512";
   return before;
 }

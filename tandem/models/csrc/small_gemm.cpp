@@ -331,6 +331,7 @@ TORCH_LIBRARY(tandem_cpu, m) {
   m.def("quantize_rows(Tensor weight) -> (Tensor, Tensor)");
   m.def("interleave_q8(Tensor q) -> Tensor");
   m.def("set_isa(str isa) -> str", &tandem_kernels::set_isa);
+  m.def("current_isa() -> str", &tandem_kernels::current_isa);
 }
 
 TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) {
