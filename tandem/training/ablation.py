@@ -19,7 +19,7 @@ from tandem.child_env import child_environment
 from tandem.errors import InvalidParameterError
 from tandem.training.recipes import Recipe
 
-ABLATABLE = ("draft_vocab", "unroll", "chain_fraction", "lr", "warmup")  # fields a variant may change (not the batch shape: same steps must mean same data)
+ABLATABLE = ("draft_vocab", "unroll", "step_weight", "chain_fraction", "lr", "warmup")  # fields a variant may change (not the batch shape: same steps must mean same data)
 BASELINE = "baseline"
 
 

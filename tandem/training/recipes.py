@@ -18,6 +18,7 @@ class Recipe:
     shared_lm_head: bool = True  # LM head rows are the target's (frozen, not saved): keeps the artifact small
     unroll: int = 4  # training-time-test steps
     chain_fraction: float = 0.25  # share of roots unrolled past step 0
+    step_weight: float = 1.0  # unroll step s weighs step_weight**s in the loss (1.0: the mean over steps)
     rows: int = 4  # packed rows per batch
     row_len: int = 1024  # tokens per packed row
     lr: float = 1.5e-3
@@ -38,6 +39,8 @@ class Recipe:
         for name in ("draft_vocab", "unroll", "rows", "row_len", "max_doc_tokens", "max_new_tokens", "regen_batch", "eval_every", "eval_depth"):
             if getattr(self, name) < 1:
                 raise InvalidParameterError(f"recipe {name} must be >= 1, got {getattr(self, name)}")
+        if not 0.0 < self.step_weight <= 1.0:
+            raise InvalidParameterError(f"recipe step_weight must be in (0, 1], got {self.step_weight}")
 
 
 RECIPES = {"eagle-smollm2": Recipe()}

@@ -258,7 +258,7 @@ def train_recipe(recipe: Recipe, out: Path, hours: float | None, log=print, init
         progress = state.step / max_steps if max_steps else (state.seconds + time.monotonic() - start) / max(total, 1e-9)
         for group in optimizer.param_groups:
             group["lr"] = lr_at(state.step, progress, peak_lr, recipe.warmup)
-        loss, stats = packed_loss(head, target_rows, batch, recipe.unroll, sample_roots(batch, recipe.chain_fraction, rng))
+        loss, stats = packed_loss(head, target_rows, batch, recipe.unroll, sample_roots(batch, recipe.chain_fraction, rng), step_weight=recipe.step_weight)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)

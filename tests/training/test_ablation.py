@@ -20,7 +20,7 @@ def test_variants_change_one_field_each_and_skip_the_recipes_own_value():
                         "unroll=2": {"unroll": 2}, "unroll=6": {"unroll": 6}, "lr=3e-4": {"lr": 3e-4}}
 
 
-@pytest.mark.parametrize("spec", ["vocab=8192", "unroll", "unroll=", "unroll=two", "unroll=0", "seed=1"])
+@pytest.mark.parametrize("spec", ["vocab=8192", "unroll", "unroll=", "unroll=two", "unroll=0", "seed=1", "step_weight=0", "step_weight=1.5"])
 def test_bad_specs_are_refused(spec):
     with pytest.raises(InvalidParameterError):
         parse_ablations(Recipe(), [spec])

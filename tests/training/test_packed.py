@@ -73,6 +73,20 @@ def test_packed_loss_trains_and_counts_only_answer_positions(target):
     assert head.fc.weight.grad is not None and torch.isfinite(head.fc.weight.grad).all()
 
 
+def test_step_weight_weighs_unroll_step_s_by_its_power(target):
+    head = head_for(target)
+    docs = [feature_doc(target, f"d{i}", 16, prompt_len=10, seed=i) for i in range(2)]
+    batch = next(pack_documents([as_dict(d) for d in docs], rows=1, row_len=32))
+    rows = target.lm_head.weight.detach().float()[head.draft_to_target]
+    with torch.no_grad():
+        step0, _ = packed_loss(head, rows, batch, 1, None)
+        mean, _ = packed_loss(head, rows, batch, 2, None)
+        weighted, _ = packed_loss(head, rows, batch, 2, None, step_weight=0.5)
+    step1 = 2 * mean - step0  # the plain mean of two steps
+    assert not torch.isclose(step0, step1)
+    assert torch.allclose(weighted, (step0 + 0.5 * step1) / 1.5, atol=1e-6)
+
+
 def test_shards_round_trip_and_resume(target, tmp_path):
     taps, tid = default_taps(target.cfg.num_layers), target_identity(target.cfg)
     docs = [feature_doc(target, f"reference/x/{i}", 10 + i, seed=i, domain=("code", "sql")[i % 2]) for i in range(5)]
