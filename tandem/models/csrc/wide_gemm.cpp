@@ -5,7 +5,7 @@
 // row's bits independent of the batch but leaves compute on the table once there are many rows. Here each thread
 // packs 16 rows of w at a time into a [K][16] panel (transposed in registers) and runs a 6 x 16 outer-product
 // register block over it: 12 accumulators, 2 panel loads and 6 broadcasts per 12 FMAs, no lane reductions
-// (~1.1-1.3x small_gemm from 17 rows on, docs/BENCHMARKS.md 1.7). The weight-only int8 model's prefill runs the same
+// (~1.1-1.3x small_gemm from 17 rows on, docs/BENCHMARKS.md 1.7); with AVX-512, 32 rows per panel and a 12 x 32 block. The weight-only int8 model's prefill runs the same
 // block over panels widened from its int8 rows (wide_gemm_q8).
 //
 // Each y[m, n] is one accumulator lane fed k = 0, 1, ..., K - 1 in order, then the bias: the result does not
@@ -43,24 +43,24 @@ inline void transpose8(__m256 r[8]) {
   r[6] = _mm256_permute2f128_ps(u2, u6, 0x31); r[7] = _mm256_permute2f128_ps(u3, u7, 0x31);
 }
 
-// P [K][16]: rows n0..n0+16 of w transposed (zeros past N).
-void pack_panel(const float* w, float* P, int64_t n0, int64_t N, int64_t K) {
-  const int64_t cols = std::min<int64_t>(kNR, N - n0);
-  if (cols < kNR || K % 8) {
-    std::fill(P, P + K * kNR, 0.f);
+// P [K][nr]: rows n0..n0+nr of w transposed (zeros past N); nr is 16 (the AVX2 block) or 32 (the AVX-512 block).
+void pack_panel(const float* w, float* P, int64_t n0, int64_t N, int64_t K, int64_t nr) {
+  const int64_t cols = std::min<int64_t>(nr, N - n0);
+  if (cols < nr || K % 8) {
+    std::fill(P, P + K * nr, 0.f);
     for (int64_t j = 0; j < cols; ++j) {
       const float* row = w + (n0 + j) * K;
-      for (int64_t k = 0; k < K; ++k) P[k * kNR + j] = row[k];
+      for (int64_t k = 0; k < K; ++k) P[k * nr + j] = row[k];
     }
     return;
   }
-  for (int half = 0; half < 2; ++half) {
-    const float* rows = w + (n0 + 8 * half) * K;
+  for (int64_t part = 0; part < nr / 8; ++part) {
+    const float* rows = w + (n0 + 8 * part) * K;
     for (int64_t k = 0; k < K; k += 8) {
       __m256 r[8];
       for (int j = 0; j < 8; ++j) r[j] = _mm256_loadu_ps(rows + j * K + k);
       transpose8(r);
-      for (int i = 0; i < 8; ++i) _mm256_storeu_ps(P + (k + i) * kNR + 8 * half, r[i]);
+      for (int i = 0; i < 8; ++i) _mm256_storeu_ps(P + (k + i) * nr + 8 * part, r[i]);
     }
   }
 }
@@ -68,26 +68,26 @@ void pack_panel(const float* w, float* P, int64_t n0, int64_t N, int64_t K) {
 // The same panel from weight-only int8 rows in small_gemm_q8's interleaved layout ([ceil(N/4)][ceil(K/8)][4][8], zero
 // padded): P[k][j] = q[n0 + j][k] * scale[n0 + j], the fp32 values dequantize_q8 gives, so the product is the fp32
 // kernel's over the dequantized weight, bit for bit. P has room for K rounded up to 8 rows.
-void pack_panel_q8(const int8_t* packed, const float* scale, float* P, int64_t n0, int64_t N, int64_t K) {
+void pack_panel_q8(const int8_t* packed, const float* scale, float* P, int64_t n0, int64_t N, int64_t K, int64_t nr) {
   const int64_t chunks = (K + 7) / 8;
   auto row_chunk = [&](int64_t n, int64_t c) { return packed + ((n / 4 * chunks + c) * 4 + n % 4) * 8; };
-  const int64_t cols = std::min<int64_t>(kNR, N - n0);
-  if (cols < kNR) {
-    std::fill(P, P + chunks * 8 * kNR, 0.f);
+  const int64_t cols = std::min<int64_t>(nr, N - n0);
+  if (cols < nr) {
+    std::fill(P, P + chunks * 8 * nr, 0.f);
     for (int64_t j = 0; j < cols; ++j)
       for (int64_t c = 0; c < chunks; ++c)
-        for (int i = 0; i < 8; ++i) P[(8 * c + i) * kNR + j] = static_cast<float>(row_chunk(n0 + j, c)[i]) * scale[n0 + j];
+        for (int i = 0; i < 8; ++i) P[(8 * c + i) * nr + j] = static_cast<float>(row_chunk(n0 + j, c)[i]) * scale[n0 + j];
     return;
   }
-  for (int half = 0; half < 2; ++half) {
+  for (int64_t part = 0; part < nr / 8; ++part) {
     for (int64_t c = 0; c < chunks; ++c) {
       __m256 r[8];
       for (int j = 0; j < 8; ++j) {
-        const int64_t n = n0 + 8 * half + j;
+        const int64_t n = n0 + 8 * part + j;
         r[j] = _mm256_mul_ps(load8_i8(row_chunk(n, c)), _mm256_set1_ps(scale[n]));
       }
       transpose8(r);
-      for (int i = 0; i < 8; ++i) _mm256_storeu_ps(P + (8 * c + i) * kNR + 8 * half, r[i]);
+      for (int i = 0; i < 8; ++i) _mm256_storeu_ps(P + (8 * c + i) * nr + 8 * part, r[i]);
     }
   }
 }
@@ -121,42 +121,53 @@ void block(const float* x, const float* P, const float* bias, float* y, int64_t 
 
 using Block = void (*)(const float*, const float*, const float*, float*, int64_t, int64_t, int64_t);
 
-// The AVX-512 block, where the CPU has it (Zen 4/5, recent Xeons): the same [K][16] panel, one zmm per panel row and
-// 12 rows of x per block (12 accumulators, 1 panel load and 12 broadcasts per 12 FMAs of twice the width). Each
-// y[m, n] is still one lane fed k = 0, 1, ..., K - 1 in order by fused multiply-adds, then the bias: the same
-// operations as `block`, so the same bits (tested), only more of them per instruction.
+// The AVX-512 block, where the CPU has it (Zen 4/5, recent Xeons): a [K][32] panel, two zmm per panel row and 12 rows
+// of x per block (24 accumulators, 2 panel loads and 12 broadcasts per 24 FMAs of twice the width; a 12 x 16 block
+// over the AVX2 panel spent as many loads as FMAs and ran ~300 GFLOP/s on the model's shapes). Each y[m, n] is still
+// one lane fed k = 0, 1, ..., K - 1 in order by fused multiply-adds, then the bias: the same operations as `block`,
+// so the same bits (tested), only more of them per instruction.
+constexpr int kNR512 = 32;
 constexpr int kMR512 = 12;
 
 template <int MR>
 __attribute__((target("avx512f"))) void block512(const float* x, const float* P, const float* bias, float* y, int64_t n0, int64_t N, int64_t K) {
-  const int64_t cols = std::min<int64_t>(kNR, N - n0);
-  const __mmask16 keep = cols == kNR ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << cols) - 1);
-  __m512 acc[MR];
+  const int64_t cols = std::min<int64_t>(kNR512, N - n0);
+  auto mask = [](int64_t c) { return c >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << std::max<int64_t>(c, 0)) - 1); };
+  const __mmask16 keep0 = mask(cols), keep1 = mask(cols - 16);
+  __m512 acc[MR][2];
 #pragma GCC unroll 16
-  for (int m = 0; m < MR; ++m) acc[m] = _mm512_setzero_ps();
+  for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; ++k) {
-    const __m512 p = _mm512_loadu_ps(P + k * kNR);
+    const __m512 p0 = _mm512_loadu_ps(P + k * kNR512), p1 = _mm512_loadu_ps(P + k * kNR512 + 16);
 #pragma GCC unroll 16
-    for (int m = 0; m < MR; ++m) acc[m] = _mm512_fmadd_ps(_mm512_set1_ps(x[m * K + k]), p, acc[m]);
+    for (int m = 0; m < MR; ++m) {
+      const __m512 xv = _mm512_set1_ps(x[m * K + k]);
+      acc[m][0] = _mm512_fmadd_ps(xv, p0, acc[m][0]);
+      acc[m][1] = _mm512_fmadd_ps(xv, p1, acc[m][1]);
+    }
   }
-  const __m512 b = bias ? _mm512_maskz_loadu_ps(keep, bias + n0) : _mm512_setzero_ps();
+  const __m512 b0 = bias ? _mm512_maskz_loadu_ps(keep0, bias + n0) : _mm512_setzero_ps();
+  const __m512 b1 = bias ? _mm512_maskz_loadu_ps(keep1, bias + n0 + 16) : _mm512_setzero_ps();
 #pragma GCC unroll 16
-  for (int m = 0; m < MR; ++m) _mm512_mask_storeu_ps(y + m * N + n0, keep, bias ? _mm512_add_ps(acc[m], b) : acc[m]);
+  for (int m = 0; m < MR; ++m) {
+    _mm512_mask_storeu_ps(y + m * N + n0, keep0, bias ? _mm512_add_ps(acc[m][0], b0) : acc[m][0]);
+    _mm512_mask_storeu_ps(y + m * N + n0 + 16, keep1, bias ? _mm512_add_ps(acc[m][1], b1) : acc[m][1]);
+  }
 }
 
 constexpr Block kBlocks[kMR + 1] = {nullptr, block<1>, block<2>, block<3>, block<4>, block<5>, block<6>};
 constexpr Block kBlocks512[kMR512 + 1] = {nullptr, block512<1>, block512<2>, block512<3>, block512<4>, block512<5>, block512<6>,
                                           block512<7>, block512<8>, block512<9>, block512<10>, block512<11>, block512<12>};
 
-// Every row of x against panels [p0, p1) of the weight, `rows` rows of x per block (blocks[r] runs r rows); Pack fills
-// one panel (fp32 or int8 rows).
+// Every row of x against panels [p0, p1) of the weight (nr columns each), `rows` rows of x per block (blocks[r] runs r
+// rows); Pack fills one panel (fp32 or int8 rows).
 template <typename Pack>
-void panels(const Pack& pack, const Block* blocks, int rows, const float* x, const float* bias, float* y, int64_t p0, int64_t p1,
+void panels(const Pack& pack, const Block* blocks, int rows, int64_t nr, const float* x, const float* bias, float* y, int64_t p0, int64_t p1,
             int64_t M, int64_t K, int64_t N) {
-  std::vector<float> P((K + 7) / 8 * 8 * kNR);  // this thread's panel
+  std::vector<float> P((K + 7) / 8 * 8 * nr);  // this thread's panel
   for (int64_t p = p0; p < p1; ++p) {
-    const int64_t n0 = p * kNR;
-    pack(P.data(), n0);
+    const int64_t n0 = p * nr;
+    pack(P.data(), n0, nr);
     int64_t m = 0;
     for (; m + rows <= M; m += rows) blocks[rows](x + m * K, P.data(), bias, y + m * N, n0, N, K);
     if (m < M) blocks[M - m](x + m * K, P.data(), bias, y + m * N, n0, N, K);
@@ -175,7 +186,8 @@ at::Tensor run(const at::Tensor& x, int64_t N, const at::Tensor& b, const Pack& 
     const bool avx512 = tandem_kernels::use_avx512();
     const Block* blocks = avx512 ? kBlocks512 : kBlocks;
     const int rows = avx512 ? kMR512 : kMR;
-    at::parallel_for(0, (N + kNR - 1) / kNR, 1, [&](int64_t p0, int64_t p1) { panels(pack, blocks, rows, xp, bp, yp, p0, p1, M, K, N); });
+    const int64_t nr = avx512 ? kNR512 : kNR;
+    at::parallel_for(0, (N + nr - 1) / nr, 1, [&](int64_t p0, int64_t p1) { panels(pack, blocks, rows, nr, xp, bp, yp, p0, p1, M, K, N); });
   }
   std::vector<int64_t> shape = x.sizes().vec();
   shape.back() = N;
@@ -187,7 +199,7 @@ at::Tensor wide_gemm(const at::Tensor& x, const at::Tensor& w, const c10::option
   const int64_t N = w.size(0), K = w.size(1);
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.device().is_cpu() && x.dim() >= 1 && x.size(-1) == K, "wide_gemm: x must be fp32 CPU [..., ", K, "]");
   const float* wp = w.data_ptr<float>();
-  return run(x, N, tandem_kernels::checked_bias(bias, N, "wide_gemm"), [&](float* P, int64_t n0) { pack_panel(wp, P, n0, N, K); });
+  return run(x, N, tandem_kernels::checked_bias(bias, N, "wide_gemm"), [&](float* P, int64_t n0, int64_t nr) { pack_panel(wp, P, n0, N, K, nr); });
 }
 
 // x @ (scale * q)^T (+ bias) with (packed, scale) = pack_q8(w): the weight-only int8 model's prefill.
@@ -195,7 +207,7 @@ at::Tensor wide_gemm_q8(const at::Tensor& x, const at::Tensor& packed, const at:
   const int64_t N = tandem_kernels::checked_q8(x, packed, scale, "wide_gemm_q8"), K = x.size(-1);
   const int8_t* qp = packed.data_ptr<int8_t>();
   const float* sp = scale.data_ptr<float>();
-  return run(x, N, tandem_kernels::checked_bias(bias, N, "wide_gemm_q8"), [&](float* P, int64_t n0) { pack_panel_q8(qp, sp, P, n0, N, K); });
+  return run(x, N, tandem_kernels::checked_bias(bias, N, "wide_gemm_q8"), [&](float* P, int64_t n0, int64_t nr) { pack_panel_q8(qp, sp, P, n0, N, K, nr); });
 }
 
 }  // namespace
