@@ -14,6 +14,7 @@ from collections import deque
 
 import numpy as np
 
+from tandem.errors import InvalidParameterError
 from tandem.sim.fit import Timing, fit_machine
 from tandem.sim.roofline import Machine, ModelWork, forward_seconds
 from tandem.sim.speculative import DraftCost
@@ -68,7 +69,10 @@ class ForwardCost:
         if len({b * t for b, t in groups}) < 4:
             return
         points = [sorted(g, key=lambda t: t.seconds)[len(g) // 2] for g in groups.values()]
-        self.machine = fit_machine(self.work, points, name="online").machine
+        try:
+            self.machine = fit_machine(self.work, points, name="online").machine
+        except InvalidParameterError:  # e.g. step times flat in the tokens (no bandwidth term fits): keep the model and its scales
+            return
         self.scales = {}
 
 

@@ -6,7 +6,7 @@ import pytest
 from types import SimpleNamespace
 
 from tandem.engine.control import AdaptiveDraftLength, SpeculationController, PATIENCE
-from tandem.engine.costs import DraftCostModel, ForwardCost, UNIT_WORK
+from tandem.engine.costs import DraftCostModel, ForwardCost, UNIT_MACHINE, UNIT_WORK
 from tandem.ops.cost import best_draft_length, expected_tokens_per_step
 from tandem.sim.roofline import Machine, ModelWork, forward_seconds
 from tandem.sim.speculative import DraftCost
@@ -142,6 +142,17 @@ def test_online_refit_learns_the_forward_shape():
             fwd.observe(b, t, 64, true(b, t))
     for b, t in ((2, 3), (8, 2), (32, 5)):
         assert abs(fwd.predict(b, t, 64) / true(b, t) - 1) < 0.05
+
+
+def test_online_refit_that_fits_no_roofline_keeps_the_model_it_has():
+    """Step times flat in batch and tokens (a machine where overhead dominates) fit no bandwidth term: the refit
+    must keep the current roofline and its measured corrections, not raise mid-run (it stopped `tandem rl`)."""
+    fwd = ForwardCost(UNIT_WORK, refit=True)
+    for _ in range(4):
+        for b, t in ((1, 1), (1, 5), (4, 1), (4, 5), (16, 5)):
+            fwd.observe(b, t, 64, 0.01)
+    assert fwd.machine is UNIT_MACHINE and set(fwd.scales) == {1, 5}
+    assert all(0 < fwd.predict(b, t, 64) < 1 for b, t in ((1, 1), (16, 5), (32, 3)))
 
 
 def test_catch_up_after_plain_steps_does_not_count_as_drafting_cost():
