@@ -44,6 +44,16 @@ def _prefill_groups(requests: list[Request], budget: int) -> list[list[Request]]
     return groups
 
 
+def _first_of_each_prompt(requests: list[Request]) -> tuple[list[Request], list[Request]]:
+    """(the first request of each distinct prompt, the rest): the rest reuse the first's prefill."""
+    seen, first, rest = set(), [], []
+    for request in requests:
+        key = tuple(request.prompt_ids)
+        (rest if key in seen else first).append(request)
+        seen.add(key)
+    return first, rest
+
+
 def _sampling_tensors(requests: list[Request]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """temperature [N], top_k [N] (long), top_p [N] of one request per row, as ops.sampling takes them."""
     params = [r.params for r in requests]
@@ -157,13 +167,16 @@ class Engine:
         while self.waiting and len(self.running) + len(admitted) < self.config.max_batch_size:
             admitted.append(self.waiting.popleft())
         batched = self.config.prefill_batch_tokens and len(admitted) > 1
+        copies: list[Request] = []
         if batched:  # neighbours of similar length share a padded forward: 60 mixed prompts padded ~2x less
+            if self.config.share_prompt_prefill:
+                admitted, copies = _first_of_each_prompt(admitted)
             admitted.sort(key=lambda r: len(r.prompt_ids))
-        for request in admitted:
-            request.row = len(self.running)  # admitted requests take consecutive rows
+        for request in admitted + copies:
+            request.row = len(self.running)  # admitted requests take consecutive rows (the prompts forwarded first)
             self.running.append(request)
         if batched:
-            return self._prefill_batched(admitted)
+            return self._prefill_batched(admitted, copies)
         shared = {} if self.config.share_prompt_prefill else None
         return [self._prefill(request, shared) for request in admitted]
 
@@ -222,11 +235,12 @@ class Engine:
         return self._first_token(request, out, start)
 
     @torch.inference_mode()
-    def _prefill_batched(self, requests: list[Request]) -> list[StepOutput]:
+    def _prefill_batched(self, requests: list[Request], copies: list[Request] = ()) -> list[StepOutput]:
         """Prefill requests on consecutive rows in few forwards: prompts right-padded to the longest of a group
         (<= prefill_batch_tokens padded tokens per forward); causal attention keeps padding out of every real
-        token, and the padding's K/V is rolled back. Each request then sees exactly its unbatched prefill output."""
-        outputs = []
+        token, and the padding's K/V is rolled back. Each request then sees exactly its unbatched prefill output.
+        `copies` repeat one of the requests' prompts (a GRPO group): they get its KV row and output, as `_prefill` does."""
+        outputs, done = [], {}
         for group in _prefill_groups(requests, self.config.prefill_batch_tokens):
             start = time.perf_counter()
             lengths = [len(r.prompt_ids) for r in group]
@@ -239,7 +253,13 @@ class Engine:
             for i, request in enumerate(group):
                 self.cache.truncate(request.row, lengths[i])
                 own = ForwardOutput(out.logits[i : i + 1], tuple(h[i : i + 1, : lengths[i]] for h in out.hidden), out.final_hidden[i : i + 1, : lengths[i]])
+                done[tuple(request.prompt_ids)] = (request.row, own, start)
                 outputs.append(self._first_token(request, own, start))
+        for request in copies:
+            row, own, start = done[tuple(request.prompt_ids)]
+            self.cache.move_row(row, request.row)  # copies: the source row stays
+            self.stats.shared_prefill_tokens += len(request.prompt_ids)
+            outputs.append(self._first_token(request, own, start))
         return outputs
 
     def _first_token(self, request: Request, out: ForwardOutput, start: float) -> StepOutput:

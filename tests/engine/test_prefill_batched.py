@@ -66,3 +66,19 @@ def test_admitted_prompts_take_rows_in_length_order_so_groups_pad_little(tiny_di
     by_row = sorted(engine.running, key=lambda r: r.row)
     assert [r.row for r in by_row] == list(range(6))
     assert [len(r.prompt_ids) for r in by_row] == [6, 8, 10, 13, 17, 22]
+
+
+def test_repeated_prompts_prefill_once_and_sample_as_unbatched(tiny_dirs):
+    """A GRPO-shaped batch (2 prompts x 3 samples): the batched path forwards each prompt once and copies its KV
+    row, as the unbatched path's shared prefill does; every sample equals the unbatched run's."""
+    prompts = [p for p in ragged_prompts(2) for _ in range(3)]
+    params = [SamplingParams(max_tokens=10, temperature=0.9, seed=s) for s in range(len(prompts))]
+    model = load_transformer(tiny_dirs["llama"])
+    model.pack()
+    outputs, shared = [], []
+    for budget in (0, 1000):
+        engine = Engine(model, EngineConfig(max_batch_size=6, max_model_len=96, prefill_batch_tokens=budget))
+        outputs.append([r.output_ids for r in engine.run(prompts, params)])
+        shared.append(engine.stats.shared_prefill_tokens)
+    assert outputs[1] == outputs[0]
+    assert shared == [2 * sum(len(p) for p in ragged_prompts(2))] * 2
