@@ -112,9 +112,10 @@ __attribute__((target("avx512f,avx512dq"))) void block512(const float* x, const 
   for (int m = 0; m < M; ++m)
 #pragma GCC unroll 4
     for (int j = 0; j < NZ; ++j) acc[m][j] = _mm512_setzero_ps();
+  const bool prefetch = n + 2 * NW <= N;  // the next block's rows exist
   int64_t k = 0;
   for (; k + 8 <= K; k += 8) {
-    if (k % 16 == 0) {  // one cache line of each of the next block's rows of w: they are on their way from DRAM
+    if (prefetch && k % 16 == 0) {  // one cache line of each of the next block's rows of w: they are on their way from DRAM
 #pragma GCC unroll 8
       for (int j = 0; j < NW; ++j) _mm_prefetch(reinterpret_cast<const char*>(w + (n + NW + j) * K + k), _MM_HINT_T1);
     }

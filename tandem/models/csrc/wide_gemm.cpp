@@ -5,8 +5,8 @@
 // row's bits independent of the batch but leaves compute on the table once there are many rows. Here each thread
 // packs 16 rows of w at a time into a [K][16] panel (transposed in registers) and runs a 6 x 16 outer-product
 // register block over it: 12 accumulators, 2 panel loads and 6 broadcasts per 12 FMAs, no lane reductions
-// (~1.1-1.3x small_gemm from 17 rows on, docs/BENCHMARKS.md 1.7); with AVX-512, 32 rows per panel and a 12 x 32 block. The weight-only int8 model's prefill runs the same
-// block over panels widened from its int8 rows (wide_gemm_q8).
+// (~1.1-1.3x small_gemm from 17 rows on, docs/BENCHMARKS.md 1.7); with AVX-512, 32 rows per panel and a 12 x 32
+// block. The weight-only int8 model's prefill runs the same block over panels widened from its int8 rows (wide_gemm_q8).
 //
 // Each y[m, n] is one accumulator lane fed k = 0, 1, ..., K - 1 in order, then the bias: the result does not
 // depend on M, on the row blocking or on the thread split, so a prompt prefilled alone or in a padded batch, or
