@@ -223,10 +223,7 @@ class Engine:
         start = time.perf_counter()
         key = tuple(request.prompt_ids)
         if shared is not None and key in shared:
-            row, out = shared[key]
-            self.cache.move_row(row, request.row)  # copies: the source row stays
-            self.stats.shared_prefill_tokens += len(key)
-            return self._first_token(request, out, start)
+            return self._reuse_prefill(request, *shared[key], start)
         self.cache.reset(request.row)
         ids = torch.tensor([request.prompt_ids], device=self.cache.k.device)
         out = self.model(ids, cache=self.cache, rows=slice(request.row, request.row + 1), last_only=True, taps=self.taps)
@@ -256,11 +253,14 @@ class Engine:
                 done[tuple(request.prompt_ids)] = (request.row, own, start)
                 outputs.append(self._first_token(request, own, start))
         for request in copies:
-            row, own, start = done[tuple(request.prompt_ids)]
-            self.cache.move_row(row, request.row)  # copies: the source row stays
-            self.stats.shared_prefill_tokens += len(request.prompt_ids)
-            outputs.append(self._first_token(request, own, start))
+            outputs.append(self._reuse_prefill(request, *done[tuple(request.prompt_ids)]))
         return outputs
+
+    def _reuse_prefill(self, request: Request, row: int, out: ForwardOutput, start: float) -> StepOutput:
+        """The prefill of the same prompt in `row` this step, for `request`: a copy of its KV row and its output."""
+        self.cache.move_row(row, request.row)  # copies: the source row stays
+        self.stats.shared_prefill_tokens += len(request.prompt_ids)
+        return self._first_token(request, out, start)
 
     def _first_token(self, request: Request, out: ForwardOutput, start: float) -> StepOutput:
         """Sample / verify the first token from a prefill's last logits, commit it, tell the drafter and observers."""
