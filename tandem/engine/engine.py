@@ -166,19 +166,18 @@ class Engine:
         admitted = []
         while self.waiting and len(self.running) + len(admitted) < self.config.max_batch_size:
             admitted.append(self.waiting.popleft())
-        batched = self.config.prefill_batch_tokens and len(admitted) > 1
         copies: list[Request] = []
+        if self.config.share_prompt_prefill:  # a repeated prompt (a GRPO group) is forwarded once, then copied
+            admitted, copies = _first_of_each_prompt(admitted)
+        batched = self.config.prefill_batch_tokens and len(admitted) > 1
         if batched:  # neighbours of similar length share a padded forward: 60 mixed prompts padded ~2x less
-            if self.config.share_prompt_prefill:
-                admitted, copies = _first_of_each_prompt(admitted)
             admitted.sort(key=lambda r: len(r.prompt_ids))
         for request in admitted + copies:
             request.row = len(self.running)  # admitted requests take consecutive rows (the prompts forwarded first)
             self.running.append(request)
-        if batched:
-            return self._prefill_batched(admitted, copies)
-        shared = {} if self.config.share_prompt_prefill else None
-        return [self._prefill(request, shared) for request in admitted]
+        done: dict[tuple[int, ...], tuple[int, ForwardOutput, float]] = {}  # prompt -> (row, prefill output, start)
+        outputs = self._prefill_batched(admitted, done) if batched else [self._prefill(request, done) for request in admitted]
+        return outputs + [self._reuse_prefill(request, *done[tuple(request.prompt_ids)]) for request in copies]
 
     @torch.inference_mode()
     def _admit_chunked(self, budget: int) -> list[StepOutput]:
@@ -216,28 +215,22 @@ class Engine:
         return self._first_token(request, whole, self._prefill_start)
 
     @torch.inference_mode()
-    def _prefill(self, request: Request, shared: dict | None = None) -> StepOutput:
-        """One forward over the prompt; or, when `shared` (prompt -> (row, output) of this step's prefills) has
-        the same prompt, a copy of that row's KV and its output: what the forward would compute, bit for bit
-        (a single-row forward does not depend on the row), e.g. once per GRPO group instead of n times."""
+    def _prefill(self, request: Request, done: dict) -> StepOutput:
+        """One forward over the prompt; records (row, output, start) in `done` for requests that repeat it."""
         start = time.perf_counter()
-        key = tuple(request.prompt_ids)
-        if shared is not None and key in shared:
-            return self._reuse_prefill(request, *shared[key], start)
         self.cache.reset(request.row)
         ids = torch.tensor([request.prompt_ids], device=self.cache.k.device)
         out = self.model(ids, cache=self.cache, rows=slice(request.row, request.row + 1), last_only=True, taps=self.taps)
-        if shared is not None:
-            shared[key] = (request.row, out)
+        done[tuple(request.prompt_ids)] = (request.row, out, start)
         return self._first_token(request, out, start)
 
     @torch.inference_mode()
-    def _prefill_batched(self, requests: list[Request], copies: list[Request] = ()) -> list[StepOutput]:
+    def _prefill_batched(self, requests: list[Request], done: dict) -> list[StepOutput]:
         """Prefill requests on consecutive rows in few forwards: prompts right-padded to the longest of a group
         (<= prefill_batch_tokens padded tokens per forward); causal attention keeps padding out of every real
-        token, and the padding's K/V is rolled back. Each request then sees exactly its unbatched prefill output.
-        `copies` repeat one of the requests' prompts (a GRPO group): they get its KV row and output, as `_prefill` does."""
-        outputs, done = [], {}
+        token, and the padding's K/V is rolled back. Each request then sees exactly its unbatched prefill output
+        (recorded in `done`, as `_prefill` does)."""
+        outputs = []
         for group in _prefill_groups(requests, self.config.prefill_batch_tokens):
             start = time.perf_counter()
             lengths = [len(r.prompt_ids) for r in group]
@@ -252,12 +245,11 @@ class Engine:
                 own = ForwardOutput(out.logits[i : i + 1], tuple(h[i : i + 1, : lengths[i]] for h in out.hidden), out.final_hidden[i : i + 1, : lengths[i]])
                 done[tuple(request.prompt_ids)] = (request.row, own, start)
                 outputs.append(self._first_token(request, own, start))
-        for request in copies:
-            outputs.append(self._reuse_prefill(request, *done[tuple(request.prompt_ids)]))
         return outputs
 
     def _reuse_prefill(self, request: Request, row: int, out: ForwardOutput, start: float) -> StepOutput:
-        """The prefill of the same prompt in `row` this step, for `request`: a copy of its KV row and its output."""
+        """The prefill of the same prompt in `row` this step, for `request`: a copy of its KV row and its output,
+        what its own forward would compute, bit for bit (a single-row forward does not depend on the row)."""
         self.cache.move_row(row, request.row)  # copies: the source row stays
         self.stats.shared_prefill_tokens += len(request.prompt_ids)
         return self._first_token(request, out, start)
