@@ -24,7 +24,9 @@ import torch
 
 from tandem.models import cpu_gemm
 
-MAX_NEW_TOKENS = 16  # new tokens per row (decode 1, verify k + 1, trees up to 16); longer queries: SDPA
+MAX_NEW_TOKENS = 32  # new tokens per row (decode 1, verify k + 1, trees up to 31 nodes); longer queries: SDPA and the
+# wide kernel. At 16, a 17-token verify (a 12-node tree + a 4-token lookup branch) fell to the prefill path at 1.45x
+# the cost (17: 38 -> 26 ms, 25: 43.5 -> 33 ms on the Zen 5 box; docs/BENCHMARKS.md 1.11)
 ENV = "TANDEM_DECODE_GLUE"  # "off": the eager torch-op glue (A/B runs, a suspected problem)
 
 
@@ -38,7 +40,7 @@ def supports(cfg) -> bool:
 
 
 def applies(x: torch.Tensor, cache, enabled_here: bool) -> bool:
-    """Whether a layer over x [B, T, hidden] with this cache takes the fused path (decode / verify: T <= 16)."""
+    """Whether a layer over x [B, T, hidden] with this cache takes the fused path (decode / verify: T <= MAX_NEW_TOKENS)."""
     return (
         _inference_fp32(x, enabled_here)
         and cache is not None
@@ -46,6 +48,11 @@ def applies(x: torch.Tensor, cache, enabled_here: bool) -> bool:
         and cache.k.dtype == torch.float32
         and cache.k.is_contiguous()
     )
+
+
+def decode_shaped(x: torch.Tensor) -> bool:
+    """x [B, T, features] with at most MAX_NEW_TOKENS tokens per row: a decode / verify step, whatever B."""
+    return x.dim() == 3 and x.shape[1] <= MAX_NEW_TOKENS
 
 
 def prefill_shaped(x: torch.Tensor) -> bool:

@@ -23,11 +23,12 @@ class Linear(nn.Module):
 
     On this CPU a plain fp32 F.linear repacks W on every call, so a 5-token forward costs ~1.7x a
     1-token one. `pack()` picks, per weight:
-    - "small": fp32 on an AVX2 CPU where tandem.models.cpu_gemm built: inputs of <= cpu_gemm.MAX_ROWS rows
-      (decode, verify) run the batch-invariant small-M kernel on the dense row-major weight itself (no
-      second copy; ~1.4x faster than oneDNN at M = 1 here, docs/BENCHMARKS.md 1.4), prefill-shaped inputs
-      ([B, T, in] with T > 16 tokens per row) the wide kernel on the same weight (faster for many rows, in
-      its own summation order), other large ones F.linear;
+    - "small": fp32 on an AVX2 CPU where tandem.models.cpu_gemm built: decode / verify-shaped inputs
+      ([B, T, in] with T <= decode_glue.MAX_NEW_TOKENS, whatever B, or other shapes of <= cpu_gemm.MAX_ROWS
+      rows) run the batch-invariant small-M kernel on the dense row-major weight itself (no second copy;
+      ~1.4x faster than oneDNN at M = 1 here, docs/BENCHMARKS.md 1.4), prefill-shaped inputs ([B, T, in] with
+      more tokens per row) the wide kernel on the same weight (faster for many rows, in its own summation
+      order), other large ones F.linear;
     - "onednn": a prepacked oneDNN copy of W (5 tokens ~1.3x the cost of 1), for other dtypes / machines,
       or when asked for (`pack(gemm="onednn")`);
     - "int8": weight-only int8 rows with one scale each (cpu_gemm.pack_q8) next to the dense weight, run
@@ -133,19 +134,24 @@ class Linear(nn.Module):
         elif packed:
             self.pack(self.batch_hint, keep_dense=not dropped, gemm="onednn")
 
+    def _small_input(self, x: torch.Tensor) -> bool:
+        """A decode / verify step of any batch (by tokens per row, never by rows: a row gets the same bits in any
+        batch), or another input of at most cpu_gemm.MAX_ROWS rows; x is not prefill-shaped."""
+        return decode_glue.decode_shaped(x) or x.numel() <= cpu_gemm.MAX_ROWS * self.in_features
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.int8 is not None and not torch.is_grad_enabled():
             bias = None if self.bias is None else self.bias.detach()
             if decode_glue.prefill_shaped(x):
                 return cpu_gemm.wide_gemm_q8(x.float(), *self.int8, bias)
-            if x.numel() <= cpu_gemm.MAX_ROWS * self.in_features:
+            if self._small_input(x):
                 return cpu_gemm.small_gemm_q8(x.float(), *self.int8, bias)
             return F.linear(x.float(), cpu_gemm.dequantize_q8(*self.int8, self.in_features), bias)  # wide inputs: dequantized, same weights
         if self.small_gemm and not torch.is_grad_enabled() and x.dtype == torch.float32:
             bias = None if self.bias is None else self.bias.detach()
             if decode_glue.prefill_shaped(x):
                 return cpu_gemm.wide_gemm(x, self._parameters["weight"], bias)
-            if x.numel() <= cpu_gemm.MAX_ROWS * self.in_features:
+            if self._small_input(x):
                 return cpu_gemm.small_gemm(x, self._parameters["weight"], bias)
         if self.packed is not None and not torch.is_grad_enabled():
             bias = None if self.bias is None else self.bias.detach()
@@ -332,7 +338,7 @@ class Block(nn.Module):
 
     def forward_prefill(self, x, cos, sin, cache: KVCache | None, batch: AttentionBatch):
         """forward() with decode_glue's norm / residual / SiLU ops around the same attention (SDPA): a prefill of
-        more than 16 tokens per row, fp32 CPU inference."""
+        more than decode_glue.MAX_NEW_TOKENS (32) tokens per row, fp32 CPU inference."""
         h = decode_glue.rms_norm(x, self.attn_norm.weight, self.attn_norm.eps)
         x, h = decode_glue.add_rms_norm(self.attn(h, cos, sin, cache, batch), x, self.mlp_norm.weight, self.mlp_norm.eps)
         return x + self.mlp.down(decode_glue.silu_mul(self.mlp.gate_up(h)))

@@ -44,7 +44,7 @@ def test_concurrency_changes_no_token(tiny_llama):
 @pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() != "AVX512" or not cpu_gemm.available(), reason="needs the CPU kernels and AVX-512")
 def test_isa_ab_serves_the_same_tokens_with_both_blocks(tiny_llama, tmp_path):
     prompts = tmp_path / "p.jsonl"
-    prompts.write_text("\n".join(json.dumps({"domain": "chat", "prompt": p * 8}) for p in PROMPTS))  # > 16 tokens: the wide kernel
+    prompts.write_text("\n".join(json.dumps({"domain": "chat", "prompt": p * 16}) for p in PROMPTS))  # > 32 tokens: the wide kernel
     out = tmp_path / "out.json"
     before = cpu_gemm.isa()
     assert main(["bench", "throughput", "--model", tiny_llama, "--prompts", str(prompts), "--concurrency", "5", "--max-tokens", "4",

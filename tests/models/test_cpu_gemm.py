@@ -73,7 +73,7 @@ def test_wide_kernel_matches_matmul(m, k, n):
 
 @needs_kernel
 def test_wide_kernel_rows_do_not_depend_on_the_other_rows():
-    """A prompt's prefill gets the same bits alone, in a padded batch or split into chunks (of > 16 tokens)."""
+    """A prompt's prefill gets the same bits alone, in a padded batch or split into chunks (of > MAX_NEW_TOKENS tokens)."""
     x, w, b = _data(131, 576, 200, seed=3)
     together = cpu_gemm.wide_gemm(x, w, b)
     for rows in (slice(0, 1), slice(5, 6), slice(7, 30), slice(100, 131)):
@@ -163,8 +163,10 @@ def test_linear_routes_inputs_by_shape_and_grad_mode_to_f_linear():
         assert torch.equal(lin(big), F.linear(big, lin.weight, lin.bias))  # past MAX_ROWS: exactly F.linear
         small = torch.randn(3, 32)
         assert torch.equal(lin(small), cpu_gemm.small_gemm(small, lin.weight, lin.bias))
-        verify = torch.randn(30, decode_glue.MAX_NEW_TOKENS, 32)  # decode / verify shaped, 480 rows: the small kernel
-        assert torch.equal(lin(verify), cpu_gemm.small_gemm(verify, lin.weight, lin.bias))
+        verify = torch.randn(30, decode_glue.MAX_NEW_TOKENS, 32)  # decode / verify shaped, past MAX_ROWS rows: still the small
+        assert verify.shape[0] * verify.shape[1] > cpu_gemm.MAX_ROWS  # kernel (routed by tokens per row, so a row's bits
+        assert torch.equal(lin(verify), cpu_gemm.small_gemm(verify, lin.weight, lin.bias))  # do not depend on the batch)
+        assert torch.equal(lin(verify)[7], lin(verify[7:8])[0])
         prefill = torch.randn(2, decode_glue.MAX_NEW_TOKENS + 1, 32)  # more tokens per row: the wide kernel
         assert torch.equal(lin(prefill), cpu_gemm.wide_gemm(prefill, lin.weight, lin.bias))
         long_prefill = torch.randn(1, cpu_gemm.MAX_ROWS + 1, 32)  # ... also past MAX_ROWS

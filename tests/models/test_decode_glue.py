@@ -151,7 +151,7 @@ def test_applies_only_to_cached_short_fp32_inference(tiny_dirs):
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("cached", [True, False])
 def test_prefill_glue_matches_eager(tiny_dirs, arch, cached):
-    """A prefill of > 16 tokens per row: fused norms / SiLU around SDPA, wide GEMMs, against the torch-op forward."""
+    """A prefill of > MAX_NEW_TOKENS tokens per row: fused norms / SiLU around SDPA, wide GEMMs, against the torch-op forward."""
     model = load_transformer(tiny_dirs[arch])
     model.pack()
     ids = torch.randint(0, 300, (2, decode_glue.MAX_NEW_TOKENS + 9), generator=torch.Generator().manual_seed(4))
