@@ -27,7 +27,7 @@ class ThroughputConfig:
     max_model_len: int = 512
     compile: bool = False  # also run on the compiled forward
     drafter: str | None = None  # e.g. "ngram": speculative decoding in the batch
-    prefill_batch_tokens: int = 0  # > 0: batched prefill (EngineConfig.prefill_batch_tokens)
+    prefill_batch_tokens: int | None = None  # packed prefill budget (EngineConfig.prefill_batch_tokens; None: its default, 0: off)
     prefill_chunk_tokens: int = 0  # > 0: chunked prefill (EngineConfig.prefill_chunk_tokens)
     stop_at_eos: bool = False  # like the peer harness (vllm batched); default: every request emits max_tokens
     isa_ab: bool = False  # also A/B the CPU kernels' AVX2 and AVX-512 blocks (same bits), alternated twice
@@ -47,7 +47,8 @@ def run_throughput_bench(cfg: ThroughputConfig) -> dict:
         raise InvalidParameterError(f"no prompts in {cfg.prompts}")
     ids = [p[: cfg.max_model_len - cfg.max_tokens] for p in render_chat(prompts, llm.tokenizer)]
     def runner(compile: bool) -> Engine:
-        config = replace(llm.config, compile=compile, prefill_batch_tokens=cfg.prefill_batch_tokens, prefill_chunk_tokens=cfg.prefill_chunk_tokens)
+        batch = llm.config.prefill_batch_tokens if cfg.prefill_batch_tokens is None else cfg.prefill_batch_tokens
+        config = replace(llm.config, compile=compile, prefill_batch_tokens=batch, prefill_chunk_tokens=cfg.prefill_chunk_tokens)
         return Engine(llm.target, config, drafter=llm.engine.drafter, draft_policy=llm.engine.draft_policy)
 
     runners = {"eager": runner(False)}
@@ -128,7 +129,7 @@ def add_bench_throughput_command(bench) -> None:
     p.add_argument("--max-model-len", type=int, default=512)
     p.add_argument("--drafter", default=None)
     p.add_argument("--compile", action="store_true", help="also run on the compiled forward (same prompts, same target)")
-    p.add_argument("--prefill-batch-tokens", type=int, default=0, help="> 0: batched prefill of admitted requests")
+    p.add_argument("--prefill-batch-tokens", type=int, default=None, help="packed prefill of admitted prompts in forwards of <= N tokens (default: the engine's, 2048; 0: one forward per prompt)")
     p.add_argument("--prefill-chunk-tokens", type=int, default=0, help="> 0: at most this many prompt tokens per step (long prompts in chunks)")
     p.add_argument("--stop-at-eos", action="store_true", help="requests end at EOS (as in the peer harness); default: all emit --max-tokens")
     p.add_argument("--isa-ab", action="store_true", help="also A/B the CPU kernels' AVX2 and AVX-512 blocks (needs an AVX-512 CPU)")

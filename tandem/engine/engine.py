@@ -22,6 +22,7 @@ from tandem.engine.request import FinishReason, Request
 from tandem.engine.stats import EngineStats, add_position_counts
 from tandem.engine.policy_update import copy_named_, validate_named_tensors
 from tandem.errors import InvalidParameterError, PolicyUpdateError, PromptTooLongError
+from tandem.models import decode_glue
 from tandem.models.compiled import CompiledForward
 from tandem.models.kv_cache import KVCache
 from tandem.models.transformer import ForwardOutput, Transformer
@@ -33,11 +34,11 @@ from tandem.types import DraftTree, StepRecord
 
 
 def _prefill_groups(requests: list[Request], budget: int) -> list[list[Request]]:
-    """Consecutive groups whose padded size (count x longest prompt) stays within budget (a lone request may exceed it)."""
+    """Consecutive groups of at most `budget` prompt tokens in all (a lone request may exceed it)."""
     groups: list[list[Request]] = []
     for request in requests:
         group = groups[-1] if groups else None
-        if group and (len(group) + 1) * max(len(request.prompt_ids), *(len(r.prompt_ids) for r in group)) <= budget:
+        if group and sum(len(r.prompt_ids) for r in group) + len(request.prompt_ids) <= budget:
             group.append(request)
         else:
             groups.append([request])
@@ -170,8 +171,6 @@ class Engine:
         if self.config.share_prompt_prefill:  # a repeated prompt (a GRPO group) is forwarded once, then copied
             admitted, copies = _first_of_each_prompt(admitted)
         batched = self.config.prefill_batch_tokens and len(admitted) > 1
-        if batched:  # neighbours of similar length share a padded forward: 60 mixed prompts padded ~2x less
-            admitted.sort(key=lambda r: len(r.prompt_ids))
         for request in admitted + copies:
             request.row = len(self.running)  # admitted requests take consecutive rows (the prompts forwarded first)
             self.running.append(request)
@@ -226,23 +225,17 @@ class Engine:
 
     @torch.inference_mode()
     def _prefill_batched(self, requests: list[Request], done: dict) -> list[StepOutput]:
-        """Prefill requests on consecutive rows in few forwards: prompts right-padded to the longest of a group
-        (<= prefill_batch_tokens padded tokens per forward); causal attention keeps padding out of every real
-        token, and the padding's K/V is rolled back. Each request then sees exactly its unbatched prefill output
-        (recorded in `done`, as `_prefill` does)."""
-        outputs = []
-        for group in _prefill_groups(requests, self.config.prefill_batch_tokens):
+        """Prefill-shaped prompts (> decode_glue.MAX_NEW_TOKENS tokens) packed into forwards of <= prefill_batch_tokens
+        tokens (Transformer.forward_packed: no padding, each prompt attends within itself); shorter ones one forward
+        each. Every request sees exactly its own prefill's output (recorded in `done`, as `_prefill` does)."""
+        packs = [len(r.prompt_ids) > decode_glue.MAX_NEW_TOKENS for r in requests]
+        outputs = [self._prefill(request, done) for request, packed in zip(requests, packs) if not packed]
+        for group in _prefill_groups([r for r, packed in zip(requests, packs) if packed], self.config.prefill_batch_tokens):
             start = time.perf_counter()
-            lengths = [len(r.prompt_ids) for r in group]
-            ids = torch.zeros(len(group), max(lengths), dtype=torch.long)
-            for i, request in enumerate(group):
-                ids[i, : lengths[i]] = torch.tensor(request.prompt_ids)
+            for request in group:
                 self.cache.reset(request.row)
-            rows = slice(group[0].row, group[0].row + len(group))
-            out = self.model(ids.to(self.cache.k.device), cache=self.cache, rows=rows, taps=self.taps, last_positions=torch.tensor(lengths) - 1)
-            for i, request in enumerate(group):
-                self.cache.truncate(request.row, lengths[i])
-                own = ForwardOutput(out.logits[i : i + 1], tuple(h[i : i + 1, : lengths[i]] for h in out.hidden), out.final_hidden[i : i + 1, : lengths[i]])
+            outs = self.model.forward_packed([r.prompt_ids for r in group], self.cache, [r.row for r in group], self.taps)
+            for request, own in zip(group, outs):
                 done[tuple(request.prompt_ids)] = (request.row, own, start)
                 outputs.append(self._first_token(request, own, start))
         return outputs

@@ -67,6 +67,7 @@ class AttentionBatch:
     uniform_start: int | None  # the common start when all rows start at the same slot (writes are a narrow copy)
     row_groups: tuple[tuple[int, int, int], ...] = ()  # (first, end, keys) per group of ATTENTION_GROUP_ROWS rows
     tree: torch.Tensor | None = None  # [B, T, T] bool the mask was built from; None = causal among the new tokens
+    segments: tuple[tuple[int, int, int], ...] = ()  # packed prefill: (offset, length, cache row) of each prompt in the one row
 
     def groups(self) -> tuple[tuple[int, int, int], ...]:
         """Row ranges of the batch, each with the keys its longest row needs: attention per group reads
@@ -102,6 +103,17 @@ def build_attention_batch(
 
 
 ATTENTION_GROUP_ROWS = 8  # measured: 60-row decode over ragged lengths 1.99 -> 1.13 ms per layer (BENCHMARKS 1.3)
+
+
+def packed_attention_batch(cache: KVCache, lengths: list[int], rows: list[int]) -> AttentionBatch:
+    """Several prompts as one row of tokens (a packed prefill): prompt i is tokens offsets[i] .. + lengths[i], written
+    into cache row rows[i] from slot 0, and attends causally within itself only."""
+    if max(lengths) > cache.max_len:
+        raise PromptTooLongError(f"KV cache holds {cache.max_len} tokens per sequence; a prompt has {max(lengths)}")
+    offsets = [sum(lengths[:i]) for i in range(len(lengths))]
+    positions = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)  # [1, N]
+    return AttentionBatch(slice(0, 1), torch.zeros(1, dtype=torch.long), positions, max(lengths), None, True, None,
+                          segments=tuple(zip(offsets, lengths, rows)))
 
 
 def _row_groups(starts: torch.Tensor, num_new: int) -> tuple[tuple[int, int, int], ...]:

@@ -7,8 +7,6 @@ from tandem.rl.grpo import GRPOConfig, GRPOTrainer, Learner
 from tandem.rl.rollout import RolloutEngine
 
 MAX_PROMPT_TOKENS = 128  # chat-rendered task prompts are far shorter
-PREFILL_BATCH_TOKENS = 4096  # task prompts are short and alike (44-58 tokens): a rollout batch's distinct prompts prefill in
-# padded forwards together (32 distinct prompts 1.2x faster than one forward each; GRPO groups still prefill once)
 
 
 def build_engines(target, drafters: list[str], max_batch: int, max_len: int, num_draft_tokens: int = 4, adaptive_k: bool = True,
@@ -21,7 +19,7 @@ def build_engines(target, drafters: list[str], max_batch: int, max_len: int, num
 
     if len(set(drafters)) != len(drafters) or not drafters:
         raise InvalidParameterError(f"drafters must be distinct and non-empty, got {drafters}")
-    config = EngineConfig(max_batch_size=max_batch, max_model_len=max_len, prefill_batch_tokens=PREFILL_BATCH_TOKENS)
+    config = EngineConfig(max_batch_size=max_batch, max_model_len=max_len)  # a rollout batch's distinct prompts prefill packed
     engines = []
     for name in drafters:
         drafter = None if name == "ar" else build_drafter(name, target=target, num_draft_tokens=num_draft_tokens, max_batch=max_batch, max_len=max_len)

@@ -95,4 +95,4 @@ def test_chunk_budget_is_validated():
     with pytest.raises(InvalidParameterError):
         EngineConfig(prefill_chunk_tokens=-1)
     with pytest.raises(InvalidParameterError):
-        EngineConfig(prefill_chunk_tokens=64, prefill_batch_tokens=64)
+        EngineConfig(prefill_batch_tokens=-1)
