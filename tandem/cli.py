@@ -6,7 +6,7 @@ import json
 import sys
 from pathlib import Path
 
-from tandem.errors import TandemError
+from tandem.errors import InvalidParameterError, TandemError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -174,6 +174,7 @@ def _bench_decode_command(bench) -> None:
     p.add_argument("--ortg-model", default=None, help="onnxruntime-genai model dir (default: the peer harness's SmolLM2 fp32 export)")
     p.add_argument("--no-pack", action="store_true", help="don't prepack target weights (halves memory, slower)")
     p.add_argument("--compile", action="store_true", help="every runner on the compiled decode / verify forward (compiles each shape once)")
+    p.add_argument("--tree", default=None, help="NODES,TOPK,DEPTH of the eagle_tree* drafters' dynamic trees (default 12,3,5)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json", dest="json_out", default=None)
     p.set_defaults(func=_bench_decode)
@@ -191,9 +192,21 @@ def _bench_decode(args) -> int:
         num_draft_tokens=args.num_draft_tokens, adaptive_k=args.adaptive_k, drafter_model=args.drafter_model,
         drafter_path=args.drafter_path, peers=tuple(p for p in args.peers.split(",") if p), pack_weights=not args.no_pack,
         ortg_python=args.ortg_python, ortg_model=args.ortg_model,
-        compile=args.compile,
+        compile=args.compile, tree=_int_triple(args.tree, "--tree"),
     )
     return _emit(run_decode_bench(config), args.json_out)
+
+
+def _int_triple(text: str | None, flag: str) -> tuple[int, int, int] | None:
+    if text is None:
+        return None
+    try:
+        values = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise InvalidParameterError(f"{flag} takes three integers, e.g. 24,4,6; got {text!r}") from None
+    if len(values) != 3:
+        raise InvalidParameterError(f"{flag} takes three integers, e.g. 24,4,6; got {text!r}")
+    return values
 
 
 def _bench_shift_command(bench) -> None:

@@ -75,14 +75,14 @@ class LLM:
                 "differently (attention, and single-row GEMMs), so outputs can differ from plain decoding of the same "
                 f"{dtype} model (docs/BENCHMARKS.md 1.3); float32 is the exact mode", stacklevel=2)
 
-    def _make_engine(self, drafter, num_draft_tokens, drafter_model, drafter_path, adaptive_k) -> Engine:
+    def _make_engine(self, drafter, num_draft_tokens, drafter_model, drafter_path, adaptive_k, **drafter_options) -> Engine:
         draft, policy = None, None
         if drafter:
             from tandem.drafters import build_drafter
 
             draft = build_drafter(drafter, target=self.target, num_draft_tokens=num_draft_tokens, drafter_model=drafter_model,
                                   drafter_path=drafter_path, device=self.device, max_batch=self.config.max_batch_size,
-                                  max_len=self.config.max_model_len)
+                                  max_len=self.config.max_model_len, **drafter_options)
         if adaptive_k and draft is not None:
             from tandem.engine.control import SpeculationController
 
@@ -90,11 +90,12 @@ class LLM:
         return Engine(self.target, self.config, drafter=draft, draft_policy=policy)
 
     def with_drafter(self, drafter: str | None, num_draft_tokens: int = 4, drafter_model: str | None = None,
-                     drafter_path: str | None = None, adaptive_k: bool = False) -> "LLM":
-        """A second LLM over the same loaded target and tokenizer, with another drafter (benchmarks)."""
+                     drafter_path: str | None = None, adaptive_k: bool = False, **drafter_options) -> "LLM":
+        """A second LLM over the same loaded target and tokenizer, with another drafter (benchmarks); drafter_options go
+        to the drafter's builder (e.g. eagle_tree's max_nodes, tree_topk, tree_depth)."""
         other = object.__new__(LLM)
         other.__dict__.update(self.__dict__)
-        other.engine = self._make_engine(drafter, num_draft_tokens, drafter_model, drafter_path, adaptive_k)
+        other.engine = self._make_engine(drafter, num_draft_tokens, drafter_model, drafter_path, adaptive_k, **drafter_options)
         return other
 
     # ---- generation ---------------------------------------------------------------------------------

@@ -38,6 +38,7 @@ class DecodeBenchConfig:
     ortg_model: str | None = None  # its fp32 model directory (default: the peer harness's SmolLM2 export)
     pack_weights: bool = True  # False saves a copy of the weights (big targets next to HF peers in one process)
     compile: bool = False  # every engine on the compiled decode / verify forward (tandem.models.compiled)
+    tree: tuple[int, int, int] | None = None  # dynamic trees (eagle_tree*): (max_nodes, topk, depth); None: the drafter's default
 
     def __post_init__(self) -> None:
         if "ar" not in self.drafters:
@@ -52,6 +53,8 @@ class DecodeBenchConfig:
             raise InvalidParameterError(f"--peers: unknown {sorted(unknown)}; choose from {PEERS}")
         if any(n.endswith("@int8") for n in self.drafters) and "ar@int8" not in self.drafters:
             raise InvalidParameterError("int8 runners need 'ar@int8' too (their greedy reference: plain decoding of the int8 target)")
+        if self.tree is not None and (len(self.tree) != 3 or min(self.tree) < 1):
+            raise InvalidParameterError(f"--tree takes NODES,TOPK,DEPTH, each >= 1; got {self.tree}")
 
 
 PEERS = ("hf", "ortg")
@@ -168,7 +171,8 @@ def _prompts(config: DecodeBenchConfig) -> list[Prompt]:
 def _llm_for(base, name: str, config: DecodeBenchConfig):
     if name == "ar":
         return base
-    return base.with_drafter(name, config.num_draft_tokens, config.drafter_model, drafter_path_for(name, config.drafter_path), config.adaptive_k)
+    options = dict(zip(("max_nodes", "tree_topk", "tree_depth"), config.tree)) if config.tree and name.startswith("eagle_tree") else {}
+    return base.with_drafter(name, config.num_draft_tokens, config.drafter_model, drafter_path_for(name, config.drafter_path), config.adaptive_k, **options)
 
 
 def drafter_path_for(name: str, spec: str | None) -> str | None:

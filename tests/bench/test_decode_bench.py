@@ -3,7 +3,9 @@ import json
 
 import pytest
 
+from tandem.bench.decode import DecodeBenchConfig
 from tandem.cli import main
+from tandem.errors import InvalidParameterError
 
 
 def test_bench_decode_on_a_user_prompt_file(tiny_llama, tmp_path):
@@ -111,3 +113,24 @@ def test_ortg_peer_decodes_greedily_in_its_own_process():
         assert peer.generate(prompt, 4, "plain") == plain[:4]  # max_tokens respected, greedy prefix
     finally:
         peer.close()
+
+
+def test_tree_shape_reaches_the_tree_drafters(tiny_llama, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"domain": "code", "prompt": "abcabcabc abc"}))
+    drafted = {}
+    for tree in ("3,3,2", "9,3,3"):
+        out = tmp_path / f"{tree}.json"
+        assert main(["bench", "decode", "--model", tiny_llama, "--drafters", "ar,eagle,eagle_tree", "--prompts", str(prompts),
+                     "--max-tokens", "32", "--tree", tree, "--json", str(out)]) == 0
+        result = json.loads(out.read_text())["drafters"]
+        assert result["eagle_tree"]["overall"]["greedy_matches_ar"] is True
+        drafted[tree] = (result["eagle"]["overall"]["mean_draft_length"], result["eagle_tree"]["overall"]["mean_draft_length"])
+    assert drafted["3,3,2"][0] == drafted["9,3,3"][0]  # chains are not trees: unchanged
+    assert drafted["3,3,2"][1] <= 3 < drafted["9,3,3"][1] <= 9
+
+
+def test_tree_option_is_checked():
+    assert main(["bench", "decode", "--tree", "3,3"]) == 1  # a clear error, before any model loads
+    with pytest.raises(InvalidParameterError, match="TOPK"):
+        DecodeBenchConfig(tree=(3, 0, 2))
