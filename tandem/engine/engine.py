@@ -22,10 +22,9 @@ from tandem.engine.request import FinishReason, Request
 from tandem.engine.stats import EngineStats, add_position_counts
 from tandem.engine.policy_update import copy_named_, validate_named_tensors
 from tandem.errors import InvalidParameterError, PolicyUpdateError, PromptTooLongError
-from tandem.models import decode_glue
 from tandem.models.compiled import CompiledForward
 from tandem.models.kv_cache import KVCache
-from tandem.models.transformer import ForwardOutput, Transformer
+from tandem.models.transformer import ForwardOutput, Transformer, packable
 from tandem.ops import tree as tree_ops
 from tandem.ops.sampling import draw_uniform, sampling_probs, token_logprobs
 from tandem.ops.verify import verify_greedy, verify_tree
@@ -225,10 +224,10 @@ class Engine:
 
     @torch.inference_mode()
     def _prefill_batched(self, requests: list[Request], done: dict) -> list[StepOutput]:
-        """Prefill-shaped prompts (> decode_glue.MAX_NEW_TOKENS tokens) packed into forwards of <= prefill_batch_tokens
-        tokens (Transformer.forward_packed: no padding, each prompt attends within itself); shorter ones one forward
-        each. Every request sees exactly its own prefill's output (recorded in `done`, as `_prefill` does)."""
-        packs = [len(r.prompt_ids) > decode_glue.MAX_NEW_TOKENS for r in requests]
+        """Packable prompts (transformer.packable: prefill-shaped) packed into forwards of <= prefill_batch_tokens tokens
+        (Transformer.forward_packed: no padding, each prompt attends within itself); the others one forward each.
+        Every request sees exactly its own prefill's output (recorded in `done`, as `_prefill` does)."""
+        packs = [packable(len(r.prompt_ids)) for r in requests]
         outputs = [self._prefill(request, done) for request, packed in zip(requests, packs) if not packed]
         for group in _prefill_groups([r for r, packed in zip(requests, packs) if packed], self.config.prefill_batch_tokens):
             start = time.perf_counter()

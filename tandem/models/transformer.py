@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tandem.errors import InvalidParameterError
 from tandem.models import cpu_gemm, decode_glue
 from tandem.models.config import ModelConfig
 from tandem.models.kv_cache import AttentionBatch, KVCache, build_attention_batch, packed_attention_batch
@@ -366,6 +367,12 @@ class Block(nn.Module):
         return x + self.mlp.down(decode_glue.silu_mul(self.mlp.gate_up(h)))
 
 
+def packable(prompt_tokens: int) -> bool:
+    """Whether a prompt may join a packed prefill (Transformer.forward_packed): only prefill-shaped prompts, whose own
+    prefill runs the same path, so packing changes none of their bits."""
+    return prompt_tokens > decode_glue.MAX_NEW_TOKENS
+
+
 @dataclass
 class ForwardOutput:
     logits: torch.Tensor  # [B, T, V] (or [B, 1, V] with last_only)
@@ -432,8 +439,8 @@ class Transformer(nn.Module):
         gives, bit for bit, where the CPU kernels run (they are row-invariant); otherwise within fp32 rounding.
         Returns per prompt its ForwardOutput (last-position logits, taps and final hidden states of its tokens)."""
         lengths = [len(p) for p in prompts]
-        if len(rows) != len(prompts) or min(lengths, default=0) <= decode_glue.MAX_NEW_TOKENS:
-            raise ValueError(f"forward_packed: one cache row per prompt, each prompt > {decode_glue.MAX_NEW_TOKENS} tokens")
+        if len(rows) != len(prompts) or not lengths or not all(packable(n) for n in lengths):
+            raise InvalidParameterError(f"forward_packed: one cache row per prompt, each prompt > {decode_glue.MAX_NEW_TOKENS} tokens")
         device = cache.k.device
         batch = packed_attention_batch(cache, lengths, rows)
         ids = torch.tensor([[t for p in prompts for t in p]], device=device)
