@@ -9,7 +9,8 @@ weight-only int8 rows (one fp32 scale per row, fp32 activations), stored interle
 one sequential stream feeds 4 FMA chains (`pack_q8`): a quarter of the bytes, the same invariance.
 `wide_gemm` (csrc/wide_gemm.cpp) serves inputs of many tokens per sequence (prefill) from the same weight: packed
 panels and an outer-product register block, compute-bound rather than bandwidth-bound, invariant in the number of
-rows too, but in its own summation order (Linear uses it for prefill only, never for decode or verify). Where the
+rows too, but in its own summation order (Linear uses it for prefill, never for decode or verify, and with its
+backward for unpacked forwards of many rows: the GRPO learner, the head trainers; `linear`). Where the
 CPU has AVX-512 the wide kernel and small_gemm's many-row blocks run on 512-bit registers (the same fused
 multiply-adds in the same order, so the same bits as the AVX2 blocks; `set_isa`).
 
@@ -104,6 +105,46 @@ def small_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
 def wide_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:  # x [..., K], weight [N, K] -> [..., N]
     """The same product for prefill-sized inputs: faster from ~17 rows on, invariant in the rows, not small_gemm's bits."""
     return torch.ops.tandem_cpu.wide_gemm(x, weight, bias)
+
+
+WIDE_MIN_ROWS = 33  # an unpacked linear over more rows than a verify step runs the wide kernel (and its backward)
+
+
+class _WideLinear(torch.autograd.Function):
+    """y = x W^T + b on the wide kernel, differentiable: dX = dY W and dW = dY^T X run on the same kernel (its
+    operands transposed into plain row-major copies). About 2x oneDNN / MKL's fp32 GEMMs on this box in every
+    direction (docs/BENCHMARKS.md 5); a different summation order, so gradients agree with F.linear's within fp32
+    rounding, not bit for bit."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return wide_gemm(x, weight.contiguous(), None if bias is None else bias.contiguous())
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        dy = grad.reshape(-1, grad.shape[-1]).contiguous()  # [M, N]
+        dx = dw = db = None
+        if ctx.needs_input_grad[0]:
+            dx = wide_gemm(dy, weight.t().contiguous()).view(x.shape)  # [M, N] x [K, N]^T
+        if ctx.needs_input_grad[1]:
+            dw = wide_gemm(dy.t().contiguous(), x.reshape(-1, x.shape[-1]).t().contiguous())  # [N, M] x [K, M]^T
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            db = dy.sum(0)
+        return dx, dw, db
+
+
+def wide_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether a plain (unpacked) fp32 CPU linear over x runs `linear` here: more rows than a verify step, the kernel built."""
+    return (x.dtype == weight.dtype == torch.float32 and x.device.type == weight.device.type == "cpu"
+            and x.numel() >= WIDE_MIN_ROWS * x.shape[-1] and not torch.compiler.is_compiling() and available())
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:  # x [..., K], weight [N, K] -> [..., N]
+    """F.linear on the wide kernel, with its gradients (training: the GRPO learner, the head trainers; unpacked forwards)."""
+    return _WideLinear.apply(x, weight, bias)
 
 
 def set_isa(isa: str) -> str:

@@ -159,7 +159,10 @@ class Linear(nn.Module):
             if torch.compiler.is_compiling():  # an opaque call: inductor lowers mkldnn linears only for frozen constants
                 return torch.ops.tandem.linear_packed(x, self.packed, bias)
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
-        return F.linear(x, self.dense_weight(), self.bias)
+        weight = self.dense_weight()
+        if cpu_gemm.wide_applies(x, weight):  # unpacked (training, a weight being changed): the wide kernel and its backward
+            return cpu_gemm.linear(x, weight, self.bias)
+        return F.linear(x, weight, self.bias)
 
 
 GEMMS = ("auto", "onednn", "int8")
@@ -375,7 +378,7 @@ def packable(prompt_tokens: int) -> bool:
 
 @dataclass
 class ForwardOutput:
-    logits: torch.Tensor  # [B, T, V] (or [B, 1, V] with last_only)
+    logits: torch.Tensor | None  # [B, T, V] (or [B, 1, V] with last_only; None when the forward was asked for none)
     hidden: tuple[torch.Tensor, ...]  # one [B, T, hidden] per requested tap (output of that layer)
     final_hidden: torch.Tensor  # [B, T, hidden] after the final norm (what the LM head reads)
 
@@ -421,12 +424,13 @@ class Transformer(nn.Module):
         tree_mask: torch.Tensor | None = None,  # [B, T, T] bool; default causal among new tokens
         taps: tuple[int, ...] = (),  # layers whose output hidden states to return
         last_only: bool = False,  # logits for the last position only (prefill)
+        logits: bool = True,  # False: no LM head (logits None; a trainer applies it where it needs it)
     ) -> ForwardOutput:
         b, t = input_ids.shape
         batch = build_attention_batch(cache, rows, t, tree_mask, b, input_ids.device)
         if positions is None:
             positions = batch.write_slots.to(input_ids.device)
-        out = self.forward_batch(input_ids, positions, cache, batch, taps, last_only)
+        out = self.forward_batch(input_ids, positions, cache, batch, taps, last_only, logits=logits)
         if cache is not None:
             cache.lengths[batch.rows] += t
         return out
@@ -460,6 +464,7 @@ class Transformer(nn.Module):
         taps: tuple[int, ...] = (),
         last_only: bool = False,
         last_positions: torch.Tensor | None = None,  # [prompts]: a packed prefill's last token of each prompt (forward_packed)
+        logits: bool = True,
     ) -> ForwardOutput:
         """The forward proper, metadata given; writes K/V into the cache but leaves `cache.lengths` alone
         (what the compiled path traces: no host syncs, no Python-side state changes)."""
@@ -485,8 +490,7 @@ class Transformer(nn.Module):
             read = x[0, last_positions.to(x.device)].unsqueeze(1)
         else:
             read = x[:, -1:] if last_only else x
-        logits = self.lm_head(read)
-        return ForwardOutput(logits.float(), tuple(hidden), x)
+        return ForwardOutput(self.lm_head(read).float() if logits else None, tuple(hidden), x)
 
     def rope(self, positions: torch.Tensor):  # -> cos, sin_signed [B, T, 1, head_dim]
         freqs = positions.float().unsqueeze(-1) * self.inv_freq  # [B, T, D/2], fp32 as in HF

@@ -38,12 +38,11 @@ class OnlineEagle:
         prompt_lens: list[int],  # [B]
         taps: tuple[torch.Tensor, ...],  # 3 x [B, L, d] from the learner's forward
         final_hidden: torch.Tensor,  # [B, L, d]
-        logits: torch.Tensor,  # [B, L, V] (only its argmax is used, for accuracy stats)
+        greedy: torch.Tensor,  # [B, L] long: the policy's argmax at each position (accuracy stats only)
     ) -> list[Example]:
         """Per-sequence training examples from the learner's forward, detached from the policy graph."""
         with torch.no_grad():
             tapped = torch.cat([h.detach().float() for h in taps], dim=-1)
-            greedy = logits.detach().argmax(-1)
             return [Example(ids[b, :n].clone(), tapped[b, :n].clone(), final_hidden[b, :n].detach().float().clone(), greedy[b, :n].clone(), p)
                     for b, (n, p) in enumerate(zip(lengths, prompt_lens))]
 

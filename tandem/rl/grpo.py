@@ -78,7 +78,7 @@ class Learner:
         ids = torch.zeros(len(rollouts), max(lengths), dtype=torch.long)
         for b, r in enumerate(rollouts):
             ids[b, : lengths[b]] = torch.tensor(r.prompt_ids + r.completion_ids)
-        return ids, lengths, [len(r.prompt_ids) for r in rollouts], self.model(ids, taps=self.taps)
+        return ids, lengths, [len(r.prompt_ids) for r in rollouts], self.model(ids, taps=self.taps, logits=False)
 
     def losses(self, rollouts: list, advantages: torch.Tensor, total: int, online=None):
         """(policy loss of these rollouts / total, stats, draft examples): one forward with taps."""
@@ -90,13 +90,17 @@ class Learner:
             cols += list(range(p - 1, p - 1 + n))  # logits at position t predict token t + 1
             sample_of += [b] * n
         rows_t, cols_t = torch.tensor(rows, dtype=torch.long), torch.tensor(cols, dtype=torch.long)
-        logits = out.logits[rows_t, cols_t].float() / self.cfg.temperature  # [M, V]
+        logits = self.model.lm_head(out.final_hidden[rows_t, cols_t]).float() / self.cfg.temperature  # [M, V]: completion positions only
         new = torch.log_softmax(logits, -1).gather(-1, ids[rows_t, cols_t + 1].unsqueeze(-1)).squeeze(-1)
         old = torch.tensor([lp for r in rollouts for lp in r.logprobs], dtype=new.dtype)
         sample_t = torch.tensor(sample_of, dtype=torch.long)
         loss, stats = clipped_policy_loss(new, old, advantages[sample_t], sample_t, len(rollouts), self.cfg.clip_eps)
-        examples = online.examples(ids, lengths, prompt_lens, out.hidden, out.final_hidden, out.logits) if online is not None else []
+        examples = online.examples(ids, lengths, prompt_lens, out.hidden, out.final_hidden, self._greedy(out.final_hidden)) if online is not None else []
         return loss / total, stats, examples
+
+    def _greedy(self, final_hidden: torch.Tensor) -> torch.Tensor:  # [B, L, d] -> [B, L]: the policy's argmax everywhere (no gradient)
+        with torch.no_grad():
+            return self.model.lm_head(final_hidden.detach()).argmax(-1)
 
     def step(self, rollouts: list, advantages: torch.Tensor, online=None) -> dict:
         """One optimiser step over all rollouts (micro-batches accumulate); the draft head trains on the

@@ -151,7 +151,7 @@ def test_packed_model_keeps_one_dense_copy_and_matches(tiny_dirs, arch):
 
 
 @needs_kernel
-def test_linear_routes_inputs_by_shape_and_grad_mode_to_f_linear():
+def test_linear_routes_inputs_by_shape_and_grad_mode():
     lin = Linear(32, 24, bias=True)
     with torch.no_grad():
         lin.weight.normal_()
@@ -160,7 +160,7 @@ def test_linear_routes_inputs_by_shape_and_grad_mode_to_f_linear():
     assert lin.small_gemm
     big = torch.randn(cpu_gemm.MAX_ROWS + 1, 32)
     with torch.no_grad():
-        assert torch.equal(lin(big), F.linear(big, lin.weight, lin.bias))  # past MAX_ROWS: exactly F.linear
+        assert torch.equal(lin(big), cpu_gemm.wide_gemm(big, lin.weight, lin.bias))  # past MAX_ROWS: the wide kernel
         small = torch.randn(3, 32)
         assert torch.equal(lin(small), cpu_gemm.small_gemm(small, lin.weight, lin.bias))
         verify = torch.randn(30, decode_glue.MAX_NEW_TOKENS, 32)  # decode / verify shaped, past MAX_ROWS rows: still the small
@@ -172,8 +172,36 @@ def test_linear_routes_inputs_by_shape_and_grad_mode_to_f_linear():
         long_prefill = torch.randn(1, cpu_gemm.MAX_ROWS + 1, 32)  # ... also past MAX_ROWS
         assert torch.equal(lin(long_prefill), cpu_gemm.wide_gemm(long_prefill, lin.weight, lin.bias))
     x = torch.randn(3, 32, requires_grad=True)
-    lin(x).sum().backward()  # grad mode: F.linear, gradients flow
+    lin(x).sum().backward()  # grad mode, few rows: F.linear, gradients flow
     assert lin.weight.grad is not None and x.grad is not None
+    many = torch.randn(2, cpu_gemm.WIDE_MIN_ROWS, 32, requires_grad=True)
+    assert torch.equal(lin(many), cpu_gemm.wide_gemm(many.detach(), lin.weight.detach(), lin.bias.detach()))  # many: the wide kernel
+    assert lin(many).grad_fn is not None
+
+
+@needs_kernel
+@pytest.mark.parametrize("shape,k,n", [((3, 40), 32, 24), ((70,), 581, 101), ((2, 33), 576, 1536)])
+@pytest.mark.parametrize("frozen_weight", [False, True])
+def test_wide_linear_values_and_gradients_match_f_linear(shape, k, n, frozen_weight):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(*shape, k, generator=g)
+    w, b = torch.randn(n, k, generator=g) / k ** 0.5, torch.randn(n, generator=g)
+    grad = torch.randn(*shape, n, generator=g)
+    results = []
+    for fn in (F.linear, cpu_gemm.linear):
+        xs, ws, bs = (t.clone().requires_grad_(not (frozen_weight and t is not x)) for t in (x, w, b))
+        y = fn(xs, ws, bs)
+        y.backward(grad)
+        results.append((y, xs.grad, ws.grad, bs.grad))
+    (y0, dx0, dw0, db0), (y1, dx1, dw1, db1) = results
+    scale = lambda t: 1e-4 * max(1.0, t.abs().max().item())  # fp32 sums of up to ~600 terms, another order than MKL's
+    assert (y1 - y0).abs().max().item() <= scale(y0)
+    assert (dx1 - dx0).abs().max().item() <= scale(dx0)
+    if frozen_weight:
+        assert dw1 is None and db1 is None
+    else:
+        assert (dw1 - dw0).abs().max().item() <= scale(dw0) * 10  # dW sums over all rows of x
+        assert (db1 - db0).abs().max().item() <= scale(db0) * 10
 
 
 @needs_kernel
