@@ -87,11 +87,16 @@ def _load() -> bool:
     torch.library.register_fake("tandem_cpu::small_gemm_q8")(_small_gemm_q8_fake)
     torch.library.register_fake("tandem_cpu::wide_gemm")(_small_gemm_fake)
     torch.library.register_fake("tandem_cpu::wide_gemm_q8")(_small_gemm_q8_fake)
+    torch.library.register_fake("tandem_cpu::wide_gemm_kn")(_wide_gemm_kn_fake)
     return True
 
 
 def _small_gemm_fake(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], w.shape[0]))
+
+
+def _wide_gemm_kn_fake(x: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], b.shape[1]))
 
 
 def _small_gemm_q8_fake(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -114,7 +119,7 @@ class _WideLinear(torch.autograd.Function):
     """y = x W^T + b on the wide kernel, differentiable: dX = dY W and dW = dY^T X run on the same kernel (its
     operands transposed into plain row-major copies). About 2x oneDNN / MKL's fp32 GEMMs on this box in every
     direction (docs/BENCHMARKS.md 5); a different summation order, so gradients agree with F.linear's within fp32
-    rounding, not bit for bit."""
+    rounding, not bit for bit. Only dY is copied (transposed, for dW); W and X are read as they lie (wide_gemm_kn)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -128,9 +133,9 @@ class _WideLinear(torch.autograd.Function):
         dy = grad.reshape(-1, grad.shape[-1]).contiguous()  # [M, N]
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
-            dx = wide_gemm(dy, weight.t().contiguous()).view(x.shape)  # [M, N] x [K, N]^T
+            dx = wide_gemm_kn(dy, weight.contiguous()).view(x.shape)  # [M, N] @ [N, K]
         if ctx.needs_input_grad[1]:
-            dw = wide_gemm(dy.t().contiguous(), x.reshape(-1, x.shape[-1]).t().contiguous())  # [N, M] x [K, M]^T
+            dw = wide_gemm_kn(dy.t().contiguous(), x.reshape(-1, x.shape[-1]).contiguous())  # [N, M] @ [M, K]
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy.sum(0)
         return dx, dw, db
@@ -145,6 +150,11 @@ def wide_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:  # x [..., K], weight [N, K] -> [..., N]
     """F.linear on the wide kernel, with its gradients (training: the GRPO learner, the head trainers; unpacked forwards)."""
     return _WideLinear.apply(x, weight, bias)
+
+
+def wide_gemm_kn(x: torch.Tensor, b: torch.Tensor) -> torch.Tensor:  # x [..., K], b [K, N] -> x @ b [..., N]
+    """wide_gemm(x, b.T) without the transposed copy: the same bits (a linear's backward reads W and X as they lie)."""
+    return torch.ops.tandem_cpu.wide_gemm_kn(x, b)
 
 
 def set_isa(isa: str) -> str:

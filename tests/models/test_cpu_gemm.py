@@ -180,6 +180,16 @@ def test_linear_routes_inputs_by_shape_and_grad_mode():
 
 
 @needs_kernel
+@pytest.mark.parametrize("m,k,n", [(1, 8, 16), (40, 37, 50), (131, 576, 33), (70, 200, 7)])
+def test_wide_kernel_over_an_untransposed_matrix_gives_the_transposed_products_bits(m, k, n):
+    x, w, _ = _data(m, k, n)
+    b = w.t().contiguous()  # [K, N]
+    assert torch.equal(cpu_gemm.wide_gemm_kn(x, b), cpu_gemm.wide_gemm(x, w))
+    with pytest.raises(RuntimeError, match="wide_gemm_kn"):
+        cpu_gemm.wide_gemm_kn(x, w.t())  # not contiguous
+
+
+@needs_kernel
 @pytest.mark.parametrize("shape,k,n", [((3, 40), 32, 24), ((70,), 581, 101), ((2, 33), 576, 1536)])
 @pytest.mark.parametrize("frozen_weight", [False, True])
 def test_wide_linear_values_and_gradients_match_f_linear(shape, k, n, frozen_weight):

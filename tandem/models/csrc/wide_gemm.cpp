@@ -65,6 +65,15 @@ void pack_panel(const float* w, float* P, int64_t n0, int64_t N, int64_t K, int6
   }
 }
 
+// P [K][nr]: columns n0..n0+nr of a row-major [K, N] matrix b (zeros past N), i.e. the panel of b^T, copied as it lies.
+void pack_panel_kn(const float* b, float* P, int64_t n0, int64_t N, int64_t K, int64_t nr) {
+  const int64_t cols = std::min<int64_t>(nr, N - n0);
+  for (int64_t k = 0; k < K; ++k) {
+    std::copy(b + k * N + n0, b + k * N + n0 + cols, P + k * nr);
+    std::fill(P + k * nr + cols, P + (k + 1) * nr, 0.f);
+  }
+}
+
 // The same panel from weight-only int8 rows in small_gemm_q8's interleaved layout ([ceil(N/4)][ceil(K/8)][4][8], zero
 // padded): P[k][j] = q[n0 + j][k] * scale[n0 + j], the fp32 values dequantize_q8 gives, so the product is the fp32
 // kernel's over the dequantized weight, bit for bit. P has room for K rounded up to 8 rows.
@@ -202,6 +211,16 @@ at::Tensor wide_gemm(const at::Tensor& x, const at::Tensor& w, const c10::option
   return run(x, N, tandem_kernels::checked_bias(bias, N, "wide_gemm"), [&](float* P, int64_t n0, int64_t nr) { pack_panel(wp, P, n0, N, K, nr); });
 }
 
+// x @ b for a row-major [K, N] b: a linear's backward (dX = dY W, dW = dY^T X) without transposed copies of W or X.
+// The same block and summation order as wide_gemm(x, b^T), so the same bits.
+at::Tensor wide_gemm_kn(const at::Tensor& x, const at::Tensor& b) {
+  TORCH_CHECK(b.scalar_type() == at::kFloat && b.device().is_cpu() && b.dim() == 2 && b.is_contiguous(), "wide_gemm_kn: b must be a contiguous fp32 CPU [K, N] matrix");
+  const int64_t K = b.size(0), N = b.size(1);
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.device().is_cpu() && x.dim() >= 1 && x.size(-1) == K, "wide_gemm_kn: x must be fp32 CPU [..., ", K, "]");
+  const float* bp = b.data_ptr<float>();
+  return run(x, N, at::Tensor(), [&](float* P, int64_t n0, int64_t nr) { pack_panel_kn(bp, P, n0, N, K, nr); });
+}
+
 // x @ (scale * q)^T (+ bias) with (packed, scale) = pack_q8(w): the weight-only int8 model's prefill.
 at::Tensor wide_gemm_q8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale, const c10::optional<at::Tensor>& bias) {
   const int64_t N = tandem_kernels::checked_q8(x, packed, scale, "wide_gemm_q8"), K = x.size(-1);
@@ -215,9 +234,11 @@ at::Tensor wide_gemm_q8(const at::Tensor& x, const at::Tensor& packed, const at:
 TORCH_LIBRARY_FRAGMENT(tandem_cpu, m) {
   m.def("wide_gemm(Tensor x, Tensor w, Tensor? bias) -> Tensor");
   m.def("wide_gemm_q8(Tensor x, Tensor packed, Tensor scale, Tensor? bias) -> Tensor");
+  m.def("wide_gemm_kn(Tensor x, Tensor b) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) {
   m.impl("wide_gemm", &wide_gemm);
   m.impl("wide_gemm_q8", &wide_gemm_q8);
+  m.impl("wide_gemm_kn", &wide_gemm_kn);
 }
