@@ -108,9 +108,10 @@ class Learner:
         start = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
         examples, ratio, clip = [], [], []
-        for i in range(0, len(rollouts), self.cfg.micro_batch):
-            micro = rollouts[i : i + self.cfg.micro_batch]
-            loss, stats, ex = self.losses(micro, advantages[i : i + len(micro)], len(rollouts), online)
+        order = sorted(range(len(rollouts)), key=lambda i: len(rollouts[i].prompt_ids) + len(rollouts[i].completion_ids))
+        for i in range(0, len(order), self.cfg.micro_batch):  # micro-batches of similar lengths: little padding
+            chosen = order[i : i + self.cfg.micro_batch]
+            loss, stats, ex = self.losses([rollouts[j] for j in chosen], advantages[chosen], len(rollouts), online)
             loss.backward()
             examples += ex
             ratio.append(stats["ratio_mean"])
