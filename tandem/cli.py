@@ -175,6 +175,8 @@ def _bench_decode_command(bench) -> None:
     p.add_argument("--no-pack", action="store_true", help="don't prepack target weights (halves memory, slower)")
     p.add_argument("--compile", action="store_true", help="every runner on the compiled decode / verify forward (compiles each shape once)")
     p.add_argument("--tree", default=None, help="NODES,TOPK,DEPTH of the eagle_tree* drafters' dynamic trees (default 12,3,5)")
+    p.add_argument("--min-confidence", type=float, default=None,
+                   help="eagle chains (and eagle_ngram's) end below this path confidence; 0: full chains (default: 0.08 for a trained head)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json", dest="json_out", default=None)
     p.set_defaults(func=_bench_decode)
@@ -192,7 +194,7 @@ def _bench_decode(args) -> int:
         num_draft_tokens=args.num_draft_tokens, adaptive_k=args.adaptive_k, drafter_model=args.drafter_model,
         drafter_path=args.drafter_path, peers=tuple(p for p in args.peers.split(",") if p), pack_weights=not args.no_pack,
         ortg_python=args.ortg_python, ortg_model=args.ortg_model,
-        compile=args.compile, tree=_int_triple(args.tree, "--tree"),
+        compile=args.compile, tree=_int_triple(args.tree, "--tree"), min_confidence=args.min_confidence,
     )
     return _emit(run_decode_bench(config), args.json_out)
 

@@ -39,6 +39,7 @@ class DecodeBenchConfig:
     pack_weights: bool = True  # False saves a copy of the weights (big targets next to HF peers in one process)
     compile: bool = False  # every engine on the compiled decode / verify forward (tandem.models.compiled)
     tree: tuple[int, int, int] | None = None  # dynamic trees (eagle_tree*): (max_nodes, topk, depth); None: the drafter's default
+    min_confidence: float | None = None  # eagle chains: path-confidence cut-off (None: the drafter's default)
 
     def __post_init__(self) -> None:
         if "ar" not in self.drafters:
@@ -172,6 +173,8 @@ def _llm_for(base, name: str, config: DecodeBenchConfig):
     if name == "ar":
         return base
     options = dict(zip(("max_nodes", "tree_topk", "tree_depth"), config.tree)) if config.tree and name.startswith("eagle_tree") else {}
+    if config.min_confidence is not None and name.startswith("eagle"):
+        options["min_confidence"] = config.min_confidence
     return base.with_drafter(name, config.num_draft_tokens, config.drafter_model, drafter_path_for(name, config.drafter_path), config.adaptive_k, **options)
 
 

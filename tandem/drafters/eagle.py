@@ -84,9 +84,12 @@ def sibling_ranks(parents: tuple[int, ...]) -> list[int]:
 class EagleDrafter(DrafterBase):
     name = "eagle"
 
-    def __init__(self, head: EagleHead, num_draft_tokens: int, max_batch: int, max_len: int, tree: TreeOptions = TreeOptions()):
+    def __init__(self, head: EagleHead, num_draft_tokens: int, max_batch: int, max_len: int, tree: TreeOptions = TreeOptions(),
+                 min_confidence: float = 0.0):
         if num_draft_tokens < 1:
             raise InvalidParameterError(f"num_draft_tokens must be >= 1, got {num_draft_tokens}")
+        if not 0.0 <= min_confidence < 1.0:
+            raise InvalidParameterError(f"min_confidence must be in [0, 1), got {min_confidence}")
         self.head = head
         self.k = num_draft_tokens
         self.tree = tree
@@ -97,6 +100,7 @@ class EagleDrafter(DrafterBase):
         self.draft_to_target = head.draft_to_target.to(device)  # [Vd]
         self.cache = KVCache(head.cfg.layer_config(), max_batch, max_len + tree.cache_room(num_draft_tokens) + 2, torch.float32, device)
         self.pending: dict[int, torch.Tensor] = {}  # row -> [m, d] fused features not yet in the draft cache
+        self.min_confidence = min_confidence  # chains end where the path confidence falls below it (0: always k tokens)
 
     # ---- engine hooks -------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -170,11 +174,22 @@ class EagleDrafter(DrafterBase):
         self.head(ids, features.unsqueeze(0), cache=self.cache, rows=slice(request.row, request.row + 1), logits_at=torch.zeros(1, dtype=torch.long))
 
     def _chain(self, requests, ks: list[int], logits: torch.Tensor, hidden: torch.Tensor) -> list[DraftTree]:
+        """k_b steps per row; with `min_confidence`, a row's chain ends before the first token whose path
+        confidence (the product of the head's top softmax probabilities along the chain, EAGLE-2's score) falls
+        below it: the draft alone decides, so verification stays exact. Drafting stops once every row has ended."""
         tokens, probs = [], []
+        ks = list(ks)
+        path = torch.ones(len(requests))
         for step in range(max(ks)):
             if step:
                 out_logits, out_hidden = self.head(tokens[-1].unsqueeze(1), hidden.unsqueeze(1), cache=self.cache, rows=slice(0, len(requests)))
                 logits, hidden = out_logits[:, 0], out_hidden[:, 0]
+            if self.min_confidence > 0:
+                path = path * torch.softmax(logits.float(), -1).amax(-1).cpu()
+                sure = (path >= self.min_confidence).tolist()
+                ks = [k if k <= step or sure[b] else step for b, k in enumerate(ks)]
+                if max(ks) <= step:
+                    break
             token, prob = self._pick(requests, logits)
             tokens.append(self.draft_to_target[token])
             probs.append(prob)
@@ -307,24 +322,31 @@ class _Nodes:
 
 
 DAY0 = "day0"  # drafter_path that asks for the untrained head even where a shipped one exists
+TRAINED_MIN_CONFIDENCE = 0.08  # a trained head's chains end below this path confidence (docs/BENCHMARKS.md 3.4): on the
+# peer prompts 1.71 -> 1.65 accepted per step for 3.9 -> 1.7 drafted tokens, 1.13x tokens/s; an untrained head's
+# drafts all score ~1/Vd, so it drafts full chains (the flywheel learns from its rejected proposals)
 
 
 def build_eagle_drafter(
     target, num_draft_tokens: int = 4, drafter_path: str | None = None, max_batch: int = 8, max_len: int | None = None,
-    device: str = "cpu", tree: TreeOptions = TreeOptions(), draft_vocab_size: int = DAY0_DRAFT_VOCAB,
+    device: str = "cpu", tree: TreeOptions = TreeOptions(), draft_vocab_size: int = DAY0_DRAFT_VOCAB, min_confidence: float | None = None,
 ) -> EagleDrafter:
     """A drafter from a trained head: `drafter_path`, or without one the head shipped for this target
-    (tandem/heads/, checksum-verified); "day0" or no shipped head: an untrained head sized for the target."""
+    (tandem/heads/, checksum-verified); "day0" or no shipped head: an untrained head sized for the target.
+    min_confidence None: TRAINED_MIN_CONFIDENCE for a trained head, 0 (full chains) for an untrained one."""
     if drafter_path is None:
         drafter_path = shipped_eagle_path(target.cfg)
-    if drafter_path is not None and str(drafter_path) != DAY0:
+    trained = drafter_path is not None and str(drafter_path) != DAY0
+    if min_confidence is None:
+        min_confidence = TRAINED_MIN_CONFIDENCE if trained else 0.0
+    if trained:
         head = load_eagle(drafter_path, target)
     else:
         cfg = EagleConfig.for_target(target.cfg, draft_vocab_size)
         head = new_eagle_head(target, cfg, draft_vocab_from_tokens([], cfg.draft_vocab_size, target.cfg.vocab_size), torch.Generator().manual_seed(0))
     head = head.to(device).eval().requires_grad_(False)
     head.pack()
-    return EagleDrafter(head, num_draft_tokens, max_batch, max_len or target.cfg.max_position, tree)
+    return EagleDrafter(head, num_draft_tokens, max_batch, max_len or target.cfg.max_position, tree, min_confidence)
 
 
 def _tree_options(tree: str, max_nodes: int, tree_topk: int, tree_depth: int | None, tree_parents, num_draft_tokens: int) -> TreeOptions:
@@ -336,9 +358,9 @@ def _tree_options(tree: str, max_nodes: int, tree_topk: int, tree_depth: int | N
 @register("eagle")
 def _build(target, num_draft_tokens: int = 4, drafter_path: str | None = None, max_batch: int = 8, max_len: int | None = None,
            device: str = "cpu", tree: str = "chain", max_nodes: int = 12, tree_topk: int = 3, tree_depth: int | None = None,
-           tree_parents=None, draft_vocab_size: int = DAY0_DRAFT_VOCAB, **_) -> EagleDrafter:
+           tree_parents=None, draft_vocab_size: int = DAY0_DRAFT_VOCAB, min_confidence: float | None = None, **_) -> EagleDrafter:
     options = _tree_options(tree, max_nodes, tree_topk, tree_depth, tree_parents, num_draft_tokens)
-    return build_eagle_drafter(target, num_draft_tokens, drafter_path, max_batch, max_len, device, options, draft_vocab_size)
+    return build_eagle_drafter(target, num_draft_tokens, drafter_path, max_batch, max_len, device, options, draft_vocab_size, min_confidence)
 
 
 @register("eagle_tree")

@@ -6,6 +6,7 @@ whose pending token sits at position n, the head's chain is what `EagleHead.unro
 n - 1 (step 0 from the target features of the committed context, step s from its own hidden state fed
 back, exactly as `EagleDrafter` drafts), and the accepted count is the leading run of predictions equal
 to the committed tokens, capped by the step's budget (the engine's: min(k, max_tokens - output - 1)).
+Chains are full (the flywheel's drafters run with `min_confidence` 0; a confidence cut is not modelled).
 So the target runs once per prompt (`target_traces`, cached on disk) and each drafter version is
 replayed with k batched head passes per request instead of a live decode. tests/flywheel/test_replay.py
 checks that replay and a live engine give the same steps per request.

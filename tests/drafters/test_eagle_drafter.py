@@ -4,7 +4,7 @@ import torch
 
 from tandem.config import EngineConfig, SamplingParams
 from tandem.drafters import build_drafter
-from tandem.drafters.eagle import EagleDrafter, TreeOptions, sibling_ranks
+from tandem.drafters.eagle import TRAINED_MIN_CONFIDENCE, EagleDrafter, TreeOptions, sibling_ranks
 from tandem.engine.engine import Engine
 from tandem.errors import InvalidParameterError
 from tandem.models.eagle import EagleConfig, save_eagle
@@ -203,7 +203,27 @@ def test_training_improves_acceptance(tiny_llama, tmp_path):
     head, report = train_head(cfg, target, examples)
     save_eagle(head, tmp_path / "head")
     untrained = build_drafter("eagle", target=target, num_draft_tokens=4, max_batch=4, max_len=256)
-    trained = build_drafter("eagle", target=target, num_draft_tokens=4, max_batch=4, max_len=256, drafter_path=str(tmp_path / "head"))
+    trained = build_drafter("eagle", target=target, num_draft_tokens=4, max_batch=4, max_len=256, drafter_path=str(tmp_path / "head"), min_confidence=0.0)
     assert report["loss_last"] < report["loss_first"]
     assert acceptance(target, trained, ps) > acceptance(target, untrained, ps) + 0.2
     assert isinstance(trained, EagleDrafter)
+    assert build_drafter("eagle", target=target, max_batch=4, max_len=256, drafter_path=str(tmp_path / "head")).min_confidence == TRAINED_MIN_CONFIDENCE
+    assert untrained.min_confidence == 0.0  # an untrained head drafts full chains
+
+
+def test_confidence_cut_drafts_less_and_changes_no_output(tiny_llama):
+    """Chains end where the head's path confidence falls below min_confidence: fewer drafted tokens, the same
+    greedy outputs; above every path's confidence (an untrained head's top probability is ~1/Vd) nothing is drafted."""
+    ps = make_prompts()
+    want = plain_outputs(tiny_llama, ps, [GREEDY] * 4)
+    drafted = {}
+    for cut in (0.0, 0.003, 0.9):
+        engine = spec_engine(tiny_llama, "eagle", draft_vocab_size=200, min_confidence=cut)
+        assert [r.output_ids for r in engine.run(ps, [GREEDY] * 4)] == want
+        drafted[cut] = engine.stats.drafted_tokens
+        if cut == 0.0:
+            assert drafted[cut] > 3 * engine.stats.request_steps  # full chains of k = 4 (shorter only near max_tokens)
+    assert 0 < drafted[0.003] < drafted[0.0]  # top probabilities of ~1/200 .. 0.06: some first tokens pass, few chains go on
+    assert drafted[0.9] == 0
+    with pytest.raises(InvalidParameterError, match="min_confidence"):
+        spec_engine(tiny_llama, "eagle", min_confidence=1.0)

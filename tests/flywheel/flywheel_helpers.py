@@ -9,7 +9,8 @@ __all__ = ["GREEDY", "load_target", "make_prompts", "plain_outputs", "eagle_engi
 
 
 def eagle_engine(target, batch=4, record=True, drafter_path=None, k=4, **config):
-    drafter = build_drafter("eagle", target=target, num_draft_tokens=k, max_batch=batch, max_len=256, draft_vocab_size=200, drafter_path=drafter_path)
+    drafter = build_drafter("eagle", target=target, num_draft_tokens=k, max_batch=batch, max_len=256, draft_vocab_size=200, drafter_path=drafter_path,
+                            min_confidence=0.0)  # full chains, as the flywheel's drafters draft and replay models
     return Engine(target, EngineConfig(max_batch_size=batch, max_model_len=256, record_steps=record, **config), drafter=drafter)
 
 
