@@ -160,7 +160,9 @@ class Linear(nn.Module):
                 return torch.ops.tandem.linear_packed(x, self.packed, bias)
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
         weight = self.dense_weight()
-        if cpu_gemm.wide_applies(x, weight):  # unpacked (training, a weight being changed): the wide kernel and its backward
+        if cpu_gemm.wide_applies(x, weight) and (torch.is_grad_enabled() or decode_glue.prefill_shaped(x)):
+            # unpacked: training runs the wide kernel and its backward by rows; inference only by tokens per sequence, as
+            # above, so a decode / verify row never changes kernel with the batch
             return cpu_gemm.linear(x, weight, self.bias)
         return F.linear(x, weight, self.bias)
 

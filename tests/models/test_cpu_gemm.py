@@ -160,7 +160,7 @@ def test_linear_routes_inputs_by_shape_and_grad_mode():
     assert lin.small_gemm
     big = torch.randn(cpu_gemm.MAX_ROWS + 1, 32)
     with torch.no_grad():
-        assert torch.equal(lin(big), cpu_gemm.wide_gemm(big, lin.weight, lin.bias))  # past MAX_ROWS: the wide kernel
+        assert torch.equal(lin(big), F.linear(big, lin.weight, lin.bias))  # past MAX_ROWS: exactly F.linear
         small = torch.randn(3, 32)
         assert torch.equal(lin(small), cpu_gemm.small_gemm(small, lin.weight, lin.bias))
         verify = torch.randn(30, decode_glue.MAX_NEW_TOKENS, 32)  # decode / verify shaped, past MAX_ROWS rows: still the small
@@ -177,6 +177,11 @@ def test_linear_routes_inputs_by_shape_and_grad_mode():
     many = torch.randn(2, cpu_gemm.WIDE_MIN_ROWS, 32, requires_grad=True)
     assert torch.equal(lin(many), cpu_gemm.wide_gemm(many.detach(), lin.weight.detach(), lin.bias.detach()))  # many: the wide kernel
     assert lin(many).grad_fn is not None
+    lin.unpack()
+    with torch.no_grad():  # unpacked inference: the wide kernel for prefill-shaped inputs only, never by rows
+        assert torch.equal(lin(many), cpu_gemm.wide_gemm(many, lin.weight, lin.bias))
+        decode = torch.randn(40, 1, 32)
+        assert torch.equal(lin(decode), F.linear(decode, lin.weight, lin.bias))
 
 
 @needs_kernel
