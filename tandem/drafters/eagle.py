@@ -24,6 +24,7 @@ A batch with any sampled request is drafted as chains.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -216,6 +217,7 @@ class EagleDrafter(DrafterBase):
     def _dynamic_tree(self, budgets: list[int], logits: torch.Tensor, hidden: torch.Tensor) -> list[DraftTree]:
         """EAGLE-2: expand the topk best frontier nodes per depth, keep the max_nodes best nodes overall."""
         k, batch = self.tree.topk, logits.shape[0]
+        floor = math.log(self.min_confidence) if self.min_confidence > 0 else -math.inf  # nodes scoring below are not kept
         walk = _TreeWalk(self.head, self.cache, batch)
         scores, tokens = torch.log_softmax(logits.float(), -1).topk(k, dim=-1)  # [B, k] root children
         nodes = _Nodes(tokens, scores, torch.full((batch, k), -1, dtype=torch.long), depth=0)
@@ -232,7 +234,9 @@ class EagleDrafter(DrafterBase):
             parent_entry = walk.entries_of(best // k)
             features = out_hidden.gather(1, (best // k).to(out_hidden.device).unsqueeze(-1).expand(-1, -1, out_hidden.shape[-1]))
             frontier = first + best
-        return [nodes.best_tree(b, min(self.tree.max_nodes, budgets[b]), self.draft_to_target) for b in range(batch)]
+            if self.min_confidence > 0 and float(nodes.scores.gather(1, frontier).max()) < floor:
+                break  # no frontier node of any row is sure enough to be kept, let alone its children
+        return [nodes.best_tree(b, min(self.tree.max_nodes, budgets[b]), self.draft_to_target, floor) for b in range(batch)]
 
     def _static_tree(self, budgets: list[int], logits: torch.Tensor, hidden: torch.Tensor) -> list[DraftTree]:
         """A fixed shape: node i is the rank-th best child of its parent, level by level."""
@@ -309,12 +313,13 @@ class _Nodes:
         self.depths += [depth] * tokens.shape[1]
         return first
 
-    def best_tree(self, b: int, budget: int, draft_to_target: torch.Tensor) -> DraftTree:
-        """The `budget` best nodes (ties: shallower first), in depth order so parents precede children."""
-        if budget <= 0:
-            return DraftTree.empty()
+    def best_tree(self, b: int, budget: int, draft_to_target: torch.Tensor, floor: float = -math.inf) -> DraftTree:
+        """The `budget` best nodes scoring at least `floor` (ties: shallower first), in depth order so parents precede
+        children (a child never scores above its parent, so the kept nodes form a tree)."""
         scores = self.scores[b].tolist()
-        order = sorted(range(len(scores)), key=lambda i: (-scores[i], self.depths[i], i))[:budget]
+        order = [i for i in sorted(range(len(scores)), key=lambda i: (-scores[i], self.depths[i], i))[:budget] if scores[i] >= floor]
+        if not order:
+            return DraftTree.empty()
         kept = sorted(order, key=lambda i: (self.depths[i], i))
         index = {node: i for i, node in enumerate(kept)}
         parents = [index[p] if p >= 0 else -1 for p in self.parents[b, kept].tolist()]

@@ -211,18 +211,20 @@ def test_training_improves_acceptance(tiny_llama, tmp_path):
     assert untrained.min_confidence == 0.0  # an untrained head drafts full chains
 
 
-def test_confidence_cut_drafts_less_and_changes_no_output(tiny_llama):
-    """Chains end where the head's path confidence falls below min_confidence: fewer drafted tokens, the same
-    greedy outputs; above every path's confidence (an untrained head's top probability is ~1/Vd) nothing is drafted."""
+@pytest.mark.parametrize("name", ["eagle", "eagle_tree"])
+def test_confidence_cut_drafts_less_and_changes_no_output(tiny_llama, name):
+    """Chains end (tree nodes are dropped) where the head's path confidence falls below min_confidence: fewer drafted
+    tokens, the same greedy outputs; above every path's confidence (an untrained head's top probability is ~1/Vd)
+    nothing is drafted."""
     ps = make_prompts()
     want = plain_outputs(tiny_llama, ps, [GREEDY] * 4)
     drafted = {}
     for cut in (0.0, 0.003, 0.9):
-        engine = spec_engine(tiny_llama, "eagle", draft_vocab_size=200, min_confidence=cut)
+        engine = spec_engine(tiny_llama, name, draft_vocab_size=200, min_confidence=cut)
         assert [r.output_ids for r in engine.run(ps, [GREEDY] * 4)] == want
         drafted[cut] = engine.stats.drafted_tokens
         if cut == 0.0:
-            assert drafted[cut] > 3 * engine.stats.request_steps  # full chains of k = 4 (shorter only near max_tokens)
+            assert drafted[cut] > 3 * engine.stats.request_steps  # full chains of k = 4 / trees of 12 (less only near max_tokens)
     assert 0 < drafted[0.003] < drafted[0.0]  # top probabilities of ~1/200 .. 0.06: some first tokens pass, few chains go on
     assert drafted[0.9] == 0
     with pytest.raises(InvalidParameterError, match="min_confidence"):
