@@ -49,6 +49,7 @@ def run_demo(model: str, requests: int = 30, block: int = 6, max_tokens: int = 4
     from tandem.bench.shift_plot import plot_shift
     from tandem.bench.shift_stats import summarize
     from tandem.config import SamplingParams
+    from tandem.drafters.eagle import TRAINED_MIN_CONFIDENCE
     from tandem.flywheel.setups import live_engine, serve_stream
     from tandem.llm import load_tokenizer
     from tandem.models.loader import load_transformer
@@ -74,7 +75,8 @@ def run_demo(model: str, requests: int = 30, block: int = 6, max_tokens: int = 4
     print(f"plain decoding and the flywheel (starting from the {label}; trainer in {where}) take turns, block by block,\n"
           "so both see the same machine; the trainer rests while plain decoding runs\n")
     print(HEADER)
-    setup = replace(cfg.setup, prompt_lookup=True)  # the head's draft plus a prompt-lookup branch (tandem.drafters.hybrid)
+    # the head's draft plus a prompt-lookup branch (tandem.drafters.hybrid); a trained head's chains end where it is unsure
+    setup = replace(cfg.setup, prompt_lookup=True, min_confidence=TRAINED_MIN_CONFIDENCE if STRONG_HEAD.is_dir() else 0.0)
     plain_engine, _ = live_engine("plain", target, heads, setup, batch, longest)
     engine, flywheel = live_engine("online", target, heads, setup, batch, longest)
     plain, online = [], []

@@ -70,6 +70,7 @@ class FlywheelSetup:
     trainer_process: bool = False  # live: train in a child process (1 torch thread) instead of a thread of the serving process
     adaptive_k: bool = False  # live: the speculation controller picks k (0 = plain) per step from measured acceptance
     prompt_lookup: bool = False  # live: graft a prompt-lookup branch onto the head's draft (tandem.drafters.hybrid)
+    min_confidence: float = 0.0  # live, from a trained head: chains end below this path confidence (EagleDrafter); replay models full chains
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -185,7 +186,7 @@ def live_engine(mode: str, target, heads: dict[str, EagleHead], setup: FlywheelS
     init, switches = MODES[mode]
     if init is None:
         return Engine(target, EngineConfig(max_batch_size=batch, max_model_len=max_len)), None
-    drafter = EagleDrafter(serving_copy(heads[init]), setup.num_draft_tokens, batch, max_len)
+    drafter = EagleDrafter(serving_copy(heads[init]), setup.num_draft_tokens, batch, max_len, min_confidence=setup.min_confidence if init == "static" else 0.0)
     if setup.prompt_lookup:  # the flywheel still trains and swaps the head: the hybrid's head is the EagleDrafter's
         drafter = EagleNgramDrafter(drafter, NgramDrafter(num_draft_tokens=setup.num_draft_tokens))
     policy = None
