@@ -328,7 +328,7 @@ class _Nodes:
 
 DAY0 = "day0"  # drafter_path that asks for the untrained head even where a shipped one exists
 TRAINED_MIN_CONFIDENCE = 0.08  # a trained head's chains end below this path confidence (docs/BENCHMARKS.md 3.4): on the
-# peer prompts 1.71 -> 1.65 accepted per step for 3.9 -> 1.7 drafted tokens, 1.13x tokens/s; an untrained head's
+# peer prompts 1.71 -> 1.65 accepted per step for 3.9 -> 1.7 drafted tokens, 1.12x tokens/s; an untrained head's
 # drafts all score ~1/Vd, so it drafts full chains (the flywheel learns from its rejected proposals)
 
 
