@@ -28,16 +28,18 @@ STRONG_HEAD = Path(tandem.__file__).resolve().parent / "heads" / "eagle-smollm2"
 HEADER = f"{'req':>4} {'domain':<12} {'accept':>6} {'tok/s':>6} {'version':>7} {'swaps':>5} {'rollbk':>6} {'train':>6} {'loss':>7}"
 
 
-def demo_heads(target, draft_vocab: int = 8192, seed: int = 0) -> tuple[dict, str]:
-    """{"static": the head the flywheel starts from} and a label saying which one it is."""
+def demo_heads(target, draft_vocab: int = 8192, seed: int = 0) -> tuple[dict, str, float]:
+    """{"static": the head the flywheel starts from}, a label saying which one it is, and its confidence cut
+    (a trained head's chains end where it is unsure; an untrained head drafts full chains)."""
+    from tandem.drafters.eagle import TRAINED_MIN_CONFIDENCE
     from tandem.flywheel.setups import scratch_head
     from tandem.models.eagle import load_eagle
 
     if STRONG_HEAD.is_dir():  # load_eagle refuses a damaged or mismatched head with a clear error
-        return {"static": load_eagle(STRONG_HEAD, target)}, f"strong static EAGLE head ({STRONG_HEAD})"
+        return {"static": load_eagle(STRONG_HEAD, target)}, f"strong static EAGLE head ({STRONG_HEAD})", TRAINED_MIN_CONFIDENCE
     print(f"WARNING: no trained head at {STRONG_HEAD}; starting from an UNTRAINED day-0 head instead.\n"
           "         Expect acceptance near 1.0 and no speedup until the flywheel has learned (this is not the shipped demo).\n")
-    return {"static": scratch_head(target, draft_vocab, seed)}, "untrained day-0 EAGLE head (fallback: no shipped head yet)"
+    return {"static": scratch_head(target, draft_vocab, seed)}, "untrained day-0 EAGLE head (fallback: no shipped head yet)", 0.0
 
 
 def run_demo(model: str, requests: int = 30, block: int = 6, max_tokens: int = 40, out_dir: str = "out", batch: int = 1, trainer_process: bool | None = None) -> dict:
@@ -49,7 +51,6 @@ def run_demo(model: str, requests: int = 30, block: int = 6, max_tokens: int = 4
     from tandem.bench.shift_plot import plot_shift
     from tandem.bench.shift_stats import summarize
     from tandem.config import SamplingParams
-    from tandem.drafters.eagle import TRAINED_MIN_CONFIDENCE
     from tandem.flywheel.setups import live_engine, serve_stream
     from tandem.llm import load_tokenizer
     from tandem.models.loader import load_transformer
@@ -62,7 +63,7 @@ def run_demo(model: str, requests: int = 30, block: int = 6, max_tokens: int = 4
     model_dir = Path(resolve_model(model))
     target = load_transformer(model_dir)
     target.pack()
-    heads, label = demo_heads(target, cfg.draft_vocab, cfg.seed)
+    heads, label, cut = demo_heads(target, cfg.draft_vocab, cfg.seed)
     stream, stream_ids, _ = build_stream(cfg, load_tokenizer(model_dir))
     pairs = [(stream_ids[prompt_key(p)], p.domain) for p in stream]
     longest = max(len(ids) for ids, _ in pairs) + max_tokens + 1
@@ -75,8 +76,7 @@ def run_demo(model: str, requests: int = 30, block: int = 6, max_tokens: int = 4
     print(f"plain decoding and the flywheel (starting from the {label}; trainer in {where}) take turns, block by block,\n"
           "so both see the same machine; the trainer rests while plain decoding runs\n")
     print(HEADER)
-    # the head's draft plus a prompt-lookup branch (tandem.drafters.hybrid); a trained head's chains end where it is unsure
-    setup = replace(cfg.setup, prompt_lookup=True, min_confidence=TRAINED_MIN_CONFIDENCE if STRONG_HEAD.is_dir() else 0.0)
+    setup = replace(cfg.setup, prompt_lookup=True, min_confidence=cut)  # the head's draft plus a prompt-lookup branch (tandem.drafters.hybrid)
     plain_engine, _ = live_engine("plain", target, heads, setup, batch, longest)
     engine, flywheel = live_engine("online", target, heads, setup, batch, longest)
     plain, online = [], []

@@ -10,12 +10,14 @@ from tiny_helpers import load_packed
 def test_demo_starts_from_the_shipped_head_or_says_it_falls_back(tiny_llama, tmp_path, monkeypatch, capsys):
     target = load_packed(tiny_llama)
     monkeypatch.setattr(demo, "STRONG_HEAD", tmp_path / "missing")
-    heads, label = demo.demo_heads(target, draft_vocab=200)
+    heads, label, cut = demo.demo_heads(target, draft_vocab=200)
     assert "untrained day-0" in label and "WARNING" in capsys.readouterr().out
+    assert cut == 0.0  # an untrained head drafts full chains
     save_eagle(heads["static"], tmp_path / "shipped")
     monkeypatch.setattr(demo, "STRONG_HEAD", tmp_path / "shipped")
-    loaded, label = demo.demo_heads(target, draft_vocab=200)
+    loaded, label, cut = demo.demo_heads(target, draft_vocab=200)
     assert label.startswith("strong static EAGLE head") and capsys.readouterr().out == ""
+    assert cut > 0.0
     for name, tensor in heads["static"].state_dict().items():
         assert loaded["static"].state_dict()[name].equal(tensor)
 

@@ -173,7 +173,7 @@ def _llm_for(base, name: str, config: DecodeBenchConfig):
     if name == "ar":
         return base
     options = dict(zip(("max_nodes", "tree_topk", "tree_depth"), config.tree)) if config.tree and name.startswith("eagle_tree") else {}
-    if config.min_confidence is not None and name.startswith("eagle"):
+    if config.min_confidence is not None:  # drafters without a confidence cut ignore it
         options["min_confidence"] = config.min_confidence
     return base.with_drafter(name, config.num_draft_tokens, config.drafter_model, drafter_path_for(name, config.drafter_path), config.adaptive_k, **options)
 

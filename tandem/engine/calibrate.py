@@ -203,15 +203,13 @@ def resolve_calibration(model, drafter, calibration, model_name: str | None, rec
     return None
 
 
+FULL_CHAINS = 0.0  # draft cost is measured on full chains (an EAGLE head's confidence cut would end most of them on the
+# random prompts); drafters without the option ignore it, as they ignore tree options
+
 def _rebuild(drafter, model):
     from tandem.drafters import build_drafter
 
-    return lambda: build_drafter(drafter.name, target=model, num_draft_tokens=drafter.max_nodes, max_batch=16, max_len=512, **_full_chains(drafter.name))
-
-
-def _full_chains(name: str) -> dict:
-    """Draft cost is measured on full chains: an EAGLE head's confidence cut would end most chains on the random prompts."""
-    return {"min_confidence": 0.0} if name.startswith("eagle") else {}
+    return lambda: build_drafter(drafter.name, target=model, num_draft_tokens=drafter.max_nodes, max_batch=16, max_len=512, min_confidence=FULL_CHAINS)
 
 
 def calibrate_model(model_name: str, drafter_names: tuple[str, ...] = (), quick: bool = False, json_out: str | None = None,
@@ -224,7 +222,7 @@ def calibrate_model(model_name: str, drafter_names: tuple[str, ...] = (), quick:
     model = load_transformer(resolve_model(model_name))
     model.pack()
     factories = {name: (lambda name=name: build_drafter(name, target=model, num_draft_tokens=max(CalibrationGrid.for_mode(quick).draft_ks),
-                                                         max_batch=16, max_len=512, drafter_path=drafter_path, **_full_chains(name))) for name in drafter_names}
+                                                         max_batch=16, max_len=512, drafter_path=drafter_path, min_confidence=FULL_CHAINS)) for name in drafter_names}
     record = calibrate(model, model_name, factories, quick)
     if store:
         save_calibration(record, calibration_path(model_name))
