@@ -88,6 +88,8 @@ def _load() -> bool:
     torch.library.register_fake("tandem_cpu::wide_gemm")(_small_gemm_fake)
     torch.library.register_fake("tandem_cpu::wide_gemm_q8")(_small_gemm_q8_fake)
     torch.library.register_fake("tandem_cpu::wide_gemm_kn")(_wide_gemm_kn_fake)
+    torch.library.register_fake("tandem_cpu::wide_gemm_silu")(_wide_gemm_silu_fake)
+    torch.library.register_fake("tandem_cpu::wide_gemm_silu_q8")(_wide_gemm_silu_q8_fake)
     return True
 
 
@@ -97,6 +99,14 @@ def _small_gemm_fake(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None
 
 def _wide_gemm_kn_fake(x: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], b.shape[1]))
+
+
+def _wide_gemm_silu_fake(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], w.shape[0] // 2))
+
+
+def _wide_gemm_silu_q8_fake(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], scale.shape[0] // 2))
 
 
 def _small_gemm_q8_fake(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -154,6 +164,16 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def wide_gemm_kn(x: torch.Tensor, b: torch.Tensor) -> torch.Tensor:  # x [..., K], b [K, N] -> x @ b [..., N]
     """wide_gemm(x, b.T) without the transposed copy: the same bits (a linear's backward reads W and X as they lie)."""
     return torch.ops.tandem_cpu.wide_gemm_kn(x, b)
+
+
+def wide_gemm_silu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # x [..., K], weight [2I, K] (gate rows, then up) -> [..., I]
+    """silu(x @ gate^T) * (x @ up^T): decode_glue.silu_mul(wide_gemm(x, weight)) bit for bit, in the GEMM's epilogue (a
+    prefill's MLP without its [..., 2I] intermediate)."""
+    return torch.ops.tandem_cpu.wide_gemm_silu(x, weight)
+
+
+def wide_gemm_silu_q8(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:  # the same over pack_q8's rows
+    return torch.ops.tandem_cpu.wide_gemm_silu_q8(x, packed, scale)
 
 
 def set_isa(isa: str) -> str:

@@ -135,6 +135,17 @@ class Linear(nn.Module):
         elif packed:
             self.pack(self.batch_hint, keep_dense=not dropped, gemm="onednn")
 
+    def silu_gated(self, x: torch.Tensor) -> torch.Tensor:  # x [..., in] -> [..., out / 2]
+        """decode_glue.silu_mul(self(x)) for a fused gate/up projection (gate rows first). A prefill-shaped inference
+        input on the wide kernel gets it from the GEMM's epilogue (cpu_gemm.wide_gemm_silu: the same bits, without
+        writing and re-reading the [..., out] product)."""
+        if self.bias is None and not torch.is_grad_enabled() and decode_glue.prefill_shaped(x):
+            if self.int8 is not None:
+                return cpu_gemm.wide_gemm_silu_q8(x.float(), *self.int8)
+            if self.small_gemm and x.dtype == torch.float32:
+                return cpu_gemm.wide_gemm_silu(x, self._parameters["weight"])
+        return decode_glue.silu_mul(self(x))
+
     def _small_input(self, x: torch.Tensor) -> bool:
         """A decode / verify step of any batch (by tokens per row, never by rows: a row gets the same bits in any
         batch), or another input of at most cpu_gemm.MAX_ROWS rows; x is not prefill-shaped."""
@@ -363,7 +374,7 @@ class Block(nn.Module):
         more than decode_glue.MAX_NEW_TOKENS (32) tokens per row, fp32 CPU inference."""
         h = decode_glue.rms_norm(x, self.attn_norm.weight, self.attn_norm.eps)
         x, h = decode_glue.add_rms_norm(self.attn(h, cos, sin, cache, batch), x, self.mlp_norm.weight, self.mlp_norm.eps)
-        return x + self.mlp.down(decode_glue.silu_mul(self.mlp.gate_up(h)))
+        return x + self.mlp.down(self.mlp.gate_up.silu_gated(h))
 
     def forward_fused(self, x, cos, sin, cache: KVCache, batch: AttentionBatch):
         """forward() with the glue as decode_glue's fused ops (a cached decode / verify step, fp32 CPU inference)."""

@@ -94,6 +94,44 @@ def test_wide_int8_kernel_is_the_wide_kernel_over_the_dequantized_weight(m, k, n
 
 
 @needs_kernel
+@pytest.mark.parametrize("isa", ["avx2", "avx512"])
+@pytest.mark.parametrize("m,k,i", [(1, 8, 8), (40, 37, 25), (137, 576, 48), (13, 64, 7)])  # I % 16 != 0, K % 8 != 0, I < 8
+def test_gated_wide_kernel_gives_the_bits_of_the_gemm_then_silu_mul(isa, m, k, i):
+    if isa == "avx512" and torch.backends.cpu.get_cpu_capability() != "AVX512":
+        pytest.skip("no AVX-512 on this CPU")
+    x, w, _ = _data(m, k, 2 * i, seed=11)
+    x = x * 3  # gate values of both signs, some large
+    before = cpu_gemm.set_isa(isa)
+    try:
+        assert torch.equal(cpu_gemm.wide_gemm_silu(x, w), decode_glue.silu_mul(cpu_gemm.wide_gemm(x, w)))
+        packed, scale = cpu_gemm.pack_q8(w)
+        assert torch.equal(cpu_gemm.wide_gemm_silu_q8(x, packed, scale), decode_glue.silu_mul(cpu_gemm.wide_gemm_q8(x, packed, scale)))
+    finally:
+        cpu_gemm.set_isa(before)
+    reference = F.silu(x @ w[:i].T) * (x @ w[i:].T)  # and it is the gated MLP's first half
+    torch.testing.assert_close(cpu_gemm.wide_gemm_silu(x, w), reference, rtol=1e-3, atol=1e-5 * reference.abs().max().item())
+    with pytest.raises(RuntimeError, match="2I"):
+        cpu_gemm.wide_gemm_silu(x, w[:-1].contiguous())
+
+
+@needs_kernel
+def test_linear_fuses_the_silu_gate_for_prefill_shaped_inputs_only():
+    lin = Linear(32, 48)
+    with torch.no_grad():
+        lin.weight.normal_()
+    lin.pack()
+    prefill = torch.randn(2, decode_glue.MAX_NEW_TOKENS + 1, 32)
+    decode = torch.randn(3, 4, 32)
+    with torch.no_grad():
+        assert torch.equal(lin.silu_gated(prefill), cpu_gemm.wide_gemm_silu(prefill, lin.weight))
+        assert torch.equal(lin.silu_gated(prefill), decode_glue.silu_mul(lin(prefill)))
+        assert torch.equal(lin.silu_gated(decode), decode_glue.silu_mul(cpu_gemm.small_gemm(decode, lin.weight)))  # decode: unfused
+    lin.pack(gemm="int8")
+    with torch.no_grad():
+        assert torch.equal(lin.silu_gated(prefill), decode_glue.silu_mul(lin(prefill)))
+
+
+@needs_kernel
 def test_wide_kernel_refuses_bad_input_clearly():
     x, w, _ = _data(20, 16, 8)
     with pytest.raises(RuntimeError, match="wide_gemm"):

@@ -43,26 +43,33 @@ inline void transpose8(__m256 r[8]) {
   r[6] = _mm256_permute2f128_ps(u2, u6, 0x31); r[7] = _mm256_permute2f128_ps(u3, u7, 0x31);
 }
 
-// P [K][nr]: rows n0..n0+nr of w transposed (zeros past N); nr is 16 (the AVX2 block) or 32 (the AVX-512 block).
-void pack_panel(const float* w, float* P, int64_t n0, int64_t N, int64_t K, int64_t nr) {
-  const int64_t cols = std::min<int64_t>(nr, N - n0);
-  if (cols < nr || K % 8) {
-    std::fill(P, P + K * nr, 0.f);
-    for (int64_t j = 0; j < cols; ++j) {
-      const float* row = w + (n0 + j) * K;
-      for (int64_t k = 0; k < K; ++k) P[k * nr + j] = row[k];
-    }
+// P[k][col0 + j] = w[r0 + j][k] for j < width, zeros for rows from `end` on; the panel's other columns untouched.
+void pack_columns(const float* w, float* P, int64_t r0, int64_t end, int64_t K, int64_t nr, int64_t col0, int64_t width) {
+  const int64_t cols = std::min<int64_t>(width, end - r0);
+  if (cols < width || K % 8) {
+    for (int64_t k = 0; k < K; ++k)
+      for (int64_t j = 0; j < width; ++j) P[k * nr + col0 + j] = j < cols ? w[(r0 + j) * K + k] : 0.f;
     return;
   }
-  for (int64_t part = 0; part < nr / 8; ++part) {
-    const float* rows = w + (n0 + 8 * part) * K;
+  for (int64_t part = 0; part < width / 8; ++part) {
+    const float* rows = w + (r0 + 8 * part) * K;
     for (int64_t k = 0; k < K; k += 8) {
       __m256 r[8];
       for (int j = 0; j < 8; ++j) r[j] = _mm256_loadu_ps(rows + j * K + k);
       transpose8(r);
-      for (int i = 0; i < 8; ++i) _mm256_storeu_ps(P + (k + i) * nr + 8 * part, r[i]);
+      for (int i = 0; i < 8; ++i) _mm256_storeu_ps(P + (k + i) * nr + col0 + 8 * part, r[i]);
     }
   }
+}
+
+// P [K][nr]: rows n0..n0+nr of w transposed (zeros past N); nr is 16 (the AVX2 block) or 32 (the AVX-512 block).
+void pack_panel(const float* w, float* P, int64_t n0, int64_t N, int64_t K, int64_t nr) { pack_columns(w, P, n0, N, K, nr, 0, nr); }
+
+// A gated panel of a fused gate/up weight w [2I, K] (gate rows, then up rows): columns [0, nr/2) from gate rows
+// n0.., columns [nr/2, nr) from the matching up rows I + n0.. (zeros past I), so one register block holds both.
+void pack_panel_gated(const float* w, float* P, int64_t n0, int64_t I, int64_t K, int64_t nr) {
+  pack_columns(w, P, n0, I, K, nr, 0, nr / 2);
+  pack_columns(w, P, I + n0, 2 * I, K, nr, nr / 2, nr / 2);
 }
 
 // P [K][nr]: columns n0..n0+nr of a row-major [K, N] matrix b (zeros past N), i.e. the panel of b^T, copied as it lies.
@@ -77,35 +84,46 @@ void pack_panel_kn(const float* b, float* P, int64_t n0, int64_t N, int64_t K, i
 // The same panel from weight-only int8 rows in small_gemm_q8's interleaved layout ([ceil(N/4)][ceil(K/8)][4][8], zero
 // padded): P[k][j] = q[n0 + j][k] * scale[n0 + j], the fp32 values dequantize_q8 gives, so the product is the fp32
 // kernel's over the dequantized weight, bit for bit. P has room for K rounded up to 8 rows.
-void pack_panel_q8(const int8_t* packed, const float* scale, float* P, int64_t n0, int64_t N, int64_t K, int64_t nr) {
+void pack_columns_q8(const int8_t* packed, const float* scale, float* P, int64_t r0, int64_t end, int64_t K, int64_t nr, int64_t col0, int64_t width) {
   const int64_t chunks = (K + 7) / 8;
   auto row_chunk = [&](int64_t n, int64_t c) { return packed + ((n / 4 * chunks + c) * 4 + n % 4) * 8; };
-  const int64_t cols = std::min<int64_t>(nr, N - n0);
-  if (cols < nr) {
-    std::fill(P, P + chunks * 8 * nr, 0.f);
-    for (int64_t j = 0; j < cols; ++j)
+  const int64_t cols = std::min<int64_t>(width, end - r0);
+  if (cols < width) {
+    for (int64_t j = 0; j < width; ++j)
       for (int64_t c = 0; c < chunks; ++c)
-        for (int i = 0; i < 8; ++i) P[(8 * c + i) * nr + j] = static_cast<float>(row_chunk(n0 + j, c)[i]) * scale[n0 + j];
+        for (int i = 0; i < 8; ++i) P[(8 * c + i) * nr + col0 + j] = j < cols ? static_cast<float>(row_chunk(r0 + j, c)[i]) * scale[r0 + j] : 0.f;
     return;
   }
-  for (int64_t part = 0; part < nr / 8; ++part) {
+  for (int64_t part = 0; part < width / 8; ++part) {
     for (int64_t c = 0; c < chunks; ++c) {
       __m256 r[8];
       for (int j = 0; j < 8; ++j) {
-        const int64_t n = n0 + 8 * part + j;
+        const int64_t n = r0 + 8 * part + j;
         r[j] = _mm256_mul_ps(load8_i8(row_chunk(n, c)), _mm256_set1_ps(scale[n]));
       }
       transpose8(r);
-      for (int i = 0; i < 8; ++i) _mm256_storeu_ps(P + (8 * c + i) * nr + 8 * part, r[i]);
+      for (int i = 0; i < 8; ++i) _mm256_storeu_ps(P + (8 * c + i) * nr + col0 + 8 * part, r[i]);
     }
   }
 }
 
-template <int MR>
+void pack_panel_q8(const int8_t* packed, const float* scale, float* P, int64_t n0, int64_t N, int64_t K, int64_t nr) {
+  pack_columns_q8(packed, scale, P, n0, N, K, nr, 0, nr);
+}
+
+// The gated epilogue: silu(gate) * up for `cols` output columns, gate in g[0..], up in u[0..] (8 lanes at a time, the
+// tail through padded copies as silu_mul's), into y.
+inline void store_silu_mul(const float* g, const float* u, float* y, int64_t cols, int64_t lanes) {
+  alignas(32) float out[16];
+  for (int64_t h = 0; h < lanes; h += 8) _mm256_store_ps(out + h, silu_mul8(_mm256_loadu_ps(g + h), _mm256_loadu_ps(u + h)));
+  for (int64_t j = 0; j < cols; ++j) y[j] = out[j];
+}
+
+template <int MR, bool Gated>
 void block(const float* x, const float* P, const float* bias, float* y, int64_t n0, int64_t N, int64_t K) {
   // y[m, n0 + j] = sum_k x[m, k] P[k][j] (+ bias) for the MR rows of x at x. (The accumulators stay in registers only
   // while every loop over m is unrolled: GCC spills an array of __m256 that a rolled loop indexes.)
-  const int64_t cols = std::min<int64_t>(kNR, N - n0);
+  const int64_t cols = std::min<int64_t>(Gated ? kNR / 2 : kNR, N - n0);
   alignas(32) float out[MR][kNR];
   __m256 acc[MR][2];
 #pragma GCC unroll 8
@@ -124,6 +142,10 @@ void block(const float* x, const float* P, const float* bias, float* y, int64_t 
     _mm256_store_ps(out[m], acc[m][0]);
     _mm256_store_ps(out[m] + 8, acc[m][1]);
   }
+  if (Gated) {  // out[m] holds 8 gate then the 8 matching up columns
+    for (int m = 0; m < MR; ++m) store_silu_mul(out[m], out[m] + kNR / 2, y + m * N + n0, cols, kNR / 2);
+    return;
+  }
   for (int m = 0; m < MR; ++m)
     for (int64_t j = 0; j < cols; ++j) y[m * N + n0 + j] = bias ? out[m][j] + bias[n0 + j] : out[m][j];
 }
@@ -138,9 +160,9 @@ using Block = void (*)(const float*, const float*, const float*, float*, int64_t
 constexpr int kNR512 = 32;
 constexpr int kMR512 = 12;
 
-template <int MR>
+template <int MR, bool Gated>
 __attribute__((target("avx512f"))) void block512(const float* x, const float* P, const float* bias, float* y, int64_t n0, int64_t N, int64_t K) {
-  const int64_t cols = std::min<int64_t>(kNR512, N - n0);
+  const int64_t cols = std::min<int64_t>(Gated ? kNR512 / 2 : kNR512, N - n0);
   auto mask = [](int64_t c) { return c >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << std::max<int64_t>(c, 0)) - 1); };
   const __mmask16 keep0 = mask(cols), keep1 = mask(cols - 16);
   __m512 acc[MR][2];
@@ -155,6 +177,15 @@ __attribute__((target("avx512f"))) void block512(const float* x, const float* P,
       acc[m][1] = _mm512_fmadd_ps(xv, p1, acc[m][1]);
     }
   }
+  if (Gated) {  // acc[m][0]: 16 gate columns, acc[m][1]: the matching up columns
+    alignas(64) float g[16], u[16];
+    for (int m = 0; m < MR; ++m) {
+      _mm512_store_ps(g, acc[m][0]);
+      _mm512_store_ps(u, acc[m][1]);
+      store_silu_mul(g, u, y + m * N + n0, cols, 16);
+    }
+    return;
+  }
   const __m512 b0 = bias ? _mm512_maskz_loadu_ps(keep0, bias + n0) : _mm512_setzero_ps();
   const __m512 b1 = bias ? _mm512_maskz_loadu_ps(keep1, bias + n0 + 16) : _mm512_setzero_ps();
 #pragma GCC unroll 16
@@ -164,18 +195,22 @@ __attribute__((target("avx512f"))) void block512(const float* x, const float* P,
   }
 }
 
-constexpr Block kBlocks[kMR + 1] = {nullptr, block<1>, block<2>, block<3>, block<4>, block<5>, block<6>};
-constexpr Block kBlocks512[kMR512 + 1] = {nullptr, block512<1>, block512<2>, block512<3>, block512<4>, block512<5>, block512<6>,
-                                          block512<7>, block512<8>, block512<9>, block512<10>, block512<11>, block512<12>};
+template <bool Gated>
+constexpr Block kBlocks[kMR + 1] = {nullptr, block<1, Gated>, block<2, Gated>, block<3, Gated>, block<4, Gated>, block<5, Gated>, block<6, Gated>};
+template <bool Gated>
+constexpr Block kBlocks512[kMR512 + 1] = {nullptr, block512<1, Gated>, block512<2, Gated>, block512<3, Gated>, block512<4, Gated>,
+                                          block512<5, Gated>, block512<6, Gated>, block512<7, Gated>, block512<8, Gated>,
+                                          block512<9, Gated>, block512<10, Gated>, block512<11, Gated>, block512<12, Gated>};
 
-// Every row of x against panels [p0, p1) of the weight (nr columns each), `rows` rows of x per block (blocks[r] runs r
-// rows); Pack fills one panel (fp32 or int8 rows).
+// Every row of x against panels [p0, p1) of the weight (nr columns each, `step` output columns: nr, or nr / 2 for a
+// gated panel), `rows` rows of x per block (blocks[r] runs r rows); Pack fills the panel of output columns n0.. (fp32
+// or int8 rows).
 template <typename Pack>
-void panels(const Pack& pack, const Block* blocks, int rows, int64_t nr, const float* x, const float* bias, float* y, int64_t p0, int64_t p1,
-            int64_t M, int64_t K, int64_t N) {
+void panels(const Pack& pack, const Block* blocks, int rows, int64_t nr, int64_t step, const float* x, const float* bias, float* y, int64_t p0,
+            int64_t p1, int64_t M, int64_t K, int64_t N) {
   std::vector<float> P((K + 7) / 8 * 8 * nr);  // this thread's panel
   for (int64_t p = p0; p < p1; ++p) {
-    const int64_t n0 = p * nr;
+    const int64_t n0 = p * step;
     pack(P.data(), n0, nr);
     int64_t m = 0;
     for (; m + rows <= M; m += rows) blocks[rows](x + m * K, P.data(), bias, y + m * N, n0, N, K);
@@ -183,8 +218,9 @@ void panels(const Pack& pack, const Block* blocks, int rows, int64_t nr, const f
   }
 }
 
+// y [..., N] = x [..., K] times the weight Pack reads; gated: N = I outputs silu(gate) * up from gated panels.
 template <typename Pack>
-at::Tensor run(const at::Tensor& x, int64_t N, const at::Tensor& b, const Pack& pack) {
+at::Tensor run(const at::Tensor& x, int64_t N, const at::Tensor& b, const Pack& pack, bool gated = false) {
   const int64_t K = x.size(-1);
   const at::Tensor x2 = x.reshape({-1, K}).contiguous();
   const int64_t M = x2.size(0);
@@ -193,10 +229,10 @@ at::Tensor run(const at::Tensor& x, int64_t N, const at::Tensor& b, const Pack& 
   float* yp = y.data_ptr<float>();
   if (M > 0 && N > 0) {
     const bool avx512 = tandem_kernels::use_avx512();
-    const Block* blocks = avx512 ? kBlocks512 : kBlocks;
+    const Block* blocks = avx512 ? (gated ? kBlocks512<true> : kBlocks512<false>) : (gated ? kBlocks<true> : kBlocks<false>);
     const int rows = avx512 ? kMR512 : kMR;
-    const int64_t nr = avx512 ? kNR512 : kNR;
-    at::parallel_for(0, (N + nr - 1) / nr, 1, [&](int64_t p0, int64_t p1) { panels(pack, blocks, rows, nr, xp, bp, yp, p0, p1, M, K, N); });
+    const int64_t nr = avx512 ? kNR512 : kNR, step = gated ? nr / 2 : nr;
+    at::parallel_for(0, (N + step - 1) / step, 1, [&](int64_t p0, int64_t p1) { panels(pack, blocks, rows, nr, step, xp, bp, yp, p0, p1, M, K, N); });
   }
   std::vector<int64_t> shape = x.sizes().vec();
   shape.back() = N;
@@ -229,16 +265,45 @@ at::Tensor wide_gemm_q8(const at::Tensor& x, const at::Tensor& packed, const at:
   return run(x, N, tandem_kernels::checked_bias(bias, N, "wide_gemm_q8"), [&](float* P, int64_t n0, int64_t nr) { pack_panel_q8(qp, sp, P, n0, N, K, nr); });
 }
 
+// silu(x w_gate^T) * (x w_up^T) for a fused gate/up weight w [2I, K] (gate rows first): [..., I], the same bits as
+// silu_mul(wide_gemm(x, w)) (each gate and up value is the same lane fed the same products in the same order, and the
+// epilogue is silu_mul's formula), without writing or re-reading the [..., 2I] product (a prefill's MLP).
+at::Tensor wide_gemm_silu(const at::Tensor& x, const at::Tensor& w) {
+  TORCH_CHECK(w.scalar_type() == at::kFloat && w.device().is_cpu() && w.dim() == 2 && w.is_contiguous() && w.size(0) % 2 == 0,
+              "wide_gemm_silu: w must be a contiguous fp32 CPU [2I, K] matrix");
+  const int64_t I = w.size(0) / 2, K = w.size(1);
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.device().is_cpu() && x.dim() >= 1 && x.size(-1) == K, "wide_gemm_silu: x must be fp32 CPU [..., ", K, "]");
+  const float* wp = w.data_ptr<float>();
+  return run(x, I, at::Tensor(), [&](float* P, int64_t n0, int64_t nr) { pack_panel_gated(wp, P, n0, I, K, nr); }, true);
+}
+
+// The same over weight-only int8 rows (wide_gemm_q8's operands): silu_mul(wide_gemm_q8(x, packed, scale)) bit for bit.
+at::Tensor wide_gemm_silu_q8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale) {
+  const int64_t N = tandem_kernels::checked_q8(x, packed, scale, "wide_gemm_silu_q8"), K = x.size(-1);
+  TORCH_CHECK(N % 2 == 0, "wide_gemm_silu_q8: the weight must have 2I rows");
+  const int64_t I = N / 2;
+  const int8_t* qp = packed.data_ptr<int8_t>();
+  const float* sp = scale.data_ptr<float>();
+  return run(x, I, at::Tensor(), [&](float* P, int64_t n0, int64_t nr) {
+    pack_columns_q8(qp, sp, P, n0, I, K, nr, 0, nr / 2);
+    pack_columns_q8(qp, sp, P, I + n0, N, K, nr, nr / 2, nr / 2);
+  }, true);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tandem_cpu, m) {
   m.def("wide_gemm(Tensor x, Tensor w, Tensor? bias) -> Tensor");
   m.def("wide_gemm_q8(Tensor x, Tensor packed, Tensor scale, Tensor? bias) -> Tensor");
   m.def("wide_gemm_kn(Tensor x, Tensor b) -> Tensor");
+  m.def("wide_gemm_silu(Tensor x, Tensor w) -> Tensor");
+  m.def("wide_gemm_silu_q8(Tensor x, Tensor packed, Tensor scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) {
   m.impl("wide_gemm", &wide_gemm);
   m.impl("wide_gemm_q8", &wide_gemm_q8);
   m.impl("wide_gemm_kn", &wide_gemm_kn);
+  m.impl("wide_gemm_silu", &wide_gemm_silu);
+  m.impl("wide_gemm_silu_q8", &wide_gemm_silu_q8);
 }
