@@ -90,6 +90,7 @@ def _load() -> bool:
     torch.library.register_fake("tandem_cpu::wide_gemm_kn")(_wide_gemm_kn_fake)
     torch.library.register_fake("tandem_cpu::wide_gemm_silu")(_wide_gemm_silu_fake)
     torch.library.register_fake("tandem_cpu::wide_gemm_silu_q8")(_wide_gemm_silu_q8_fake)
+    torch.library.register_fake("tandem_cpu::prefill_attention")(_prefill_attention_fake)
     return True
 
 
@@ -107,6 +108,10 @@ def _wide_gemm_silu_fake(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 def _wide_gemm_silu_q8_fake(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], scale.shape[0] // 2))
+
+
+def _prefill_attention_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    return q.new_empty((q.shape[0], q.shape[1] * q.shape[2]))
 
 
 def _small_gemm_q8_fake(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -174,6 +179,12 @@ def wide_gemm_silu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # x 
 
 def wide_gemm_silu_q8(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:  # the same over pack_q8's rows
     return torch.ops.tandem_cpu.wide_gemm_silu_q8(x, packed, scale)
+
+
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:  # q [n, H, D], k, v [Hkv, n, D] -> [n, H D]
+    """Causal attention of one fresh prompt on the wide kernel's blocks (GQA: query head h reads kv head h // (H / Hkv));
+    SDPA's result within fp32 rounding, and the same bits for a prompt alone or packed with others."""
+    return torch.ops.tandem_cpu.prefill_attention(q, k, v, scale)
 
 
 def set_isa(isa: str) -> str:

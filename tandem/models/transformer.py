@@ -292,19 +292,40 @@ class Attention(nn.Module):
         out = parts[0] if len(parts) == 1 else torch.cat(parts)
         return self.o(out.transpose(1, 2).reshape(b, t, cfg.q_size))
 
-    def _attend_segments(self, q, k, v, cache: KVCache, segments) -> torch.Tensor:  # q [1, N, H, D], k, v [1, N, Hkv, D] -> [1, N, H D]
+    def forward_prefill(self, x, cos, sin, cache: KVCache | None, batch: AttentionBatch) -> torch.Tensor:  # [1, T, hidden]
+        """forward() for a prefill on the CPU kernels (Block.forward_prefill): each fresh prompt's causal attention, alone
+        or in a packed prefill, runs cpu_gemm.prefill_attention instead of SDPA (2.3-2.9x faster at 40-400 tokens,
+        docs/BENCHMARKS.md 1.12); anything else (a cached prefix, a ragged batch) goes through forward()."""
+        b, t, _ = x.shape
+        if not batch.segments and not (b == 1 and batch.mask is None and batch.is_causal and batch.total_len == t):
+            return self.forward(x, cos, sin, cache, batch)
+        q, k, v = self.project_qkv(x, cos, sin)
+        if batch.segments:
+            return self.o(self._attend_segments(q, k, v, cache, batch.segments, self._prefill_kernel))
+        keys, values = self._keys_values(k, v, cache, batch)  # [1, Hkv, T, D]
+        return self.o(self._prefill_kernel(q[0], keys[0], values[0]).view(1, t, self.cfg.q_size))
+
+    def _prefill_kernel(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:  # q [n, H, D], k, v [Hkv, n, D] -> [n, H D]
+        rows = lambda x: x if x.stride(-1) == 1 and x.stride(-2) == x.shape[-1] else x.contiguous()  # noqa: E731
+        return cpu_gemm.prefill_attention(q, rows(k), rows(v), self.cfg.head_dim ** -0.5)
+
+    def _sdpa_causal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:  # the same contract, on SDPA
+        out = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), is_causal=True,
+                                             enable_gqa=self.cfg.num_heads != self.cfg.num_kv_heads)  # [1, H, n, D]
+        return out[0].transpose(0, 1).reshape(q.shape[0], self.cfg.q_size)
+
+    def _attend_segments(self, q, k, v, cache: KVCache, segments, attend=None) -> torch.Tensor:  # q [1, N, H, D], k, v [1, N, Hkv, D] -> [1, N, H D]
         """A packed prefill's attention: each prompt's keys and values written into its own cache row, read back and
-        attended causally, as that prompt's own forward does (the same tensors, so the same bits)."""
-        cfg, parts = self.cfg, []
+        attended causally (`attend`: SDPA, or the prefill kernel), as that prompt's own forward does (the same tensors,
+        so the same bits)."""
+        attend, parts = attend or self._sdpa_causal, []
         for offset, n, row in segments:
             one = slice(offset, offset + n)
-            layer_k, layer_v = cache.k[self.layer, row : row + 1], cache.v[self.layer, row : row + 1]  # [1, Hkv, Smax, D]
-            layer_k[:, :, :n] = k[:, one].transpose(1, 2)
-            layer_v[:, :, :n] = v[:, one].transpose(1, 2)
-            out = F.scaled_dot_product_attention(q[:, one].transpose(1, 2), layer_k[:, :, :n], layer_v[:, :, :n], is_causal=True,
-                                                 enable_gqa=cfg.num_heads != cfg.num_kv_heads)  # [1, H, n, D]
-            parts.append(out.transpose(1, 2).reshape(1, n, cfg.q_size))
-        return torch.cat(parts, dim=1)
+            layer_k, layer_v = cache.k[self.layer, row], cache.v[self.layer, row]  # [Hkv, Smax, D]
+            layer_k[:, :n] = k[0, one].transpose(0, 1)
+            layer_v[:, :n] = v[0, one].transpose(0, 1)
+            parts.append(attend(q[0, one], layer_k[:, :n], layer_v[:, :n]))
+        return torch.cat(parts).unsqueeze(0)
 
     def forward_fused(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, batch: AttentionBatch) -> torch.Tensor:
         """forward() through decode_glue.attend_cached: q/k norm, RoPE, cache write and attention in one op."""
@@ -373,7 +394,7 @@ class Block(nn.Module):
         """forward() with decode_glue's norm / residual / SiLU ops around the same attention (SDPA): a prefill of
         more than decode_glue.MAX_NEW_TOKENS (32) tokens per row, fp32 CPU inference."""
         h = decode_glue.rms_norm(x, self.attn_norm.weight, self.attn_norm.eps)
-        x, h = decode_glue.add_rms_norm(self.attn(h, cos, sin, cache, batch), x, self.mlp_norm.weight, self.mlp_norm.eps)
+        x, h = decode_glue.add_rms_norm(self.attn.forward_prefill(h, cos, sin, cache, batch), x, self.mlp_norm.weight, self.mlp_norm.eps)
         return x + self.mlp.down(self.mlp.gate_up.silu_gated(h))
 
     def forward_fused(self, x, cos, sin, cache: KVCache, batch: AttentionBatch):

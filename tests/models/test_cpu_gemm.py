@@ -131,6 +131,53 @@ def test_linear_fuses_the_silu_gate_for_prefill_shaped_inputs_only():
         assert torch.equal(lin.silu_gated(prefill), decode_glue.silu_mul(lin(prefill)))
 
 
+def _sdpa_causal(q, k, v):  # q [n, H, D], k, v [Hkv, n, D] -> [n, H D]
+    out = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), is_causal=True, enable_gqa=True)
+    return out[0].transpose(0, 1).reshape(q.shape[0], -1)
+
+
+@needs_kernel
+@pytest.mark.parametrize("n,heads,kv_heads,d", [(1, 9, 3, 64), (5, 9, 3, 64), (137, 9, 3, 64), (33, 14, 2, 64), (70, 4, 4, 24), (50, 2, 1, 12)])
+def test_prefill_attention_is_causal_attention(n, heads, kv_heads, d):
+    g = torch.Generator().manual_seed(n)
+    q, k, v = torch.randn(n, heads, d, generator=g), torch.randn(kv_heads, n, d, generator=g), torch.randn(kv_heads, n, d, generator=g)
+    out = cpu_gemm.prefill_attention(q, k, v, d ** -0.5)
+    torch.testing.assert_close(out, _sdpa_causal(q, k, v), rtol=1e-5, atol=1e-5)
+    # causal: the first t rows do not change when later tokens do
+    t = max(1, n // 2)
+    k2, v2 = k.clone(), v.clone()
+    k2[:, t:] += 1.0
+    v2[:, t:] -= 1.0
+    assert torch.equal(cpu_gemm.prefill_attention(q, k2, v2, d ** -0.5)[:t], out[:t])
+
+
+@needs_kernel
+@pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() != "AVX512", reason="no AVX-512 on this CPU")
+def test_prefill_attention_gives_the_same_bits_on_either_isa():
+    q, k, v = torch.randn(61, 9, 64), torch.randn(3, 61, 64), torch.randn(3, 61, 64)
+    before = cpu_gemm.set_isa("avx2")
+    try:
+        narrow = cpu_gemm.prefill_attention(q, k, v, 0.125)
+    finally:
+        cpu_gemm.set_isa(before)
+    cpu_gemm.set_isa("avx512")
+    try:
+        assert torch.equal(cpu_gemm.prefill_attention(q, k, v, 0.125), narrow)
+    finally:
+        cpu_gemm.set_isa(before)
+
+
+@needs_kernel
+def test_prefill_attention_refuses_bad_input_clearly():
+    q, k = torch.randn(10, 9, 64), torch.randn(3, 10, 64)
+    with pytest.raises(RuntimeError, match="multiple of the kv heads"):
+        cpu_gemm.prefill_attention(torch.randn(10, 8, 64), k, k, 0.125)
+    with pytest.raises(RuntimeError, match="contiguous rows"):
+        cpu_gemm.prefill_attention(q, k.transpose(1, 2).contiguous().transpose(1, 2), k, 0.125)
+    with pytest.raises(RuntimeError, match=r"\[Hkv, n, D\]"):
+        cpu_gemm.prefill_attention(q, torch.randn(3, 11, 64), torch.randn(3, 11, 64), 0.125)
+
+
 @needs_kernel
 def test_wide_kernel_refuses_bad_input_clearly():
     x, w, _ = _data(20, 16, 8)

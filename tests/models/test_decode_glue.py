@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tandem.models import decode_glue
+from tandem.models import cpu_gemm, decode_glue
 from tandem.models.kv_cache import KVCache
 from tandem.models.loader import load_transformer
 from tandem.models.transformer import RMSNorm, apply_rope
@@ -150,11 +150,15 @@ def test_applies_only_to_cached_short_fp32_inference(tiny_dirs):
 @needs_glue
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("cached", [True, False])
-def test_prefill_glue_matches_eager(tiny_dirs, arch, cached):
-    """A prefill of > MAX_NEW_TOKENS tokens per row: fused norms / SiLU around SDPA, wide GEMMs, against the torch-op forward."""
+@pytest.mark.parametrize("rows", [1, 2])
+def test_prefill_glue_matches_eager(tiny_dirs, arch, cached, rows, monkeypatch):
+    """A prefill of > MAX_NEW_TOKENS tokens per row: fused norms / SiLU (in the gate/up GEMM's epilogue), wide GEMMs,
+    and for one fresh prompt the prefill attention kernel instead of SDPA, against the torch-op forward."""
     model = load_transformer(tiny_dirs[arch])
     model.pack()
-    ids = torch.randint(0, 300, (2, decode_glue.MAX_NEW_TOKENS + 9), generator=torch.Generator().manual_seed(4))
+    ids = torch.randint(0, 300, (rows, decode_glue.MAX_NEW_TOKENS + 9), generator=torch.Generator().manual_seed(4))
+    kernel, calls = cpu_gemm.prefill_attention, []
+    monkeypatch.setattr(cpu_gemm, "prefill_attention", lambda *a: calls.append(1) or kernel(*a))
     outs, caches = [], []
     for fused in (False, True):
         model.fused_glue = fused
@@ -162,6 +166,7 @@ def test_prefill_glue_matches_eager(tiny_dirs, arch, cached):
         with torch.inference_mode():
             outs.append(model(ids, cache=cache, taps=(0, 1)))
         caches.append(cache)
+    assert len(calls) == (model.cfg.num_layers if rows == 1 else 0)  # one fresh prompt: the kernel, once a layer
     eager, fused = outs
     assert (fused.logits - eager.logits).abs().max() <= TOL * max(1.0, eager.logits.abs().max().item())
     for a, b in zip(fused.hidden, eager.hidden):

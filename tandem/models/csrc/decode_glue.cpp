@@ -33,18 +33,6 @@ inline float dot(const float* a, const float* b, int64_t n) {
 
 inline float sum_squares(const float* x, int64_t n) { return dot(x, x, n); }
 
-// The same for n values in place (the tail through a padded copy, so every value takes the same formula).
-inline void exp_inplace(float* v, int64_t n) {
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(v + i, exp8(_mm256_loadu_ps(v + i)));
-  if (i < n) {
-    float tail[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    for (int64_t j = i; j < n; ++j) tail[j - i] = v[j];
-    _mm256_storeu_ps(tail, exp8(_mm256_loadu_ps(tail)));
-    for (int64_t j = i; j < n; ++j) v[j] = tail[j - i];
-  }
-}
-
 // y = w * (x * rsqrt(mean(x^2) + eps)) for one row of n features.
 inline void norm_row(const float* x, const float* w, float eps, float* y, int64_t n) {
   const float inv = 1.0f / std::sqrt(sum_squares(x, n) / static_cast<float>(n) + eps);

@@ -35,6 +35,18 @@ inline __m256 exp8(__m256 x) {
   return _mm256_andnot_ps(dead, _mm256_mul_ps(p, _mm256_castsi256_ps(bits)));
 }
 
+// e^x for n values in place (the tail through a padded copy, so every value takes the same formula).
+inline void exp_inplace(float* v, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(v + i, exp8(_mm256_loadu_ps(v + i)));
+  if (i < n) {
+    float tail[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (int64_t j = i; j < n; ++j) tail[j - i] = v[j];
+    _mm256_storeu_ps(tail, exp8(_mm256_loadu_ps(tail)));
+    for (int64_t j = i; j < n; ++j) v[j] = tail[j - i];
+  }
+}
+
 // silu(g) * u = g / (1 + e^-g) * u for 8 lanes: decode_glue's silu_mul and the wide kernel's gated epilogue
 // (wide_gemm_silu) both compute it here, so a prefill's fused MLP gives the same bits as the GEMM then silu_mul.
 inline __m256 silu_mul8(__m256 g, __m256 u) {
