@@ -11,6 +11,7 @@ import warnings
 import torch
 from torch import nn
 
+from tandem.models import decode_glue
 from tandem.models.transformer import Linear, Transformer
 
 
@@ -32,6 +33,9 @@ class Int8Linear(nn.Module):
         if self.bias is not None:
             out = out + self.bias
         return out.view(*x.shape[:-1], self.out_features).to(x.dtype)
+
+    def silu_gated(self, x: torch.Tensor) -> torch.Tensor:  # Linear's interface for a fused gate/up projection
+        return decode_glue.silu_mul(self(x))
 
 
 def _pack_int8(weight: torch.Tensor):
