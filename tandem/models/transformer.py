@@ -257,6 +257,10 @@ def apply_rope(
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin_signed)
 
 
+def _contiguous_rows(x: torch.Tensor) -> torch.Tensor:  # [..., n, D]: each row of D contiguous (a cache slice is), else a copy
+    return x if x.stride(-1) == 1 and x.stride(-2) == x.shape[-1] else x.contiguous()
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
@@ -306,8 +310,7 @@ class Attention(nn.Module):
         return self.o(self._prefill_kernel(q[0], keys[0], values[0]).view(1, t, self.cfg.q_size))
 
     def _prefill_kernel(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:  # q [n, H, D], k, v [Hkv, n, D] -> [n, H D]
-        rows = lambda x: x if x.stride(-1) == 1 and x.stride(-2) == x.shape[-1] else x.contiguous()  # noqa: E731
-        return cpu_gemm.prefill_attention(q, rows(k), rows(v), self.cfg.head_dim ** -0.5)
+        return cpu_gemm.prefill_attention(q, _contiguous_rows(k), _contiguous_rows(v), self.cfg.head_dim ** -0.5)
 
     def _sdpa_causal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:  # the same contract, on SDPA
         out = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), is_causal=True,
@@ -391,8 +394,9 @@ class Block(nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
     def forward_prefill(self, x, cos, sin, cache: KVCache | None, batch: AttentionBatch):
-        """forward() with decode_glue's norm / residual / SiLU ops around the same attention (SDPA): a prefill of
-        more than decode_glue.MAX_NEW_TOKENS (32) tokens per row, fp32 CPU inference."""
+        """forward() with decode_glue's norm / residual ops, the prefill attention kernel for a fresh prompt (else SDPA)
+        and the SiLU in the gate/up GEMM: a prefill of more than decode_glue.MAX_NEW_TOKENS (32) tokens per row, fp32
+        CPU inference."""
         h = decode_glue.rms_norm(x, self.attn_norm.weight, self.attn_norm.eps)
         x, h = decode_glue.add_rms_norm(self.attn.forward_prefill(h, cos, sin, cache, batch), x, self.mlp_norm.weight, self.mlp_norm.eps)
         return x + self.mlp.down(self.mlp.gate_up.silu_gated(h))
