@@ -7,6 +7,8 @@
 // register block over it: 12 accumulators, 2 panel loads and 6 broadcasts per 12 FMAs, no lane reductions
 // (~1.1-1.3x small_gemm from 17 rows on, docs/BENCHMARKS.md 1.7); with AVX-512, 32 rows per panel and a 12 x 32
 // block. The weight-only int8 model's prefill runs the same block over panels widened from its int8 rows (wide_gemm_q8).
+// The same blocks also serve the prefill's MLP gate (wide_gemm_silu: gate and up columns in one panel, SiLU in the
+// epilogue) and its causal attention (prefill_attention: scores and weighted values as GEMMs over packed K / V panels).
 //
 // Each y[m, n] is one accumulator lane fed k = 0, 1, ..., K - 1 in order, then the bias: the result does not
 // depend on M, on the row blocking or on the thread split, so a prompt prefilled alone or in a padded batch, or
@@ -82,9 +84,9 @@ void pack_panel_kn(const float* b, float* P, int64_t n0, int64_t N, int64_t K, i
   }
 }
 
-// The same panel from weight-only int8 rows in small_gemm_q8's interleaved layout ([ceil(N/4)][ceil(K/8)][4][8], zero
-// padded): P[k][j] = q[n0 + j][k] * scale[n0 + j], the fp32 values dequantize_q8 gives, so the product is the fp32
-// kernel's over the dequantized weight, bit for bit. P has room for K rounded up to 8 rows.
+// The same columns from weight-only int8 rows in small_gemm_q8's interleaved layout ([ceil(N/4)][ceil(K/8)][4][8], zero
+// padded): P[k][col0 + j] = q[r0 + j][k] * scale[r0 + j], the fp32 values dequantize_q8 gives, so the product is the
+// fp32 kernel's over the dequantized weight, bit for bit. P has room for K rounded up to 8 rows.
 void pack_columns_q8(const int8_t* packed, const float* scale, float* P, int64_t r0, int64_t end, int64_t K, int64_t nr, int64_t col0, int64_t width) {
   const int64_t chunks = (K + 7) / 8;
   auto row_chunk = [&](int64_t n, int64_t c) { return packed + ((n / 4 * chunks + c) * 4 + n % 4) * 8; };
@@ -112,8 +114,8 @@ void pack_panel_q8(const int8_t* packed, const float* scale, float* P, int64_t n
   pack_columns_q8(packed, scale, P, n0, N, K, nr, 0, nr);
 }
 
-// The gated epilogue: silu(gate) * up for `cols` output columns, gate in g[0..], up in u[0..] (8 lanes at a time, the
-// tail through padded copies as silu_mul's), into y.
+// The gated epilogue: silu(gate) * up for `cols` output columns, gate in g[0..lanes), up in u[0..lanes), 8 lanes at a
+// time (lanes past `cols` come from the panel's zero columns and are not stored), into y.
 inline void store_silu_mul(const float* g, const float* u, float* y, int64_t cols, int64_t lanes) {
   alignas(32) float out[16];
   for (int64_t h = 0; h < lanes; h += 8) _mm256_store_ps(out + h, silu_mul8(_mm256_loadu_ps(g + h), _mm256_loadu_ps(u + h)));
