@@ -206,6 +206,7 @@ def resolve_calibration(model, drafter, calibration, model_name: str | None, rec
 FULL_CHAINS = 0.0  # draft cost is measured on full chains (an EAGLE head's confidence cut would end most of them on the
 # random prompts); drafters without the option ignore it, as they ignore tree options
 
+
 def _rebuild(drafter, model):
     from tandem.drafters import build_drafter
 

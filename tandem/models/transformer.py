@@ -283,7 +283,7 @@ class Attention(nn.Module):
         b, t, _ = x.shape
         q, k, v = self.project_qkv(x, cos, sin)
         if batch.segments:
-            return self.o(self._attend_segments(q, k, v, cache, batch.segments))
+            return self.o(self._attend_segments(q, k, v, cache, batch.segments, self._sdpa_causal))
         keys, values = self._keys_values(k, v, cache, batch)  # [B, Hkv, S, D]
         q, gqa = q.transpose(1, 2), cfg.num_heads != cfg.num_kv_heads
         parts = []
@@ -317,11 +317,11 @@ class Attention(nn.Module):
                                              enable_gqa=self.cfg.num_heads != self.cfg.num_kv_heads)  # [1, H, n, D]
         return out[0].transpose(0, 1).reshape(q.shape[0], self.cfg.q_size)
 
-    def _attend_segments(self, q, k, v, cache: KVCache, segments, attend=None) -> torch.Tensor:  # q [1, N, H, D], k, v [1, N, Hkv, D] -> [1, N, H D]
+    def _attend_segments(self, q, k, v, cache: KVCache, segments, attend) -> torch.Tensor:  # q [1, N, H, D], k, v [1, N, Hkv, D] -> [1, N, H D]
         """A packed prefill's attention: each prompt's keys and values written into its own cache row, read back and
         attended causally (`attend`: SDPA, or the prefill kernel), as that prompt's own forward does (the same tensors,
         so the same bits)."""
-        attend, parts = attend or self._sdpa_causal, []
+        parts = []
         for offset, n, row in segments:
             one = slice(offset, offset + n)
             layer_k, layer_v = cache.k[self.layer, row], cache.v[self.layer, row]  # [Hkv, Smax, D]

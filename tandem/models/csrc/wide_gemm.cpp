@@ -321,14 +321,13 @@ at::Tensor prefill_attention(const at::Tensor& q_in, const at::Tensor& k, const 
   const int64_t nr = avx512 ? kNR512 : kNR, G = H / Hkv;
   const int64_t positions = std::max<int64_t>(1, rows / G);  // query positions per block: G heads each
   const int64_t n_pad = (n + nr - 1) / nr * nr, key_panels = n_pad / nr, value_panels = (D + nr - 1) / nr;
-  const int64_t d_pad = (D + 7) / 8 * 8;
   // Per kv head: keys as [D][nr] panels (score GEMM), values as [n_pad][nr] column panels (rows past n zero).
-  std::vector<float> keys(Hkv * key_panels * d_pad * nr), values(Hkv * value_panels * n_pad * nr, 0.f);
+  std::vector<float> keys(Hkv * key_panels * D * nr), values(Hkv * value_panels * n_pad * nr, 0.f);
   const float *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>(), *qp = q.data_ptr<float>();
   at::parallel_for(0, Hkv, 1, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
       for (int64_t p = 0; p < key_panels; ++p)
-        pack_columns(kp + g * k.stride(0), keys.data() + (g * key_panels + p) * d_pad * nr, p * nr, n, D, nr, 0, nr);
+        pack_columns(kp + g * k.stride(0), keys.data() + (g * key_panels + p) * D * nr, p * nr, n, D, nr, 0, nr);
       for (int64_t c = 0; c < value_panels; ++c)
         pack_panel_kn(vp + g * v.stride(0), values.data() + (g * value_panels + c) * n_pad * nr, c * nr, D, n, nr);
     }
@@ -352,7 +351,7 @@ at::Tensor prefill_attention(const at::Tensor& q_in, const at::Tensor& k, const 
         for (; r + rows <= m; r += rows) blocks[rows](a + r * depth, panel, nullptr, y + r * ldy, n0, ldy, depth);
         if (r < m) blocks[m - r](a + r * depth, panel, nullptr, y + r * ldy, n0, ldy, depth);
       };
-      for (int64_t p = 0; p * nr < visible; ++p) gemm(x.data(), keys.data() + (g * key_panels + p) * d_pad * nr, scores.data(), p * nr, visible, D);
+      for (int64_t p = 0; p * nr < visible; ++p) gemm(x.data(), keys.data() + (g * key_panels + p) * D * nr, scores.data(), p * nr, visible, D);
       for (int64_t r = 0; r < m; ++r) {  // row r: position t0 + r / G sees keys 0..t
         float* row = scores.data() + r * visible;
         const int64_t seen = t0 + r / G + 1;
