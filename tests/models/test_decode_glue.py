@@ -52,26 +52,47 @@ def _attend_reference(qkv, cos, sin, cache_k, cache_v, starts, tree, heads, kv_h
     return torch.stack(outs)
 
 
-@needs_glue
-@pytest.mark.parametrize("with_tree", [False, True])
-def test_attend_cached_matches_rope_cache_write_and_sdpa(with_tree):
-    g = torch.Generator().manual_seed(0)
-    heads, kv_heads, d, b, t = 4, 2, 16, 3, 4
+def _attend_case(d: int, with_tree: bool, heads: int = 4, kv_heads: int = 2):
+    g = torch.Generator().manual_seed(d)
+    b, t = 3, 4
     qkv = torch.randn(b, t, (heads + 2 * kv_heads) * d, generator=g)
     angles = torch.rand(b, t, 1, d // 2, generator=g) * 6
     cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([-angles.sin(), angles.sin()], -1)
-    starts = torch.tensor([5, 0, 9])
+    starts = torch.tensor([5, 0, 29])
     tree = None
     if with_tree:
         tree = torch.ones(t, t, dtype=torch.bool).tril().repeat(b, 1, 1)
         tree[0, 3, 1] = tree[2, 2, 1] = False
-    shape = (2, b + 1, kv_heads, 16, d)
-    k0, v0 = torch.randn(shape, generator=g), torch.randn(shape, generator=g)
+    shape = (2, b + 1, kv_heads, 40, d)
+    return qkv, cos, sin, starts, tree, torch.randn(shape, generator=g), torch.randn(shape, generator=g)
+
+
+@needs_glue
+@pytest.mark.parametrize("d", [16, 24, 64, 128])  # 64 / 128: the AVX-512 score loop; 24: a head of 16 n + 8 features
+@pytest.mark.parametrize("with_tree", [False, True])
+def test_attend_cached_matches_rope_cache_write_and_sdpa(with_tree, d):
+    heads, kv_heads = (6, 2) if d == 64 else (4, 2)
+    qkv, cos, sin, starts, tree, k0, v0 = _attend_case(d, with_tree, heads, kv_heads)
     ref_k, ref_v, k, v = k0.clone(), v0.clone(), k0.clone(), v0.clone()
     expected = _attend_reference(qkv, cos, sin, ref_k, ref_v, starts, tree, heads, kv_heads)
     got = decode_glue.attend_cached(qkv, cos, sin, None, None, 1e-6, k, v, 0, 0, starts, tree, heads, kv_heads)
     assert (got - expected).abs().max() <= TOL
     assert (k - ref_k).abs().max() <= TOL and torch.equal(v, ref_v)  # the new rotated keys and values, nothing else
+
+
+@needs_glue
+@pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() != "AVX512", reason="no AVX-512 here")
+@pytest.mark.parametrize("d", [24, 64, 128])
+def test_attend_cached_gives_the_same_bits_on_either_isa(d):
+    qkv, cos, sin, starts, tree, k0, v0 = _attend_case(d, True, heads=6, kv_heads=2)
+    outs = []
+    for isa in ("avx2", "avx512"):
+        before = cpu_gemm.set_isa(isa)
+        try:
+            outs.append(decode_glue.attend_cached(qkv, cos, sin, None, None, 1e-6, k0.clone(), v0.clone(), 0, 0, starts, tree, 6, 2))
+        finally:
+            cpu_gemm.set_isa(before)
+    assert torch.equal(outs[0], outs[1])
 
 
 @needs_glue

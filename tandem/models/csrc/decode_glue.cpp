@@ -125,9 +125,10 @@ inline void rope_head(const float* src, const float* cos, const float* sin_signe
 constexpr int64_t kKeyPrefetchBytes = 256, kValuePrefetchBytes = 1024;
 
 // Scores of NH query heads (consecutive, D apart) against keys 0..S-1: sc[h * stride + j] = (q_h . k_j) * scale,
-// -inf where the key is not visible. Each dot runs 8 lanes over D in order, then the lane reduction: the same
-// bits whatever NH (each head has its own accumulator), so splitting a group's heads across threads changes nothing.
-// values (or nullptr): the matching value rows, prefetched while the keys are scored.
+// -inf where the key is not visible. Each dot keeps 16 lanes (two registers) over D in order, adds its halves, then
+// lane_sum: the same bits whatever NH (each head has its own accumulators), so splitting a group's heads across
+// threads changes nothing, and the order head_scores512 takes with one AVX-512 register, so either ISA gives the same
+// bits. values (or nullptr): the matching value rows, prefetched while the keys are scored.
 template <int NH>
 void head_scores(const float* q, const float* keys, const float* values, int64_t S, int64_t D, float scale, int64_t prefix,
                  const bool* allowed, int64_t t, float* sc, int64_t stride) {
@@ -142,13 +143,55 @@ void head_scores(const float* q, const float* keys, const float* values, int64_t
       _mm_prefetch(reinterpret_cast<const char*>(key + d) + kKeyPrefetchBytes, _MM_HINT_T0);
       if (values) _mm_prefetch(reinterpret_cast<const char*>(values + j * D + d) + kValuePrefetchBytes, _MM_HINT_T1);
     }
-    __m256 acc[NH];
-    for (int h = 0; h < NH; ++h) acc[h] = _mm256_setzero_ps();
-    for (int64_t d = 0; d < D; d += 8) {
-      const __m256 kv = _mm256_loadu_ps(key + d);
-      for (int h = 0; h < NH; ++h) acc[h] = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * D + d), kv, acc[h]);
+    __m256 lo[NH], hi[NH];  // lanes 0-7 and 8-15 of each 16 features
+    for (int h = 0; h < NH; ++h) lo[h] = hi[h] = _mm256_setzero_ps();
+    int64_t d = 0;
+    for (; d + 16 <= D; d += 16) {
+      const __m256 k0 = _mm256_loadu_ps(key + d), k1 = _mm256_loadu_ps(key + d + 8);
+      for (int h = 0; h < NH; ++h) {
+        lo[h] = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * D + d), k0, lo[h]);
+        hi[h] = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * D + d + 8), k1, hi[h]);
+      }
     }
-    for (int h = 0; h < NH; ++h) sc[h * stride + j] = lane_sum(acc[h]) * scale;
+    if (d < D) {  // D = 16 n + 8
+      const __m256 k0 = _mm256_loadu_ps(key + d);
+      for (int h = 0; h < NH; ++h) lo[h] = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * D + d), k0, lo[h]);
+    }
+    for (int h = 0; h < NH; ++h) sc[h * stride + j] = lane_sum(_mm256_add_ps(lo[h], hi[h])) * scale;
+  }
+}
+
+// head_scores with 16 lanes (AVX-512) for D = 16 DC: the group's queries stay in registers and each key is loaded once
+// for all NH heads (the AVX2 form re-reads the queries from L1 at every key). The same multiply-adds in the same
+// order, so the same bits.
+template <int NH, int DC>
+__attribute__((target("avx512f"))) void head_scores512(const float* q, const float* keys, const float* values, int64_t S, float scale,
+                                                     int64_t prefix, const bool* allowed, int64_t t, float* sc, int64_t stride) {
+  constexpr int64_t D = 16 * DC;
+  __m512 qr[NH][DC];
+  for (int h = 0; h < NH; ++h)
+    for (int c = 0; c < DC; ++c) qr[h][c] = _mm512_loadu_ps(q + h * D + 16 * c);
+  for (int64_t j = 0; j < S; ++j) {
+    const int64_t u = j - prefix;
+    if (!(u < 0 || (allowed ? allowed[u] : u <= t))) {
+      for (int h = 0; h < NH; ++h) sc[h * stride + j] = -INFINITY;
+      continue;
+    }
+    const float* key = keys + j * D;
+    for (int c = 0; c < DC; ++c) {  // one cache line per 16 floats
+      _mm_prefetch(reinterpret_cast<const char*>(key + 16 * c) + kKeyPrefetchBytes, _MM_HINT_T0);
+      if (values) _mm_prefetch(reinterpret_cast<const char*>(values + j * D + 16 * c) + kValuePrefetchBytes, _MM_HINT_T1);
+    }
+    __m512 acc[NH];
+    for (int h = 0; h < NH; ++h) acc[h] = _mm512_setzero_ps();
+    for (int c = 0; c < DC; ++c) {
+      const __m512 kc = _mm512_loadu_ps(key + 16 * c);
+      for (int h = 0; h < NH; ++h) acc[h] = _mm512_fmadd_ps(qr[h][c], kc, acc[h]);
+    }
+    for (int h = 0; h < NH; ++h) {
+      const __m256 lo = _mm512_castps512_ps256(acc[h]), hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[h]), 1));
+      sc[h * stride + j] = lane_sum(_mm256_add_ps(lo, hi)) * scale;
+    }
   }
 }
 
@@ -174,14 +217,18 @@ inline void softmax_row(float* sc, int64_t S) {
 // out_h[d] = sum_j p_h[j] v_j[d] for NH heads, CH chunks of 8 features per pass (NH x CH accumulators in registers),
 // each output summed over j in order: the same bits whatever NH and CH.
 template <int NH, int CH>
-void weighted_values(const float* p, int64_t stride, const float* values, int64_t S, int64_t D, float* out) {
+void weighted_values(const float* p, int64_t stride, const float* values, int64_t S, int64_t D, float* out,
+                     const float* next_keys = nullptr, int64_t next_S = 0) {
   for (int64_t d0 = 0; d0 < D; d0 += 8 * CH) {
+    const float* ahead = d0 == 0 ? next_keys : nullptr;
     const int chunks = static_cast<int>(std::min<int64_t>(CH, (D - d0) / 8));
     __m256 acc[NH][CH];
     for (int h = 0; h < NH; ++h)
       for (int c = 0; c < CH; ++c) acc[h][c] = _mm256_setzero_ps();
     if (chunks == CH) {
       for (int64_t j = 0; j < S; ++j) {
+        if (ahead && j < next_S)
+          for (int64_t d = 0; d < D; d += 16) _mm_prefetch(reinterpret_cast<const char*>(ahead + j * D + d), _MM_HINT_T1);
         __m256 vj[CH];
         for (int c = 0; c < CH; ++c) vj[c] = _mm256_loadu_ps(values + j * D + d0 + 8 * c);
         for (int h = 0; h < NH; ++h) {
@@ -202,19 +249,64 @@ void weighted_values(const float* p, int64_t stride, const float* values, int64_
   }
 }
 
+// weighted_values with 16 lanes (AVX-512, D a multiple of 16): each output is the same sum over j in the same order,
+// so the same bits, in half the instructions (one pass over the values where the AVX2 form, short of registers,
+// spilled its accumulators and made two).
+template <int NH, int CH>
+__attribute__((target("avx512f"))) void weighted_values512(const float* p, int64_t stride, const float* values, int64_t S, int64_t D,
+                                                         float* out, const float* next_keys, int64_t next_S) {
+  for (int64_t d0 = 0; d0 < D; d0 += 16 * CH) {
+    const float* ahead = d0 == 0 ? next_keys : nullptr;
+    const int chunks = static_cast<int>(std::min<int64_t>(CH, (D - d0) / 16));
+    __m512 acc[NH][CH];
+    for (int h = 0; h < NH; ++h)
+      for (int c = 0; c < CH; ++c) acc[h][c] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < S; ++j) {
+      if (ahead && j < next_S)
+        for (int64_t d = 0; d < D; d += 16) _mm_prefetch(reinterpret_cast<const char*>(ahead + j * D + d), _MM_HINT_T1);
+      if (chunks == CH) {
+        __m512 vj[CH];
+        for (int c = 0; c < CH; ++c) vj[c] = _mm512_loadu_ps(values + j * D + d0 + 16 * c);
+        for (int h = 0; h < NH; ++h) {
+          const __m512 w = _mm512_set1_ps(p[h * stride + j]);
+          for (int c = 0; c < CH; ++c) acc[h][c] = _mm512_fmadd_ps(w, vj[c], acc[h][c]);
+        }
+      } else {
+        for (int h = 0; h < NH; ++h) {
+          const __m512 w = _mm512_set1_ps(p[h * stride + j]);
+          for (int c = 0; c < chunks; ++c) acc[h][c] = _mm512_fmadd_ps(w, _mm512_loadu_ps(values + j * D + d0 + 16 * c), acc[h][c]);
+        }
+      }
+    }
+    for (int h = 0; h < NH; ++h)
+      for (int c = 0; c < chunks; ++c) _mm512_storeu_ps(out + h * D + d0 + 16 * c, acc[h][c]);
+  }
+}
+
 // One query token against its visible keys for NH consecutive query heads sharing a kv head; prefetch_values: bring
 // the values toward the core during the score pass (off when a group's heads are separate items: they would each
 // prefetch the same rows).
 template <int NH>
 void attend_heads(const float* q, const float* keys, const float* values, int64_t S, int64_t D, float scale, int64_t prefix,
-                  const bool* allowed, int64_t t, float* sc, float* out, bool prefetch_values) {
-  head_scores<NH>(q, keys, prefetch_values ? values : nullptr, S, D, scale, prefix, allowed, t, sc, S);
+                  const bool* allowed, int64_t t, float* sc, float* out, bool prefetch_values, const float* next_keys, int64_t next_S) {
+  const float* prefetched = prefetch_values ? values : nullptr;
+  const bool avx512 = tandem_kernels::use_avx512();
+  if (avx512 && D == 64) head_scores512<NH, 4>(q, keys, prefetched, S, scale, prefix, allowed, t, sc, S);
+  else if (avx512 && D == 128) head_scores512<NH, 8>(q, keys, prefetched, S, scale, prefix, allowed, t, sc, S);
+  else head_scores<NH>(q, keys, prefetched, S, D, scale, prefix, allowed, t, sc, S);
   for (int h = 0; h < NH; ++h) softmax_row(sc + h * S, S);
+  if (avx512 && D % 16 == 0) {
+    constexpr int CH = NH <= 2 ? 8 : NH <= 6 ? 4 : 2;  // NH x CH accumulators + CH value chunks <= 29 of 32 registers
+    if (D == 64 && CH > 4) weighted_values512<NH, 4>(sc, S, values, S, D, out, next_keys, next_S);  // a whole head per pass
+    else weighted_values512<NH, CH>(sc, S, values, S, D, out, next_keys, next_S);
+    return;
+  }
   constexpr int CH = NH == 1 ? 8 : NH <= 3 ? 4 : NH <= 6 ? 2 : 1;  // NH x CH <= 12 accumulators of 16 registers
-  weighted_values<NH, CH>(sc, S, values, S, D, out);
+  weighted_values<NH, CH>(sc, S, values, S, D, out, next_keys, next_S);
 }
 
-using AttendHeads = void (*)(const float*, const float*, const float*, int64_t, int64_t, float, int64_t, const bool*, int64_t, float*, float*, bool);
+using AttendHeads = void (*)(const float*, const float*, const float*, int64_t, int64_t, float, int64_t, const bool*, int64_t, float*, float*, bool,
+                            const float*, int64_t);
 constexpr AttendHeads kAttendHeads[9] = {nullptr, attend_heads<1>, attend_heads<2>, attend_heads<3>, attend_heads<4>,
                                          attend_heads<5>, attend_heads<6>, attend_heads<7>, attend_heads<8>};
 
@@ -296,8 +388,14 @@ at::Tensor attend_cached(const at::Tensor& qkv, const at::Tensor& cos, const at:
       // Causal: the keys after t are invisible to it and would add exact zeros (to the softmax sum and to each value
       // sum), so stopping at t gives the same bits with less work for the later rows of a chain. A tree may allow any slot.
       const int64_t keys = allowed ? prefix + T : prefix + t + 1;
+      const float* next_keys = nullptr;
+      int64_t next_S = 0;
+      if (i + 1 < i1 && split == 1) {  // the next item's keys, brought toward the core while this one's values are summed
+        const int64_t gn = (i + 1) % Hkv, tn = ((i + 1) / Hkv) % T, bn = (i + 1) / (Hkv * T);
+        if (gn != g || bn != b) { next_keys = slot(kc, bn, gn, 0); next_S = tp ? sp[bn] + T : sp[bn] + tn + 1; }
+      }
       kAttendHeads[per_item](qp + ((b * T + t) * H + head) * D, slot(kc, b, g, 0), slot(vc, b, g, 0), keys, D, scale, prefix,
-                             allowed, t, scores.data(), op + ((b * T + t) * H + head) * D, split == 1);
+                             allowed, t, scores.data(), op + ((b * T + t) * H + head) * D, split == 1, next_keys, next_S);
     }
   });
   return out;
