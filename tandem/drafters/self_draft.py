@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from tandem.drafters.base import register
 from tandem.drafters.model_drafter import ModelDrafter
-from tandem.models.quantize import quantized_copy, requantize_, reshare_
+from tandem.models.quantize import quantized_copy, resync_
 
 
 class SelfDrafter(ModelDrafter):
@@ -20,8 +20,7 @@ class SelfDrafter(ModelDrafter):
     def resync(self) -> None:
         """The target's weights changed: re-share embedding/norms, re-quantize in place, drop the draft
         cache (its entries came from the old weights) and bump the version. Call between rollouts."""
-        reshare_(self.model, self.target)
-        requantize_(self.model, self.target)
+        resync_(self.model, self.target)
         self.reset_cache()
         self.version += 1
 

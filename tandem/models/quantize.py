@@ -1,8 +1,12 @@
 """Weight-quantized copies of a target for self-speculation (EfficientRollout-style).
 
-int8: symmetric per-output-channel weights, fbgemm dynamic-activation GEMM (the fastest int8 path on
-this AVX2 CPU; int4 has no good AVX2 kernel in torch, see RESOURCES.md). The copy shares the target's
-embedding and norms; `requantize_` refreshes it in place when the target's weights change (RL steps).
+int8: symmetric weights, one scale per output row. Where tandem's CPU kernels built, every Linear of the copy
+is a `Linear` packed with gemm="int8": weight-only int8 rows with fp32 activations, run by the small-M kernel
+(decode: a quarter of the fp32 weight bytes, ~0.3x the fp32 layers' time at one row) and, as all its Linears
+run the kernel, all layers in one `decode_layers` call. Elsewhere `Int8Linear`: fbgemm's dynamic-activation
+int8 GEMM (int4 has no good AVX2 kernel in torch, see RESOURCES.md). The fbgemm copy was the only one until
+stop 30; a drafted token cost ~0.7x a target step with it (docs/BENCHMARKS.md section 2, stop 30). The copy shares the target's tensors
+(embedding, norms, the dense weights it quantizes); `resync_` refreshes it when the target's weights change (RL steps).
 """
 from __future__ import annotations
 
@@ -11,7 +15,7 @@ import warnings
 import torch
 from torch import nn
 
-from tandem.models import decode_glue
+from tandem.models import cpu_gemm, decode_glue
 from tandem.models.transformer import Linear, Transformer
 
 
@@ -48,28 +52,28 @@ def _pack_int8(weight: torch.Tensor):
 
 
 def quantized_copy(target: Transformer) -> Transformer:
-    """A Transformer whose Linear layers are int8; everything else is shared with the target."""
+    """A Transformer whose Linear layers are int8 (the kernel's rows, else fbgemm); everything else is shared with the target."""
     with torch.device("meta"):
         copy = Transformer(target.cfg)
     copy.load_state_dict(target.state_dict(), assign=True)
     copy.inv_freq = target.inv_freq
+    copy.eval().requires_grad_(False)
+    if cpu_gemm.available():
+        copy.pack(gemm="int8")
+        return copy
     for name, module in list(copy.named_modules()):
         if isinstance(module, Linear):
             parent_name, _, attr = name.rpartition(".")
             setattr(copy.get_submodule(parent_name) if parent_name else copy, attr, Int8Linear(module.weight, module.bias))
-    return copy.eval().requires_grad_(False)
+    return copy
 
 
-def reshare_(copy: Transformer, target: Transformer) -> None:
-    """Point the copy's non-Linear parameters (embedding, norms) at the target's current tensors again
-    (needed when the target's parameters were replaced rather than written in place)."""
+def resync_(copy: Transformer, target: Transformer) -> None:
+    """The target's weights changed, in place or replaced: point the copy at the target's current tensors and
+    re-quantize every Linear from them, once (a kernel Linear re-quantizes as its new weight loads)."""
     target_state = target.state_dict()
     copy.load_state_dict({name: target_state[name] for name in copy.state_dict()}, assign=True)
     copy.requires_grad_(False)
-
-
-def requantize_(copy: Transformer, target: Transformer) -> None:
-    """Refresh the int8 copy from the target's current weights, in place (same modules, new packed data)."""
     target_linears = {n: m for n, m in target.named_modules() if isinstance(m, Linear)}
     for name, module in copy.named_modules():
         if isinstance(module, Int8Linear):

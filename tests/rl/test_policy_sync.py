@@ -7,6 +7,7 @@ from tandem.drafters import build_drafter
 from tandem.errors import PolicyUpdateError
 from tandem.models.loader import load_transformer
 from tandem.models.quantize import Int8Linear, quantized_copy
+from tandem.models.transformer import Linear
 from tandem.rl.rollout import RolloutEngine, update_policy
 from tiny_helpers import load_packed, make_prompts, plain_outputs
 
@@ -73,11 +74,15 @@ def test_update_target_serves_the_new_weights(tiny_llama, tmp_path):
 
 
 def int8_state(model) -> list[tuple]:
+    """(name, int8 weights, scales, bias) of every quantized Linear: the kernel's rows, or fbgemm's where it did not build."""
     out = []
     for name, m in model.named_modules():
         if isinstance(m, Int8Linear):
             qweight, _ = torch.ops.quantized.linear_unpack(m.packed)
             out.append((name, qweight.int_repr(), qweight.q_per_channel_scales(), m.bias))
+        elif isinstance(m, Linear) and m.int8 is not None:
+            out.append((name, m.int8[0], m.int8[1], m.bias))
+    assert out, "no quantized Linear in the copy"
     return out
 
 
