@@ -34,7 +34,8 @@ def test_avx512_blocks_give_the_avx2_bits(m, k, n):
     x, w, b = _data(m, k, n, seed=3)
     packed, scale = cpu_gemm.pack_q8(w)
     kernels = (lambda: cpu_gemm.small_gemm(x, w, b), lambda: cpu_gemm.wide_gemm(x, w, b), lambda: cpu_gemm.wide_gemm(x, w),
-               lambda: cpu_gemm.wide_gemm_q8(x, packed, scale, b))
+               lambda: cpu_gemm.wide_gemm_q8(x, packed, scale, b), lambda: cpu_gemm.small_gemm_q8(x, packed, scale, b),
+               lambda: cpu_gemm.small_gemm_q8(x, packed, scale, None))
     before = cpu_gemm.set_isa("avx2")
     try:
         slow = [f() for f in kernels]

@@ -212,6 +212,14 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b) {
 constexpr int64_t kGroup = 4;
 constexpr int kGroupRowsX = 3;  // rows of x per pass: 3 x 4 accumulators + 4 weight registers of 16
 
+// The end of one int8 output: s (its 8-lane sum) + the K % 8 tail, times the row's scale, plus the bias. One compiled
+// copy for the AVX2 and AVX-512 groups, so neither can round it differently (e.g. by contracting into FMAs).
+__attribute__((noinline)) float q8_finish(float s, const float* x, const int8_t* tail, int64_t k0, int64_t K, float scale, const float* bias) {
+  for (int64_t kk = k0; kk < K; ++kk) s += x[kk] * static_cast<float>(tail[kk - k0]);
+  s *= scale;
+  return bias ? s + *bias : s;
+}
+
 template <int M>
 void q8_group(const float* x, const int8_t* group, const float* scale, const float* bias, float* y, int64_t n, int64_t K, int64_t N) {
   const int64_t full = K / 8;
@@ -229,25 +237,65 @@ void q8_group(const float* x, const int8_t* group, const float* scale, const flo
     }
   }
   const int8_t* tail = group + full * 8 * kGroup;
+  for (int m = 0; m < M; ++m)
+    for (int r = 0; r < kGroup && n + r < N; ++r)
+      y[m * N + n + r] = q8_finish(lane_sum(acc[m][r]), x + m * K, tail + 8 * r, 8 * full, K, scale[n + r], bias ? bias + n + r : nullptr);
+}
+
+// The AVX-512 group (CPUs that have it): the group's 4 rows widened into two registers (rows 0-1, rows 2-3: a chunk's
+// 32 bytes are the 4 rows' 8 weights in a row) against each row of x broadcast to both halves, so every lane does
+// q8_group's FMA for its output in the same k order, and each half is reduced by the same lane_sum: the same bits. Up
+// to 12 rows of x per pass (24 accumulators), so the weights are widened once for a batch of up to 12 rows where the
+// AVX2 group widens them again for every 3 (at 4 rows, two passes: ~3x the one-row time).
+constexpr int kGroupRowsX512 = 12;
+
+template <int M>
+__attribute__((target("avx512f,avx512dq"))) void q8_group512(const float* x, const int8_t* group, const float* scale, const float* bias,
+                                                           float* y, int64_t n, int64_t K, int64_t N) {
+  static_assert(kGroup == 4, "two rows per register");
+  const int64_t full = K / 8;
+  __m512 acc[M][2];
+#pragma GCC unroll 12
+  for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < full; ++c) {
+    const int8_t* chunk = group + c * 8 * kGroup;
+    _mm_prefetch(reinterpret_cast<const char*>(chunk) + kPrefetchBytes, _MM_HINT_T0);
+    const __m512 w01 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(chunk))));
+    const __m512 w23 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(chunk + 16))));
+#pragma GCC unroll 12
+    for (int m = 0; m < M; ++m) {
+      const __m512 xv = _mm512_broadcast_f32x8(_mm256_loadu_ps(x + m * K + 8 * c));
+      acc[m][0] = _mm512_fmadd_ps(w01, xv, acc[m][0]);
+      acc[m][1] = _mm512_fmadd_ps(w23, xv, acc[m][1]);
+    }
+  }
+  const int8_t* tail = group + full * 8 * kGroup;
   for (int m = 0; m < M; ++m) {
     for (int r = 0; r < kGroup && n + r < N; ++r) {
-      float s = lane_sum(acc[m][r]);
-      for (int64_t kk = 8 * full; kk < K; ++kk) s += x[m * K + kk] * static_cast<float>(tail[8 * r + kk - 8 * full]);
-      s *= scale[n + r];
-      y[m * N + n + r] = bias ? s + bias[n + r] : s;
+      const __m512 pair = acc[m][r / 2];
+      const float s = lane_sum(r % 2 ? _mm512_extractf32x8_ps(pair, 1) : _mm512_castps512_ps256(pair));
+      y[m * N + n + r] = q8_finish(s, x + m * K, tail + 8 * r, 8 * full, K, scale[n + r], bias ? bias + n + r : nullptr);
     }
   }
 }
 
 void q8_groups(const float* x, const int8_t* packed, const float* scale, const float* bias, float* y, int64_t g0, int64_t g1,
                int64_t M, int64_t K, int64_t N) {
-  static constexpr void (*passes[kGroupRowsX + 1])(const float*, const int8_t*, const float*, const float*, float*, int64_t, int64_t, int64_t) = {
-      nullptr, q8_group<1>, q8_group<2>, q8_group<3>};
+  using Pass = void (*)(const float*, const int8_t*, const float*, const float*, float*, int64_t, int64_t, int64_t);
+  static constexpr Pass passes[kGroupRowsX + 1] = {nullptr, q8_group<1>, q8_group<2>, q8_group<3>};
+  static constexpr Pass passes512[kGroupRowsX512 + 1] = {nullptr, q8_group512<1>, q8_group512<2>, q8_group512<3>, q8_group512<4>,
+                                                         q8_group512<5>, q8_group512<6>, q8_group512<7>, q8_group512<8>,
+                                                         q8_group512<9>, q8_group512<10>, q8_group512<11>, q8_group512<12>};
+  const bool avx512 = tandem_kernels::use_avx512();
+  const Pass* table = avx512 ? passes512 : passes;
+  const int64_t most = avx512 ? kGroupRowsX512 : kGroupRowsX;
+  const int64_t num_passes = (M + most - 1) / most;  // rows split evenly, as tiles() does
   const int64_t group_bytes = (K + 7) / 8 * 8 * kGroup;
   for (int64_t g = g0; g < g1; ++g) {  // a group's weights (kGroup x K bytes) stay in L1 while every row of x passes
-    for (int64_t m0 = 0; m0 < M; m0 += kGroupRowsX) {
-      const int64_t rows = std::min<int64_t>(kGroupRowsX, M - m0);
-      passes[rows](x + m0 * K, packed + g * group_bytes, scale, bias, y + m0 * N, g * kGroup, K, N);
+    for (int64_t i = 0, m0 = 0; i < num_passes; ++i) {
+      const int64_t rows = (M - m0) / (num_passes - i);
+      table[rows](x + m0 * K, packed + g * group_bytes, scale, bias, y + m0 * N, g * kGroup, K, N);
+      m0 += rows;
     }
   }
 }
