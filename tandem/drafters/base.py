@@ -38,6 +38,9 @@ class Drafter(Protocol):
                                draft node j; the accepted path is [0] + [1 + j for j in accepted_nodes].
                                request.all_ids already includes the emitted tokens.
     move_row / release         rows stay contiguous: the engine moves the last row into a finished one.
+    attach_target_cache(cache) right before each propose: the proposing engine's KV cache (rows 0..B-1 hold the
+                               committed tokens of requests 0..B-1; a drafter may be shared by engines). A drafter
+                               that is a copy of the target (self_draft) drafts over it instead of keeping its own.
     """
 
     name: str
@@ -50,6 +53,7 @@ class Drafter(Protocol):
     def on_verified(self, requests: list[DraftContext], drafts: list[DraftTree], results: list[VerifyResult], starts: list[int], target_out) -> None: ...
     def release(self, request: DraftContext) -> None: ...
     def move_row(self, src_row: int, dst_row: int) -> None: ...  # the engine moved a request's row
+    def attach_target_cache(self, cache) -> None: ...
 
 
 class DrafterBase:
@@ -70,6 +74,9 @@ class DrafterBase:
         pass
 
     def move_row(self, src_row: int, dst_row: int) -> None:
+        pass
+
+    def attach_target_cache(self, cache) -> None:
         pass
 
 

@@ -69,6 +69,9 @@ class EagleNgramDrafter:
     def move_row(self, src_row: int, dst_row: int) -> None:
         self.eagle.move_row(src_row, dst_row)
 
+    def attach_target_cache(self, cache) -> None:
+        self.eagle.attach_target_cache(cache)
+
 
 @register("eagle_ngram")
 def _build(target, num_draft_tokens: int = 4, **kwargs) -> EagleNgramDrafter:

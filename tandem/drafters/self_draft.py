@@ -1,7 +1,8 @@
 """`self_draft`: an int8 copy of the target drafts for it (EfficientRollout-style self-speculation).
 
 The copy is built at load and re-quantized in place whenever the target's weights change
-(`resync()`), so it never drifts from the policy during RL.
+(`resync()`), so it never drifts from the policy during RL. It drafts over the target's own KV cache
+(ModelDrafter's `shares_target_cache`): no draft cache, no second prefill of every prompt.
 """
 from __future__ import annotations
 
@@ -14,14 +15,13 @@ class SelfDrafter(ModelDrafter):
     name = "self_draft"
 
     def __init__(self, target, num_draft_tokens: int, max_batch: int, max_len: int):
-        super().__init__(quantized_copy(target), target.cfg.vocab_size, num_draft_tokens, max_batch, max_len)
+        super().__init__(quantized_copy(target), target.cfg.vocab_size, num_draft_tokens, max_batch, max_len, shares_target_cache=True)
         self.target = target
 
     def resync(self) -> None:
-        """The target's weights changed: re-share embedding/norms, re-quantize in place, drop the draft
-        cache (its entries came from the old weights) and bump the version. Call between rollouts."""
+        """The target's weights changed: re-share embedding/norms, re-quantize in place and bump the version.
+        Call between rollouts (the engine's cache, which it drafts over, is the engine's to rebuild)."""
         resync_(self.model, self.target)
-        self.reset_cache()
         self.version += 1
 
 

@@ -335,6 +335,7 @@ class Engine:
             plan = getattr(self.draft_policy, "plan", None)  # batch-aware policies decide once per step
             chosen = plan(requests) if plan is not None else [self.draft_policy.choose_k(r) for r in requests]
             budgets = [min(b, k) for b, k in zip(budgets, chosen)]
+        self.drafter.attach_target_cache(self.cache)  # each step: a drafter may serve more than one engine
         return self.drafter.propose(requests, budgets)
 
     def _verify_inputs(self, requests: list[Request], drafts: list[DraftTree], starts: list[int]):

@@ -57,6 +57,21 @@ def test_self_draft_accepts_most_tokens(tiny_llama):
     assert engine.stats.accepted_tokens / engine.stats.drafted_tokens > 0.5  # int8 copy of the target
 
 
+def test_self_draft_drafts_over_the_engine_cache_and_leaves_its_lengths(tiny_llama):
+    engine = spec_engine(tiny_llama, "self_draft")
+    for prompt in repetitive_prompts()[:3]:
+        engine.add_request(prompt, GREEDY)
+    engine.step()  # prefill, then one speculative step
+    drafter, lengths = engine.drafter, engine.cache.lengths.clone()
+    assert drafter.cache is engine.cache
+    assert all(int(lengths[r.row]) == len(r.all_ids) - 1 for r in engine.running)  # committed: all but the pending token
+    drafts = drafter.propose(engine.running, [3] * len(engine.running))
+    assert [len(d) for d in drafts] == [3, 3, 3] and torch.equal(engine.cache.lengths, lengths)
+    with pytest.raises(RuntimeError, match="committed tokens"):  # a row out of step with its request is refused
+        engine.cache.lengths[0] += 1
+        drafter.propose(engine.running, [3] * len(engine.running))
+
+
 def test_draft_model_greedy_identical(tiny_dirs, tmp_path):
     draft_dir = make_tiny_model(tmp_path / "draft", "qwen2", seed=7)
     prompts = repetitive_prompts(seed=1)
