@@ -124,6 +124,22 @@ inline void rope_head(const float* src, const float* cos, const float* sin_signe
 // a quarter of a 60-row step, and this made it ~1.28x faster, BENCHMARKS 1.8). Prefetches move no value.
 constexpr int64_t kKeyPrefetchBytes = 256, kValuePrefetchBytes = 1024;
 
+// Whether slot j is visible to new token t of a row with `prefix` cached tokens: the prefix always, the new tokens as
+// the row's tree allows (causal without one).
+inline bool visible(int64_t j, int64_t prefix, const bool* allowed, int64_t t) {
+  const int64_t u = j - prefix;
+  return u < 0 || (allowed ? allowed[u] : u <= t);
+}
+
+// While key j is scored: the next key toward L1 and the value rows ahead toward L2 (value = nullptr: none), one
+// prefetch per cache line of 16 floats.
+inline void prefetch_ahead(const float* key, const float* value, int64_t D) {
+  for (int64_t d = 0; d < D; d += 16) {
+    _mm_prefetch(reinterpret_cast<const char*>(key + d) + kKeyPrefetchBytes, _MM_HINT_T0);
+    if (value) _mm_prefetch(reinterpret_cast<const char*>(value + d) + kValuePrefetchBytes, _MM_HINT_T1);
+  }
+}
+
 // Scores of NH query heads (consecutive, D apart) against keys 0..S-1: sc[h * stride + j] = (q_h . k_j) * scale,
 // -inf where the key is not visible. Each dot keeps 16 lanes (two registers) over D in order, adds its halves, then
 // lane_sum: the same bits whatever NH (each head has its own accumulators), so splitting a group's heads across
@@ -133,16 +149,12 @@ template <int NH>
 void head_scores(const float* q, const float* keys, const float* values, int64_t S, int64_t D, float scale, int64_t prefix,
                  const bool* allowed, int64_t t, float* sc, int64_t stride) {
   for (int64_t j = 0; j < S; ++j) {
-    const int64_t u = j - prefix;
-    if (!(u < 0 || (allowed ? allowed[u] : u <= t))) {
+    if (!visible(j, prefix, allowed, t)) {
       for (int h = 0; h < NH; ++h) sc[h * stride + j] = -INFINITY;
       continue;
     }
     const float* key = keys + j * D;
-    for (int64_t d = 0; d < D; d += 16) {  // one cache line per 16 floats
-      _mm_prefetch(reinterpret_cast<const char*>(key + d) + kKeyPrefetchBytes, _MM_HINT_T0);
-      if (values) _mm_prefetch(reinterpret_cast<const char*>(values + j * D + d) + kValuePrefetchBytes, _MM_HINT_T1);
-    }
+    prefetch_ahead(key, values ? values + j * D : nullptr, D);
     __m256 lo[NH], hi[NH];  // lanes 0-7 and 8-15 of each 16 features
     for (int h = 0; h < NH; ++h) lo[h] = hi[h] = _mm256_setzero_ps();
     int64_t d = 0;
@@ -172,16 +184,12 @@ __attribute__((target("avx512f"))) void head_scores512(const float* q, const flo
   for (int h = 0; h < NH; ++h)
     for (int c = 0; c < DC; ++c) qr[h][c] = _mm512_loadu_ps(q + h * D + 16 * c);
   for (int64_t j = 0; j < S; ++j) {
-    const int64_t u = j - prefix;
-    if (!(u < 0 || (allowed ? allowed[u] : u <= t))) {
+    if (!visible(j, prefix, allowed, t)) {
       for (int h = 0; h < NH; ++h) sc[h * stride + j] = -INFINITY;
       continue;
     }
     const float* key = keys + j * D;
-    for (int c = 0; c < DC; ++c) {  // one cache line per 16 floats
-      _mm_prefetch(reinterpret_cast<const char*>(key + 16 * c) + kKeyPrefetchBytes, _MM_HINT_T0);
-      if (values) _mm_prefetch(reinterpret_cast<const char*>(values + j * D + 16 * c) + kValuePrefetchBytes, _MM_HINT_T1);
-    }
+    prefetch_ahead(key, values ? values + j * D : nullptr, D);
     __m512 acc[NH];
     for (int h = 0; h < NH; ++h) acc[h] = _mm512_setzero_ps();
     for (int c = 0; c < DC; ++c) {
