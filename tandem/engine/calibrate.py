@@ -20,6 +20,7 @@ import torch
 
 from tandem.config import EngineConfig, SamplingParams
 from tandem.errors import InvalidParameterError
+from tandem.models import cpu_gemm
 from tandem.models.kv_cache import KVCache
 from tandem.models.zoo import tandem_home
 from tandem.sim.calibration import Calibration, load_calibration, save_calibration
@@ -45,14 +46,17 @@ class CalibrationGrid:
 
 
 def fingerprint() -> dict:
-    """What makes timings from one machine invalid on another."""
+    """What makes timings from one machine invalid on another, and from one build of the CPU kernels on the next (a
+    kernel change moves the costs: stop 30's int8 kernel made self_draft's drafting ~2x cheaper at 4-16 rows, and a
+    record from before it would price it at the old cost)."""
     cpu = platform.processor() or "unknown"
     try:
         cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
+    kernels = cpu_gemm.build_directory().name if cpu_gemm.available() else "none"  # named by the kernels' source hash
     return {"cpu": cpu, "cores": os.cpu_count(), "threads": torch.get_num_threads(), "torch": torch.__version__,
-            "device": "cuda" if torch.cuda.is_available() else "cpu"}
+            "device": "cuda" if torch.cuda.is_available() else "cpu", "kernels": kernels}
 
 
 def calibration_path(model_name: str, fp: dict | None = None) -> Path:

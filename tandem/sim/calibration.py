@@ -50,7 +50,7 @@ class Calibration:
         if self.schema != CALIBRATION_SCHEMA:
             return f"schema {self.schema} != {CALIBRATION_SCHEMA}"
         if self.fingerprint != fingerprint:
-            return f"calibrated on another machine ({self.fingerprint} vs {fingerprint})"
+            return f"calibrated on another machine or kernel build ({self.fingerprint} vs {fingerprint})"
         age = (now or time.time()) - self.created
         if age > MAX_AGE_S:
             return f"{age / 86400:.0f} days old"

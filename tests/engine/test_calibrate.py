@@ -40,6 +40,8 @@ def test_save_load_roundtrip_and_staleness(record, tmp_path):
     assert load_calibration(path) == rec
     other = dict(rec.fingerprint, cpu="another cpu")
     assert "another machine" in rec.stale_reason(other)
+    rebuilt = dict(rec.fingerprint, kernels="small_gemm-000000000000")  # the CPU kernels changed since the record
+    assert "another machine" in rec.stale_reason(rebuilt) and calibration_path("tiny", rebuilt) != calibration_path("tiny")
     old = dataclasses.replace(rec, created=time.time() - 90 * 86400)
     assert "days old" in old.stale_reason(fingerprint())
     with pytest.raises(InvalidParameterError):
