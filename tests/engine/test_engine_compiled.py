@@ -35,7 +35,7 @@ def outputs(eng, prompts, params):
     return [r.output_ids for r in eng.run(prompts, params)]
 
 
-@pytest.mark.parametrize("drafter", [None, "ngram"])
+@pytest.mark.parametrize("drafter", [None, "ngram", "self_draft"])  # self_draft writes its drafts into the compiled path's cache
 def test_greedy_identity_on_the_compiled_path(tiny_dirs, drafter):
     prompts = repetitive_prompts()
     want = outputs(engine(tiny_dirs["llama"]), prompts, [GREEDY] * 4)
