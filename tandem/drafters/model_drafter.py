@@ -47,11 +47,6 @@ class ModelDrafter(DrafterBase):
         if not self.shares_target_cache:
             self.cache.reset(request.row)
 
-    def reset_cache(self) -> None:
-        if not self.shares_target_cache and self.cache is not None:
-            for row in range(self.cache.max_batch):
-                self.cache.reset(row)
-
     def move_row(self, src_row: int, dst_row: int) -> None:
         if not self.shares_target_cache:
             self.cache.move_row(src_row, dst_row)

@@ -5,8 +5,9 @@ is a `Linear` packed with gemm="int8": weight-only int8 rows with fp32 activatio
 (decode: a quarter of the fp32 weight bytes, ~0.3x the fp32 layers' time at one row) and, as all its Linears
 run the kernel, all layers in one `decode_layers` call. Elsewhere `Int8Linear`: fbgemm's dynamic-activation
 int8 GEMM (int4 has no good AVX2 kernel in torch, see RESOURCES.md). The fbgemm copy was the only one until
-stop 30; a drafted token cost ~0.7x a target step with it (docs/BENCHMARKS.md section 2, stop 30). The copy shares the target's tensors
-(embedding, norms, the dense weights it quantizes); `resync_` refreshes it when the target's weights change (RL steps).
+stop 30; a drafted token cost ~0.7x a target step with it (docs/BENCHMARKS.md section 2, stop 30). The copy
+shares the target's tensors (embedding, norms, the dense weights it quantizes); `resync_` refreshes it when the
+target's weights change (RL steps).
 """
 from __future__ import annotations
 

@@ -140,6 +140,11 @@ inline void prefetch_ahead(const float* key, const float* value, int64_t D) {
   }
 }
 
+// A row of D floats toward L2 (the next item's keys, while this item's values are summed).
+inline void prefetch_row_l2(const float* row, int64_t D) {
+  for (int64_t d = 0; d < D; d += 16) _mm_prefetch(reinterpret_cast<const char*>(row + d), _MM_HINT_T1);
+}
+
 // Scores of NH query heads (consecutive, D apart) against keys 0..S-1: sc[h * stride + j] = (q_h . k_j) * scale,
 // -inf where the key is not visible. Each dot keeps 16 lanes (two registers) over D in order, adds its halves, then
 // lane_sum: the same bits whatever NH (each head has its own accumulators), so splitting a group's heads across
@@ -235,8 +240,7 @@ void weighted_values(const float* p, int64_t stride, const float* values, int64_
       for (int c = 0; c < CH; ++c) acc[h][c] = _mm256_setzero_ps();
     if (chunks == CH) {
       for (int64_t j = 0; j < S; ++j) {
-        if (ahead && j < next_S)
-          for (int64_t d = 0; d < D; d += 16) _mm_prefetch(reinterpret_cast<const char*>(ahead + j * D + d), _MM_HINT_T1);
+        if (ahead && j < next_S) prefetch_row_l2(ahead + j * D, D);
         __m256 vj[CH];
         for (int c = 0; c < CH; ++c) vj[c] = _mm256_loadu_ps(values + j * D + d0 + 8 * c);
         for (int h = 0; h < NH; ++h) {
@@ -270,8 +274,7 @@ __attribute__((target("avx512f"))) void weighted_values512(const float* p, int64
     for (int h = 0; h < NH; ++h)
       for (int c = 0; c < CH; ++c) acc[h][c] = _mm512_setzero_ps();
     for (int64_t j = 0; j < S; ++j) {
-      if (ahead && j < next_S)
-        for (int64_t d = 0; d < D; d += 16) _mm_prefetch(reinterpret_cast<const char*>(ahead + j * D + d), _MM_HINT_T1);
+      if (ahead && j < next_S) prefetch_row_l2(ahead + j * D, D);
       if (chunks == CH) {
         __m512 vj[CH];
         for (int c = 0; c < CH; ++c) vj[c] = _mm512_loadu_ps(values + j * D + d0 + 16 * c);
