@@ -100,7 +100,9 @@ void blocked_pass(const float* x, const float* w, const float* bias, float* y, i
 // runs it prefetches the next block's rows into L2 (the hardware prefetcher does not follow six row streams): a
 // model's worth of [M, K] x [K, N] calls ran 1.20x / 1.17x / 1.10x / 1.04x faster at M = 12 / 24 / 47 / 60 (BENCHMARKS 1.10).
 constexpr int kBlockX512 = 8;
-constexpr int64_t kStreamMaxM512 = 8;  // with AVX-512 the blocks take over from this many rows of x (the stream stays below)
+constexpr int64_t kStreamMaxM512 = 2;  // with AVX-512 the blocks take over above this many rows of x: a model's worth of
+// calls at M = 3-8 ran 1.4-1.8x faster on the blocks (six rows of w in flight, the next six prefetched) than on the
+// stream, M = 1-2 no faster (BENCHMARKS 1.14); the same bits either way
 constexpr int kBlockW512 = 6;
 
 template <int M, int NW>
