@@ -7,7 +7,7 @@ widest draft, so that is the forward it pays for), the drafter costs draft(depth
 r emits E_r(n) = 1 + sum_d prod_{j<=d} a_r,j tokens, with a_r,j its live acceptance per depth. The plan
 is the n with the highest sum_r E_r(n) / (draft + forward(B, 1 + n, C)). Costs come from the calibrated
 roofline, corrected online (tandem.engine.costs); acceptance is an EMA per request seeded from the
-engine-wide one. Hysteresis: speculation turns on when predicted >= (1 + ON_MARGIN) x plain and off
+engine-wide one; a depth not drafted drifts toward the one above it (never-measured ones start there). Hysteresis: speculation turns on when predicted >= (1 + ON_MARGIN) x plain and off
 when < (1 - OFF_MARGIN) x plain, each for PATIENCE steps in a row. It starts on (an optimistic prior),
 so a drafter that pays is never judged on a prior alone; while off it probes, spaced so that probing
 costs at most PROBE_BUDGET of plain decoding time. Trees: the budget is a node count; the depth a
@@ -27,6 +27,7 @@ PATIENCE = 3
 PROBE_BUDGET = 0.05
 PRIOR_ACCEPTANCE = 0.8
 MAX_BACKOFF = 8
+RELAX = 0.02  # per step: an undrafted depth's acceptance drifts toward the depth above it
 
 
 class SpeculationController:
@@ -39,6 +40,7 @@ class SpeculationController:
         self.ema = ema
         self.global_alphas = [prior_acceptance] * max_k
         self.alphas: dict[str, list[float]] = {}
+        self.measured_depth = 0  # how many depths (engine-wide) have had their acceptance measured at least once
         self.depth_of: dict[int, float] = {}  # budget -> EMA of the depth the drafter reached
         self.on, self._streak, self._idle, self._backoff = True, 0, 0, 1
         self._plan: dict[str, int] = {}
@@ -99,6 +101,7 @@ class SpeculationController:
             self.fill = (1 - self.ema) * self.fill + self.ema * filled
         for request, draft, result in zip(requests, drafts, results):
             if len(draft):
+                self.measured_depth = max(self.measured_depth, min(len(draft.nodes_per_depth()), result.num_accepted + 1, self.max_k))
                 self._learn_depth(len(draft), len(draft.nodes_per_depth()))
                 self._update(self.alphas.setdefault(request.request_id, list(self.global_alphas)), len(draft.nodes_per_depth()), result.num_accepted)
                 self._update(self.global_alphas, len(draft.nodes_per_depth()), result.num_accepted)
@@ -178,8 +181,16 @@ class SpeculationController:
 
     # ---- learning ---------------------------------------------------------------------------------
     def _update(self, alphas: list[float], depth: int, accepted: int) -> None:
-        for j in range(min(depth, accepted + 1, self.max_k)):  # depths up to the first rejection were observed
+        """EMA of the acceptance at each depth up to the first rejection (the depths observed). Depths deeper than
+        this draft relax toward the one above them: never-measured ones at once (else a drafter accepting 0.95 at
+        every measured depth is priced at the prior beyond them, the deeper budget never looks better and is never
+        measured: self_draft stayed at k = 4-6 of 8), measured ones by RELAX a step, so that one unlucky estimate does
+        not keep a depth from being tried again; its own measurements correct it from its next draft on."""
+        for j in range(min(depth, accepted + 1, self.max_k)):
             alphas[j] = (1 - self.ema) * alphas[j] + self.ema * (1.0 if j < accepted else 0.0)
+        for j in range(max(depth, 1), self.max_k):
+            rate = 1.0 if j >= self.measured_depth else RELAX
+            alphas[j] += rate * (alphas[j - 1] - alphas[j])
 
     def _learn_depth(self, budget: int, depth: int) -> None:
         old = self.depth_of.get(budget)

@@ -114,6 +114,31 @@ def test_self_draft_that_pays_stays_on():
     assert m["speculative_steps"] >= 270 and m["predicted_speedup_mean"] > 1.3 and m["realised_speedup_mean"] > 1.3
 
 
+def test_depths_never_drafted_follow_the_deepest_measured_one():
+    """Regression (stop 32): self_draft accepting ~0.98 at every depth was held at k = 4-6 of max 8, because depths it
+    had not drafted kept the prior 0.8 (or one unlucky estimate), so k = 8 never looked better and was never measured.
+    True costs here: verify flat in the width (memory-bound), 7 ms per drafted token, a 21.5 ms plain step: k = 8 emits
+    8.3 tokens per 82 ms (102 tok/s), k = 6 99, k = 4 93, k = 3 90. The old rule settled at a mean k of 3.0 / 4.0 over
+    the last 200 steps (seeds 0 / 1)."""
+    for seed in (0, 1):
+        c = SpeculationController(8, ForwardCost(WORK, MACHINE), DraftCostModel(), prior_acceptance=0.8)
+        ks = run_synthetic(c, 300, [0.98] * 8, lambda d: 0.007 * d, lambda b, t: 0.021 + 0.0005 * t, seed=seed)
+        assert sum(ks[100:]) / 200 >= 6.0
+        assert c.measured_depth == 8
+
+
+def test_a_depth_measured_bad_is_retried_rarely():
+    """Acceptance that falls off after depth 4: deeper drafts are tried (a depth not drafted drifts back toward the
+    one above it), measured bad, and the plan stays at 4 nearly always."""
+    c = SpeculationController(8, ForwardCost(WORK, MACHINE), DraftCostModel(), prior_acceptance=0.8)
+    acceptance = [0.97, 0.97, 0.97, 0.97, 0.05, 0.05, 0.05, 0.05]
+    ks = run_synthetic(c, 400, acceptance, lambda d: 0.007 * d, lambda b, t: 0.021 + 0.0005 * t)
+    assert max(ks) > 4 and c.measured_depth >= 5  # explored
+    late = ks[100:]
+    assert sum(k > 4 for k in late) <= 0.1 * len(late)
+    assert sum(k == 4 for k in late) >= 0.6 * len(late)  # the rest: k < 4 after an unlucky rejection at depth 1-3
+
+
 def test_drafter_that_never_pays_is_switched_off_and_probed_rarely():
     c = AdaptiveDraftLength(max_k=4)
     ks = run_synthetic(c, 400, [0.05] * 4, lambda d: 0.05 * d if d else 0.0, lambda b, t: 0.04 + 0.002 * t)
