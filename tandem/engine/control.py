@@ -7,8 +7,9 @@ widest draft, so that is the forward it pays for), the drafter costs draft(depth
 r emits E_r(n) = 1 + sum_d prod_{j<=d} a_r,j tokens, with a_r,j its live acceptance per depth. The plan
 is the n with the highest sum_r E_r(n) / (draft + forward(B, 1 + n, C)). Costs come from the calibrated
 roofline, corrected online (tandem.engine.costs); acceptance is an EMA per request seeded from the
-engine-wide one; a depth not drafted drifts toward the one above it (never-measured ones start there). Hysteresis: speculation turns on when predicted >= (1 + ON_MARGIN) x plain and off
-when < (1 - OFF_MARGIN) x plain, each for PATIENCE steps in a row. It starts on (an optimistic prior),
+engine-wide one; a depth not drafted drifts toward the one above it (never-measured ones start there).
+Hysteresis: speculation turns on when predicted >= (1 + ON_MARGIN) x plain and off when
+< (1 - OFF_MARGIN) x plain, each for PATIENCE steps in a row. It starts on (an optimistic prior),
 so a drafter that pays is never judged on a prior alone; while off it probes, spaced so that probing
 costs at most PROBE_BUDGET of plain decoding time. Trees: the budget is a node count; the depth a
 budget reaches is learnt from the drafts the drafter returned.
@@ -101,10 +102,11 @@ class SpeculationController:
             self.fill = (1 - self.ema) * self.fill + self.ema * filled
         for request, draft, result in zip(requests, drafts, results):
             if len(draft):
-                self.measured_depth = max(self.measured_depth, min(len(draft.nodes_per_depth()), result.num_accepted + 1, self.max_k))
-                self._learn_depth(len(draft), len(draft.nodes_per_depth()))
-                self._update(self.alphas.setdefault(request.request_id, list(self.global_alphas)), len(draft.nodes_per_depth()), result.num_accepted)
-                self._update(self.global_alphas, len(draft.nodes_per_depth()), result.num_accepted)
+                depth = len(draft.nodes_per_depth())
+                self.measured_depth = max(self.measured_depth, min(depth, result.num_accepted + 1, self.max_k))
+                self._learn_depth(len(draft), depth)
+                self._update(self.alphas.setdefault(request.request_id, list(self.global_alphas)), depth, result.num_accepted)
+                self._update(self.global_alphas, depth, result.num_accepted)
         self._account(batch, sum(len(r.tokens) for r in results), draft_s + verify_s, nodes > 0)
 
     def release(self, request) -> None:
