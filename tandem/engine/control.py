@@ -9,10 +9,12 @@ is the n with the highest sum_r E_r(n) / (draft + forward(B, 1 + n, C)). Costs c
 roofline, corrected online (tandem.engine.costs); acceptance is an EMA per request seeded from the
 engine-wide one; a depth not drafted drifts toward the one above it (never-measured ones start there).
 Hysteresis: speculation turns on when predicted >= (1 + ON_MARGIN) x plain and off when
-< (1 - OFF_MARGIN) x plain, each for PATIENCE steps in a row. It starts on (an optimistic prior),
-so a drafter that pays is never judged on a prior alone; while off it probes, spaced so that probing
-costs at most PROBE_BUDGET of plain decoding time. Trees: the budget is a node count; the depth a
-budget reaches is learnt from the drafts the drafter returned.
+< (1 - OFF_MARGIN) x plain, each for PATIENCE steps in a row, or at once when the prediction is
+DECISIVE beyond 1 (the live batch moved: a rollout batch starting at 32 rows, its tail at 1). It
+starts on (an optimistic prior), so a drafter that pays is never judged on a prior alone; while off
+it probes, spaced so that probing costs at most PROBE_BUDGET of plain decoding time, and MAX_BACKOFF
+times further apart where not even a perfect draft would pay at this batch. Trees: the budget is a
+node count; the depth a budget reaches is learnt from the drafts the drafter returned.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from tandem.ops.cost import expected_tokens_per_step
 ON_MARGIN = 0.05
 OFF_MARGIN = 0.02
 PATIENCE = 3
+DECISIVE = 0.15  # a prediction this far beyond 1 switches at once
 PROBE_BUDGET = 0.05
 PRIOR_ACCEPTANCE = 0.8
 MAX_BACKOFF = 8
@@ -77,7 +80,7 @@ class SpeculationController:
         steps = [self._step(requests, n, context) for n in range(self.max_nodes + 1)]  # (tokens, seconds)
         rates = [tokens / seconds for tokens, seconds in steps]
         best = max(range(1, len(rates)), key=lambda n: (rates[n], -n))  # the best speculative budget
-        budget = self._decide(best, rates[best] / rates[0], steps)
+        budget = self._decide(best, rates[best] / rates[0], steps, lambda: self._could_pay(requests, context, rates[0]))
         self._plan = {r.request_id: min(budget, _remaining(r)) for r in requests}
         self._pending = (budget, rates[budget] / rates[0], self.forward.predict(batch, 1, context))
         return [self._plan[r.request_id] for r in requests]
@@ -154,19 +157,33 @@ class SpeculationController:
             return budget  # a chain until the drafter shows a tree
         return min(self.max_k, max(1, round(self.depth_of.get(budget, self.max_k)))) if budget else 0
 
-    def _decide(self, best: int, predicted: float, steps: list[tuple[float, float]]) -> int:
-        """Hysteresis on / off (predicted = best speculative rate / plain rate), then probes while off;
-        returns this step's budget."""
+    def _could_pay(self, requests, context: int, plain_rate: float) -> bool:
+        """Would some budget pay at this batch if every draft were accepted in full? (Else a probe,
+        which only re-measures acceptance, cannot change the decision.)"""
+        batch, fill = len(requests), self.fill
+        for n in range(1, self.max_nodes + 1):
+            depth = self._depth(n)
+            tokens = sum(1 + fill * min(depth, _remaining(r)) for r in requests)
+            seconds = self.draft.seconds(depth, batch * n, batch) + self.forward.predict(batch, 1 + n, context)
+            if tokens / seconds >= (1 + ON_MARGIN) * plain_rate:
+                return True
+        return False
+
+    def _decide(self, best: int, predicted: float, steps: list[tuple[float, float]], could_pay=lambda: True) -> int:
+        """Hysteresis on / off (predicted = best speculative rate / plain rate), then probes while off
+        (could_pay: whether a perfect draft would pay at this batch); returns this step's budget."""
         wants_change = predicted < 1 - OFF_MARGIN if self.on else predicted >= 1 + ON_MARGIN
+        decisive = predicted < 1 - DECISIVE if self.on else predicted >= 1 + DECISIVE
         self._streak = self._streak + 1 if wants_change else 0
-        if self._streak >= PATIENCE:
+        if self._streak >= PATIENCE or decisive:
             self.on, self._streak, self._idle, self._backoff = not self.on, 0, 0, 1
             self.stats["switches"] += 1
         if self.on:
             return best
         self._idle += 1
         probe = min(3, self.max_nodes)
-        if self._idle >= self._probe_interval(steps, probe) * self._backoff:
+        backoff = self._backoff if could_pay() else MAX_BACKOFF  # else only a wrong cost estimate could be corrected by a probe
+        if self._idle >= self._probe_interval(steps, probe) * backoff:
             self._idle, self._backoff = 0, min(self._backoff * 2, MAX_BACKOFF)
             self.stats["probes"] += 1
             return probe

@@ -5,7 +5,7 @@ import random
 import pytest
 from types import SimpleNamespace
 
-from tandem.engine.control import AdaptiveDraftLength, SpeculationController, PATIENCE
+from tandem.engine.control import AdaptiveDraftLength, SpeculationController, DECISIVE, MAX_BACKOFF, PATIENCE
 from tandem.engine.costs import DraftCostModel, ForwardCost, UNIT_MACHINE, UNIT_WORK
 from tandem.ops.cost import best_draft_length, expected_tokens_per_step
 from tandem.sim.roofline import Machine, ModelWork, forward_seconds
@@ -44,23 +44,33 @@ def test_memory_bound_speculates_at_full_depth():
     assert c.metrics()["last"] == {} and c.on
 
 
-def test_compute_bound_turns_off_after_patience():
-    c = controller()
-    batch = [req(i) for i in range(32)]  # 32 x 5 = 160 tokens: 3.2x the cost of a plain step
+def test_compute_bound_turns_off_at_once():
+    c = controller(acceptance=0.5)
+    batch = [req(i) for i in range(32)]  # compute-bound: 32 x (1 + k) tokens cost (1 + k)x a plain step
     plans = [c.plan(batch) for _ in range(PATIENCE + 5)]
-    assert all(p[0] > 0 for p in plans[: PATIENCE - 1])  # hysteresis: not on the first bad prediction
-    assert all(p == [0] * 32 for p in plans[PATIENCE:])
+    assert all(p == [0] * 32 for p in plans)  # predicted far below plain: no patience needed
     assert not c.on and c.stats["switches"] == 1
+    assert c.stats["probes"] == 0  # not even a perfect draft pays at this batch: nothing to probe
+
+
+def predicted_at(ratio, acceptance=0.8):
+    """A drafter cost that puts the predicted speedup of a k = 4 chain at batch 1 at `ratio`."""
+    fwd = ForwardCost(WORK, MACHINE)
+    plain = fwd.predict(1, 1, 64)
+    tokens = expected_tokens_per_step([acceptance] * 4, 4)
+    return DraftCost(fixed_s=tokens * plain / ratio - fwd.predict(1, 5, 64))
+
+
+def test_a_prediction_just_below_plain_turns_off_after_patience():
+    c = SpeculationController(4, ForwardCost(WORK, MACHINE), DraftCostModel(predicted_at(1 - DECISIVE / 2)), prior_acceptance=0.8)
+    plans = [c.plan([req(0)])[0] for _ in range(PATIENCE + 1)]
+    assert all(k > 0 for k in plans[: PATIENCE - 1])  # hysteresis: not on the first bad prediction
+    assert plans[-1] == 0 and not c.on and c.stats["switches"] == 1
 
 
 def test_hysteresis_between_margins_keeps_the_state():
-    # a drafter cost that puts the predicted speedup at batch 1 between 0.98 and 1.05
-    fwd = ForwardCost(WORK, MACHINE)
-    plain = fwd.predict(1, 1, 64)
-    tokens = expected_tokens_per_step([0.8] * 4, 4)
-    draft_s = tokens * plain / 1.02 - fwd.predict(1, 5, 64)  # predicted = 1.02 at k = 4
-    for start_on in (True, False):
-        c = SpeculationController(4, ForwardCost(WORK, MACHINE), DraftCostModel(DraftCost(fixed_s=draft_s)), prior_acceptance=0.8)
+    for start_on in (True, False):  # predicted 1.02, between 0.98 and 1.05
+        c = SpeculationController(4, ForwardCost(WORK, MACHINE), DraftCostModel(predicted_at(1.02)), prior_acceptance=0.8)
         c.on = start_on
         plans = [c.plan([req(0)])[0] for _ in range(50)]
         assert c.on is start_on and c.stats["switches"] == 0
@@ -68,18 +78,16 @@ def test_hysteresis_between_margins_keeps_the_state():
             assert 0 < sum(1 for k in plans if k) <= 50 * 0.2  # only probes
 
 
-def test_tail_of_a_shrinking_batch_turns_speculation_on():
-    c = controller()
+def test_tail_of_a_shrinking_batch_turns_speculation_on_at_once():
+    c = controller(acceptance=0.5)
     batch = [req(i) for i in range(32)]
-    for _ in range(PATIENCE):
-        c.plan(batch)
-    assert not c.on
     decisions = []
     while batch:
         decisions.append((len(batch), c.plan(batch)[0]))
         batch = batch[: len(batch) // 2] if len(batch) > 1 else []
-    assert decisions[0] == (32, 0)
-    assert c.on and decisions[-1][1] == 4  # batch 1: memory-bound, speculating again
+    assert decisions[0] == (32, 0)  # off from the first step of a full batch
+    assert decisions[-1] == (1, 4) and c.on  # batch 1: memory-bound, speculating from its first step
+    assert c.stats["switches"] == 2
 
 
 def run_synthetic(c, steps, acceptance, draft_fn, verify_fn, batch=1, seed=0):
@@ -141,12 +149,19 @@ def test_a_depth_measured_bad_is_retried_rarely():
 
 def test_drafter_that_never_pays_is_switched_off_and_probed_rarely():
     c = AdaptiveDraftLength(max_k=4)
-    ks = run_synthetic(c, 400, [0.05] * 4, lambda d: 0.05 * d if d else 0.0, lambda b, t: 0.04 + 0.002 * t)
+    ks = run_synthetic(c, 400, [0.05] * 4, lambda d: 0.005 * d if d else 0.0, lambda b, t: 0.04 + 0.002 * t)
     late = ks[100:]
     assert sum(1 for k in late if k == 0) >= 0.9 * len(late)
     assert 0 < sum(1 for k in late if k) <= 0.1 * len(late)
     assert c.metrics()["acceptance_per_position"][0] < 0.3
     assert c.metrics()["probes"] >= 2 and c._backoff >= 4  # each unsuccessful probe doubled the next interval
+
+
+def test_a_drafter_slower_than_the_target_is_probed_at_the_longest_interval():
+    c = AdaptiveDraftLength(max_k=4)  # a drafted token costs more than a target step: no acceptance pays for it
+    ks = run_synthetic(c, 1000, [0.05] * 4, lambda d: 0.05 * d if d else 0.0, lambda b, t: 0.04 + 0.002 * t)
+    probes = [i for i, k in enumerate(ks) if k and i > 10]  # the first steps: on, from the prior
+    assert 1 <= len(probes) <= 2 and probes[0] >= 8 * MAX_BACKOFF  # the drafter above: probed every ~50-100 steps
 
 
 def test_release_forgets_the_request():
