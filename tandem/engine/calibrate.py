@@ -54,7 +54,7 @@ def fingerprint() -> dict:
         cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    kernels = cpu_gemm.build_directory().name  # named by the kernels' sources, torch version and flags (nothing is built here)
+    kernels = f"small_gemm-{cpu_gemm.kernel_key()}"  # the kernels' sources, torch version and flags (nothing is built here)
     return {"cpu": cpu, "cores": os.cpu_count(), "threads": torch.get_num_threads(), "torch": torch.__version__,
             "device": "cuda" if torch.cuda.is_available() else "cpu", "kernels": kernels}
 

@@ -61,12 +61,18 @@ def unusable_reason() -> str | None:
     return None
 
 
+def kernel_key() -> str:
+    """The kernels' identity: their source text, the torch version and the flags (what a calibration is valid for)."""
+    return hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES + HEADERS) + torch.__version__.encode() + " ".join(FLAGS).encode()).hexdigest()[:12]
+
+
 def build_directory() -> Path:
-    """One directory per source text, torch version and flags: a change rebuilds, nothing stale is loaded."""
+    """One directory per kernel key and checkout: a change rebuilds, nothing stale is loaded, and two checkouts never
+    rebuild each other's copy (the build files name the sources' paths, so sharing one directory rebuilds at each switch)."""
     from tandem.models.zoo import tandem_home
 
-    key = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES + HEADERS) + torch.__version__.encode() + " ".join(FLAGS).encode()).hexdigest()[:12]
-    return tandem_home() / "build" / f"small_gemm-{key}"
+    where = hashlib.sha256(str(SOURCES[0].resolve().parent).encode()).hexdigest()[:6]
+    return tandem_home() / "build" / f"small_gemm-{kernel_key()}-{where}"
 
 
 def _load() -> bool:

@@ -2,8 +2,10 @@
 
 Layout: policy.safetensors (learner parameters), optimizer.safetensors (AdamW moments and step per
 parameter, keyed "<param>::<field>"), optional eagle/ (head via save_eagle) + eagle_optimizer.safetensors,
-state.json (step, versions, history, evals, learning rate). Written into a temporary directory that is
-renamed into place, so a crash never leaves a half-written checkpoint.
+state.json (step, versions, the learning-rate schedule, the run's config, history, evals). Written into a
+temporary directory that is renamed into place, so a crash never leaves a half-written checkpoint. A
+checkpoint resumes only the run it came from: a different GRPOConfig is refused, naming the fields that
+differ (`steps` may grow: a run can be extended).
 """
 from __future__ import annotations
 
@@ -16,7 +18,8 @@ import torch
 from tandem.errors import TandemError
 
 STATE_FILE = "state.json"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+EXTENDABLE = ("steps", "eval_every")  # config fields a resumed run may change
 GENERATOR_KEY = "__generator__"
 
 
@@ -52,8 +55,8 @@ def save_checkpoint(trainer, path: str | Path) -> Path:
     save_file({n: t.contiguous() for n, t in learner.named_tensors().items()}, str(tmp / "policy.safetensors"))
     save_file(optimizer_tensors(learner.optimizer, _trainable(learner.model)), str(tmp / "optimizer.safetensors"))
     state = {
-        "schema_version": SCHEMA_VERSION, "step": trainer.step_index, "policy_version": learner.version,
-        "lr": learner.optimizer.param_groups[0]["lr"], "history": trainer.history, "evals": trainer.evals,
+        "schema_version": SCHEMA_VERSION, "step": trainer.step_index, "learner": learner.state(),
+        "lr": learner.optimizer.param_groups[0]["lr"], "config": trainer.cfg.as_dict(), "history": trainer.history, "evals": trainer.evals,
     }
     if trainer.online is not None:
         online = trainer.online
@@ -85,6 +88,7 @@ def load_checkpoint(trainer, path: str | Path) -> None:
         raise TandemError(f"cannot read a GRPO checkpoint from {path}: {e}") from e
     if state.get("schema_version") != SCHEMA_VERSION:
         raise TandemError(f"{path / STATE_FILE} has schema version {state.get('schema_version')}, expected {SCHEMA_VERSION}")
+    check_config(state.get("config", {}), json.loads(json.dumps(trainer.cfg.as_dict())), path)
     learner = trainer.learner
     params = dict(learner.model.named_parameters())
     if set(policy) != set(params):
@@ -93,7 +97,7 @@ def load_checkpoint(trainer, path: str | Path) -> None:
         for name, tensor in policy.items():
             params[name].copy_(tensor)
     load_optimizer_tensors(learner.optimizer, _trainable(learner.model), moments)
-    learner.version = int(state["policy_version"])
+    learner.load_state(state["learner"])
     trainer.step_index, trainer.history, trainer.evals = int(state["step"]), list(state["history"]), list(state["evals"])
     if trainer.online is not None and (path / "eagle").exists():
         online = trainer.online
@@ -104,3 +108,11 @@ def load_checkpoint(trainer, path: str | Path) -> None:
         load_optimizer_tensors(online.optimizer, _trainable(online.head), tensors)
         online.trained_version, online.steps = int(state["eagle_trained_version"]), int(state["eagle_steps"])
     trainer.sync()
+
+
+def check_config(saved: dict, current: dict, path: Path) -> None:
+    """Refuse to resume under a changed config (the schedule, the data order and the objective depend on it)."""
+    changed = sorted(k for k in set(saved) | set(current) if k not in EXTENDABLE and saved.get(k) != current.get(k))
+    if changed:
+        detail = ", ".join(f"{k}: {saved.get(k)!r} -> {current.get(k)!r}" for k in changed)
+        raise TandemError(f"{path} was written by a run with another config ({detail}); resume with the same settings")

@@ -1,4 +1,5 @@
-"""`tandem rl`: GRPO with speculative rollouts; with --compare, every drafter decodes each step's rollouts.
+"""`tandem rl`: GRPO on reasoning-gym tasks with speculative rollouts; with --compare, every drafter decodes
+each step's rollouts.
 
 Thin: args -> GRPOConfig -> build_trainer -> run (checkpoint every step when asked) -> summary, sweep, plot.
 """
@@ -12,43 +13,83 @@ from tandem.errors import InvalidParameterError
 
 
 def add_rl_command(subparsers) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("rl", help="GRPO on verifiable tasks with speculative rollouts (and drafter comparison)")
+    p = subparsers.add_parser("rl", help="GRPO on reasoning tasks with speculative rollouts (and drafter comparison)")
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--drafters", default="self_draft", help="comma list of ar,ngram,self_draft,eagle,...; the first one's rollouts train the policy")
+    p.add_argument("--drafters", default="suffix", help="comma list of ar,ngram,suffix,self_draft,eagle,...; NAME@fixed = always "
+                   "speculate at --num-draft-tokens (else the controller decides); the first one's rollouts train the policy")
     p.add_argument("--compare", action="store_true", help="decode every step's rollouts with every listed drafter (else only the first)")
     p.add_argument("--async", dest="async_mode", action="store_true", help="overlap the rollouts of step t+1 with the update of step t")
+    p.add_argument("--task", default="", help="comma list of reasoning-gym task names (default: the measured default mix)")
+    p.add_argument("--task-kwargs", default="", help='JSON: per task, generator settings, e.g. {"chain_sum": {"max_terms": 4}}')
+    p.add_argument("--reward", default="reasoning_gym", help="reasoning_gym | math_verify | module:function (text, problem, env) -> float")
     p.add_argument("--prompts-per-step", type=int, default=4)
     p.add_argument("--group-size", type=int, default=8)
-    p.add_argument("--max-tokens", type=int, default=24)
+    p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--lr", type=float, default=5e-6)
+    p.add_argument("--warmup-steps", type=int, default=0, help="optimiser steps of linear learning-rate warm-up")
+    p.add_argument("--lr-schedule", default="constant", choices=["constant", "linear", "cosine"])
+    p.add_argument("--clip-low", type=float, default=0.2)
+    p.add_argument("--clip-high", type=float, default=0.2, help="> --clip-low: DAPO's clip-higher, e.g. 0.28")
+    p.add_argument("--loss-agg", default="seq_mean_token_mean", choices=["seq_mean_token_mean", "token_mean", "seq_mean_token_sum_norm"])
+    p.add_argument("--no-std-norm", action="store_true", help="Dr. GRPO: advantages not divided by the group's std")
+    p.add_argument("--kl-coef", type=float, default=0.0, help="k3 KL to the frozen initial policy")
+    p.add_argument("--ppo-epochs", type=int, default=1)
+    p.add_argument("--mini-batches", type=int, default=1, help="optimiser steps per pass over a rollout batch")
     p.add_argument("--micro-batch", type=int, default=8)
+    p.add_argument("--no-skip-zero-advantage", action="store_true", help="forward/backward samples with zero advantage too")
     p.add_argument("--num-draft-tokens", type=int, default=4)
-    p.add_argument("--no-adaptive-k", action="store_true", help="fixed draft length instead of the engine's draft policy")
-    p.add_argument("--tasks", default="add", help="comma list of add,sub,mul,word")
-    p.add_argument("--max-value", type=int, default=10)
-    p.add_argument("--eval-problems", type=int, default=64)
+    p.add_argument("--no-adaptive-k", action="store_true", help="every drafter at a fixed draft length (as NAME@fixed)")
+    p.add_argument("--eval-problems", type=int, default=128)
     p.add_argument("--eval-every", type=int, default=5)
     p.add_argument("--sweep", default="", help="after training: rollout time per drafter at these batch sizes, e.g. 1,4,16,32")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--checkpoint", default=None, help="directory: saved after every step")
-    p.add_argument("--resume", default=None, help="checkpoint directory to continue from")
+    p.add_argument("--resume", default=None, help="checkpoint directory to continue from (the same settings)")
     p.add_argument("--json", dest="json_out", default=None)
     p.add_argument("--plot", default=None, help="PNG: held-out reward, rollout time per drafter, the long tail")
     p.set_defaults(func=run_rl)
     return p
 
 
+def env_config(args):
+    from tandem.rl.envs import EnvConfig
+
+    tasks = [t for t in args.task.split(",") if t]
+    cfg = EnvConfig.for_tasks(tasks) if tasks else EnvConfig()
+    if args.task_kwargs:
+        try:
+            extra = json.loads(args.task_kwargs)
+        except json.JSONDecodeError as e:
+            raise InvalidParameterError(f"--task-kwargs is not JSON: {e}") from e
+        if not isinstance(extra, dict) or not all(isinstance(v, dict) for v in extra.values()):
+            raise InvalidParameterError('--task-kwargs takes {"task": {"setting": value}}')
+        cfg = EnvConfig(cfg.tasks, {t: cfg.task_kwargs.get(t, {}) | extra.get(t, {}) for t in set(cfg.task_kwargs) | set(extra)})
+    return cfg
+
+
+def grpo_config(args):
+    from tandem.rl.grpo import GRPOConfig
+
+    return GRPOConfig(
+        steps=args.steps, prompts_per_step=args.prompts_per_step, group_size=args.group_size, max_tokens=args.max_tokens,
+        temperature=args.temperature, lr=args.lr, warmup_steps=args.warmup_steps, lr_schedule=args.lr_schedule,
+        clip_low=args.clip_low, clip_high=args.clip_high, loss_agg=args.loss_agg, scale_adv_by_std=not args.no_std_norm,
+        kl_coef=args.kl_coef, ppo_epochs=args.ppo_epochs, mini_batches=args.mini_batches, micro_batch=args.micro_batch,
+        skip_zero_advantage=not args.no_skip_zero_advantage, eval_problems=args.eval_problems, eval_every=args.eval_every,
+        async_mode=args.async_mode, seed=args.seed, env=env_config(args),
+    )
+
+
 def run_rl(args) -> int:
     import torch
 
     from tandem.rl.checkpoint import load_checkpoint, save_checkpoint
-    from tandem.rl.grpo import GRPOConfig
     from tandem.rl.report import batch_sweep, plot, summarize, timestamp
+    from tandem.rl.rewards import load_reward
     from tandem.rl.setup import build_trainer
-    from tandem.rl.tasks import TaskConfig, render_prompt
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -57,20 +98,18 @@ def run_rl(args) -> int:
         raise InvalidParameterError("--drafters is empty")
     drafters = drafters if args.compare else drafters[:1]
     sizes = [int(s) for s in args.sweep.split(",") if s]
-    cfg = GRPOConfig(
-        steps=args.steps, prompts_per_step=args.prompts_per_step, group_size=args.group_size, max_tokens=args.max_tokens,
-        temperature=args.temperature, lr=args.lr, micro_batch=args.micro_batch, eval_problems=args.eval_problems,
-        eval_every=args.eval_every, async_mode=args.async_mode, seed=args.seed,
-        task=TaskConfig(kinds=tuple(k for k in args.tasks.split(",") if k), max_value=args.max_value),
-    )
-    max_batch = max([cfg.prompts_per_step * cfg.group_size] + sizes)
-    trainer = build_trainer(args.model, drafters, cfg, args.num_draft_tokens, not args.no_adaptive_k, max_batch=max_batch)
+    cfg = grpo_config(args)
+    reward_fn = load_reward(args.reward)
+    max_batch = max([cfg.prompts_per_step * cfg.group_size, cfg.eval_problems] + sizes)
+    trainer = build_trainer(args.model, drafters, cfg, args.num_draft_tokens, not args.no_adaptive_k, max_batch=min(max_batch, 128),
+                            reward_fn=reward_fn)
     if args.resume:
         load_checkpoint(trainer, args.resume)
     started = timestamp()
 
     def on_step(record: dict) -> None:
-        line = {k: record[k] for k in ("step", "reward_mean", "train_s", "sync_s", "step_wall_s")}
+        line = {k: round(record[k], 4) if isinstance(record[k], float) else record[k]
+                for k in ("step", "reward_mean", "completion_tokens_mean", "train_s", "sync_s", "step_wall_s", "entropy", "clip_fraction")}
         line |= {"rollout_s": {d: round(s, 2) for d, s in record["rollout_s"].items()}, "eval": record.get("eval")}
         print(json.dumps(line), flush=True)
         if args.checkpoint:
@@ -78,14 +117,15 @@ def run_rl(args) -> int:
         if args.json_out:  # progress survives an interrupted run
             Path(args.json_out).write_text(json.dumps({"partial": True, "history": trainer.history, "evals": trainer.evals}) + "\n")
 
-    trainer.run(args.steps, on_step=on_step)
+    trainer.run(max(0, args.steps - trainer.step_index), on_step=on_step)
     result = {
         "command": "tandem rl", "started": started, "finished": timestamp(), "model": args.model, "drafters": drafters,
         "config": {k: v for k, v in vars(args).items() if k != "func"}, "summary": summarize(trainer.history),
         "evals": trainer.evals, "history": trainer.history,
     }
     if sizes:
-        prompts = [render_prompt(p, trainer.tokenizer) for p in trainer.held_out] or [render_prompt(p, trainer.tokenizer) for p in trainer.step_problems(0)]
+        prompts = [trainer.env.render(p, trainer.tokenizer) for p in trainer.held_out] or \
+                  [trainer.env.render(p, trainer.tokenizer) for p in trainer.step_problems(0)]
         prompts = (prompts * (max(sizes) // len(prompts) + 1))[: max(sizes)]
         result["sweep"] = batch_sweep(trainer.engines, prompts, sizes, cfg.max_tokens, cfg.temperature, cfg.seed)
     if args.plot:

@@ -49,7 +49,37 @@ def summarize(history: list[dict], baseline: str = "ar") -> dict:
             rate = {k: sum(h["rollout_tokens"][k] for h in history) / rollout[k] for k in (base, d)}
             out["per_drafter"][d] |= {"rollout_tokens_per_s": round(rate[d], 2), "rollout_rate_speedup": round(rate[d] / rate[base], 3)}
     out["step_wall_s_mean"] = round(sum(h["step_wall_s"] for h in history) / len(history), 3)
+    out["tail"] = tail_profile(history)
     out["eagle_staleness"] = [h.get("eagle_staleness") for h in history] if "eagle_staleness" in history[0] else None
+    return out
+
+
+TAIL_BUCKETS = ((1, 1), (2, 4), (5, 15), (16, 1 << 30))  # live-batch ranges of the tail profile
+
+
+def tail_profile(history: list[dict]) -> dict:
+    """Per engine and live-batch range, over all steps: decode steps, seconds, share of the rollout time,
+    tokens-per-step-weighted mean draft length and the share of requests the controller let speculate."""
+    out = {}
+    for name in history[0]["decisions"] if history else []:
+        rows, total = {}, 0.0
+        for low, high in TAIL_BUCKETS:
+            steps = seconds = k_sum = on = n = 0.0
+            for h in history:
+                for batch, d in h["decisions"][name].items():
+                    if low <= int(batch) <= high:
+                        steps += d["steps"]
+                        seconds += d["seconds"]
+                        k_sum += d["mean_k"] * d["steps"] * int(batch)
+                        on += d["spec_share"] * d["steps"] * int(batch)
+                        n += d["steps"] * int(batch)
+            label = f"{low}" if low == high else (f"{low}-{high}" if high < 1 << 30 else f">={low}")
+            rows[label] = {"steps": int(steps), "seconds": round(seconds, 3), "mean_k": round(k_sum / n, 3) if n else 0.0,
+                           "spec_share": round(on / n, 3) if n else 0.0}
+            total += seconds
+        for r in rows.values():
+            r["time_share"] = round(r["seconds"] / total, 4) if total else 0.0
+        out[name] = rows
     return out
 
 
@@ -93,7 +123,7 @@ def plot(history: list[dict], evals: list[dict], path: str, title: str = "") -> 
     last = history[-1]
     for d, profile in last["profiles"].items():
         t, xs, ys = 0.0, [], []
-        for batch, seconds in profile:
+        for batch, seconds, *_ in profile:
             xs += [t, t + seconds]
             ys += [batch, batch]
             t += seconds

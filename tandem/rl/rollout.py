@@ -96,19 +96,26 @@ class RolloutEngine:
     def policy_version(self) -> int:
         return self.engine.target_version
 
-    def generate_rollouts(self, prompts: list[list[int]], n_per_prompt: int, params: SamplingParams) -> RolloutBatch:
-        """n_per_prompt samples of each prompt; sample seeds derive from params.seed (None = random)."""
+    def generate_rollouts(self, prompts: list[list[int]], n_per_prompt: int, params: SamplingParams,
+                          seeds: list[list[int]] | None = None) -> RolloutBatch:
+        """n_per_prompt samples of each prompt. Sample i of prompt j is drawn with seeds[j][i] when given,
+        else params.seed + SEED_STRIDE * j + i (params.seed None = random)."""
         if n_per_prompt < 1:
             raise InvalidParameterError(f"n_per_prompt must be >= 1, got {n_per_prompt}")
+        if seeds is not None and (len(seeds) != len(prompts) or any(len(s) != n_per_prompt for s in seeds)):
+            raise InvalidParameterError(f"seeds must be {len(prompts)} lists of {n_per_prompt} seeds")
         if self.engine.has_unfinished():
             raise InvalidParameterError("the rollout engine is busy with other requests")
-        requests, seeds = [], []
+        requests, used = [], []
         for j, prompt in enumerate(prompts):
             for i in range(n_per_prompt):
-                seed = None if params.seed is None else params.seed + SEED_STRIDE * j + i
+                if seeds is not None:
+                    seed = seeds[j][i]
+                else:
+                    seed = None if params.seed is None else params.seed + SEED_STRIDE * j + i
                 self.engine.add_request(prompt, dataclasses.replace(params, seed=seed, logprobs=True))
                 requests.append((j, i, self.engine.waiting[-1]))
-                seeds.append(seed)
+                used.append(seed)
         start = time.perf_counter()
         profile = self._run()
         wall = time.perf_counter() - start
@@ -116,7 +123,7 @@ class RolloutEngine:
         rollouts = [
             Rollout(j, i, list(r.prompt_ids), list(r.output_ids), list(r.output_logprobs), list(r.output_policy_logprobs),
                     r.finish_reason.value, r.metrics.as_dict(), version, seed)
-            for (j, i, r), seed in zip(requests, seeds)
+            for (j, i, r), seed in zip(requests, used)
         ]
         return RolloutBatch(self.name, rollouts, wall, profile)
 

@@ -1,41 +1,21 @@
-"""GRPO: the objective's math, gradient isolation of the online draft loss, 2-step runs (sync, async), resume."""
+"""GRPO on the tiny model: seeds, learner vs engine log-probs, one step's direction, skipping, 2-step runs (sync, async), resume."""
 import pytest
 import torch
 
-from tandem.ops.rl import clipped_policy_loss, group_advantages
+from tandem.errors import TandemError
 from tandem.rl.checkpoint import load_checkpoint, save_checkpoint
-from tandem.rl.grpo import GRPOConfig
+from tandem.rl.grpo import GRPOConfig, sample_seed
 from tandem.rl.setup import build_trainer
-from tandem.rl.tasks import TaskConfig
 
 
-def test_group_advantages_exact():
-    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0])
-    groups = torch.tensor([0, 0, 0, 0, 1, 1])
-    adv = group_advantages(rewards, groups, eps=0.0)
-    assert torch.allclose(adv, torch.tensor([1.0, -1.0, -1.0, 1.0, 0.0, 0.0]))  # group 0: mean .5, std .5; group 1 constant
-
-
-def test_clipped_policy_loss_clips_and_averages_per_sample():
-    old = torch.zeros(4)
-    new = torch.log(torch.tensor([1.5, 0.5, 1.0, 1.1])).requires_grad_(True)
-    adv = torch.tensor([1.0, -1.0, 2.0, 2.0])
-    loss, stats = clipped_policy_loss(new, old, adv, torch.tensor([0, 0, 1, 1]), 2, clip_eps=0.2)
-    # sample 0: -(min(1.5, 1.2) * 1 + min(-0.5, -0.8)) / 2 = -(1.2 - 0.8) / 2; sample 1: -(2 + 2.2) / 2
-    assert loss.item() == pytest.approx(-(1.2 - 0.8) / 2 - (2.0 + 2.2) / 2, abs=1e-6)
-    assert stats["clip_fraction"] == pytest.approx(0.5)
-    loss.backward()
-    assert new.grad[0] == 0 and new.grad[1] == 0  # clipped tokens carry no gradient
-    assert new.grad[3].item() == pytest.approx(-1.1 * 2 / 2, abs=1e-6)
-
-
-def parity_reward(text, problem):  # gives the tiny random model's groups reward variance
+def parity_reward(text, problem, env):  # gives the tiny random model's groups reward variance
     return float(len(text) % 2)
 
 
 def tiny_trainer(path, drafters, async_mode=False, **overrides):
-    cfg = GRPOConfig(steps=2, prompts_per_step=2, group_size=3, max_tokens=8, lr=1e-3, micro_batch=4, eval_problems=4, eval_every=2,
-                     async_mode=async_mode, seed=1, task=TaskConfig(kinds=("add",), max_value=9), **overrides)
+    settings = dict(steps=2, prompts_per_step=2, group_size=3, max_tokens=8, lr=1e-3, micro_batch=4, eval_problems=4, eval_every=2,
+                    async_mode=async_mode, seed=1) | overrides
+    cfg = GRPOConfig(**settings)
     return build_trainer(path, drafters, cfg, num_draft_tokens=3, reward_fn=parity_reward)
 
 
@@ -49,7 +29,8 @@ def test_draft_loss_leaves_policy_gradients_bit_identical(tiny_llama):
     for with_draft in (False, True):
         learner.model.zero_grad(set_to_none=True)
         online.head.zero_grad(set_to_none=True)
-        loss, _, examples = learner.losses(rollouts, adv, len(rollouts), online)
+        stats = {k: 0 for k in ("tokens", "ratio_sum", "ratio_max", "clipped_tokens", "kl_sum", "importance_sum", "entropy_sum")}
+        loss, examples = learner._micro_loss(rollouts, adv, [{} for _ in rollouts], stats, online)
         if with_draft:
             loss = loss + online.loss(examples, online.target_rows(learner.model))
         loss.backward()
@@ -95,3 +76,85 @@ def test_checkpoint_resume_continues_identically(tiny_llama, tmp_path):
     for x, y in zip(a.online.head.parameters(), b.online.head.parameters()):
         assert torch.equal(x, y)
     assert not list(tmp_path.glob("*.tmp")) and not list((tmp_path / "ckpt").glob("*.pt"))
+
+
+def test_sample_seeds_are_distinct_across_steps_prompts_and_samples():
+    seeds = {sample_seed(0, 1, step, prompt, sample) for step in range(20) for prompt in range(8) for sample in range(8)}
+    assert len(seeds) == 20 * 8 * 8  # the old scheme's step s / sample i + 1 == step s + 1 / sample i collision is gone
+    assert sample_seed(0, 1, 3, 0, 1) != sample_seed(0, 1, 4, 0, 0) and sample_seed(0, 1, 2, 0, 0) == sample_seed(0, 1, 2, 0, 0)
+    assert all(0 <= s < 1 << 63 for s in seeds)
+
+
+def test_step_zero_learner_logprobs_equal_the_engines(tiny_llama):
+    trainer = tiny_trainer(tiny_llama, ["ar"], temperature=0.7)
+    batch_problems, batches = trainer.rollouts(0)
+    rollouts = batches["ar"].rollouts
+    engine = torch.tensor([lp for r in rollouts for lp in r.logprobs])
+    learner = trainer.learner.logprobs(rollouts)
+    assert torch.allclose(learner, engine, atol=1e-4, rtol=0)
+    stats = trainer.learner.update(rollouts, torch.linspace(-1, 1, len(rollouts)), 0)
+    assert stats["ratio_mean"] == pytest.approx(1.0, abs=1e-4) and stats["clip_fraction"] == 0.0  # sync, one mini-batch: on-policy
+
+
+def test_one_step_raises_positive_and_lowers_negative_samples(tiny_llama):
+    trainer = tiny_trainer(tiny_llama, ["ar"], lr=3e-3)
+    _, batches = trainer.rollouts(0)
+    rollouts = batches["ar"].rollouts
+    adv = torch.tensor([1.0 if i % 2 == 0 else -1.0 for i in range(len(rollouts))])
+    counts = [len(r.completion_ids) for r in rollouts]
+
+    def per_sample(lp):
+        return torch.stack([part.sum() for part in torch.split(lp, counts)])
+
+    before = per_sample(trainer.learner.logprobs(rollouts))
+    trainer.learner.update(rollouts, adv, 0)
+    delta = per_sample(trainer.learner.logprobs(rollouts)) - before
+    assert (delta[adv > 0] > 0).all() and (delta[adv < 0] < 0).all()
+
+
+def test_zero_advantage_samples_are_skipped_without_changing_the_divisor(tiny_llama):
+    grads = {}
+    for skip in (True, False):
+        trainer = tiny_trainer(tiny_llama, ["ar"], skip_zero_advantage=skip)
+        _, batches = trainer.rollouts(0)
+        rollouts = batches["ar"].rollouts
+        adv = torch.tensor([1.0, -1.0] + [0.0] * (len(rollouts) - 2))
+        learner = trainer.learner
+        learner.optimizer.step = lambda: None  # keep the gradients to compare them, not the update
+        stats = learner.update(rollouts, adv, 0)
+        assert stats["skipped_samples"] == (len(rollouts) - 2 if skip else 0)
+        grads[skip] = [p.grad.clone() for p in learner.params if p.grad is not None]
+    assert len(grads[True]) == len(grads[False]) > 0
+    assert all(torch.allclose(a, b, atol=1e-7, rtol=1e-5) for a, b in zip(grads[True], grads[False]))
+
+
+@pytest.mark.parametrize("overrides", [dict(ppo_epochs=2, mini_batches=2), dict(kl_coef=0.05, loss_agg="token_mean"),
+                                       dict(clip_high=0.28, scale_adv_by_std=False, loss_agg="seq_mean_token_sum_norm")])
+def test_grpo_options_run_and_report(tiny_llama, overrides):
+    trainer = tiny_trainer(tiny_llama, ["ar"], steps=1, warmup_steps=2, lr_schedule="cosine", **overrides)
+    history = trainer.run()
+    record = history[0]
+    steps = overrides.get("ppo_epochs", 1) * overrides.get("mini_batches", 1)
+    assert record["optimizer_steps"] == steps and trainer.learner.version == 1
+    assert 0 < record["entropy"] < 6.3  # nats; the tiny vocab's uniform distribution is the most there can be
+    if "kl_coef" in overrides:  # the reference is the initial policy, and step 0 is on-policy: KL 0 up to rounding
+        assert trainer.learner.reference is not None and record["skipped_samples"] == 0 and record["kl"] == pytest.approx(0.0, abs=1e-6)
+
+
+def test_async_update_is_anchored_to_the_proximal_policy(tiny_llama):
+    trainer = tiny_trainer(tiny_llama, ["ar"], async_mode=True, steps=2)
+    history = trainer.run()
+    assert [h["sample_staleness"] for h in history] == [0, 1]
+    assert history[1]["importance_mean"] != 1.0  # step 1 trained on samples of version 0 with the learner at version 1
+    assert history[1]["ratio_mean"] == pytest.approx(1.0, abs=1e-4)  # the ratio is to the learner's own current policy
+
+
+def test_checkpoint_refuses_a_changed_config(tiny_llama, tmp_path):
+    a = tiny_trainer(tiny_llama, ["ar"], steps=1)
+    a.run()
+    save_checkpoint(a, tmp_path / "ckpt")
+    with pytest.raises(TandemError, match="lr"):
+        load_checkpoint(tiny_trainer(tiny_llama, ["ar"], steps=1, lr=2e-3), tmp_path / "ckpt")
+    longer = tiny_trainer(tiny_llama, ["ar"], steps=3)  # more steps is an extension, not a change
+    load_checkpoint(longer, tmp_path / "ckpt")
+    assert longer.step_index == 1

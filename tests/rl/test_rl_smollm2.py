@@ -9,7 +9,7 @@ from tandem.models.quantize import quantized_copy
 from tandem.models.zoo import resolve_model
 from tandem.rl.rollout import update_policy
 from tandem.rl.setup import build_engines
-from tandem.rl.tasks import problems, render_prompt
+from tandem.rl.envs import EnvConfig, ReasoningEnv
 
 pytestmark = pytest.mark.slow
 LOGPROB_TOL = 2e-3  # fp32, 30 layers: batched KV-cached verify vs one plain forward differ by ~1e-4 in logits
@@ -20,8 +20,9 @@ def setup():
     path = resolve_model("smollm2-135m")
     target = load_transformer(path)
     target.pack()
-    engines = build_engines(target, ["ar", "self_draft"], max_batch=4, max_len=160, num_draft_tokens=4, adaptive_k=False)
-    prompts = [render_prompt(p, load_tokenizer(path)) for p in problems(2, seed=0)]
+    engines = build_engines(target, ["ar", "self_draft"], max_batch=4, max_len=256, num_draft_tokens=4, adaptive_k=False)
+    env = ReasoningEnv(EnvConfig(), held_out_size=2)
+    prompts = [env.render(p, load_tokenizer(path)) for p in env.held_out]
     return path, target, engines, prompts
 
 
