@@ -63,7 +63,7 @@ def machine_description() -> dict:
     from tandem.models import cpu_gemm
 
     kernels = cpu_gemm.isa() if cpu_gemm.available() else "not built (oneDNN GEMMs)"
-    return machine_info() | {"isa_flags": cpu_flags(ISA_FLAGS), "kernel_isa": kernels, "memory_gib": _memory_gib(),
+    return machine_info() | {"cpu_id": _cpu_id(), "isa_flags": cpu_flags(ISA_FLAGS), "kernel_isa": kernels, "memory_gib": _memory_gib(),
                              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
 
 
@@ -87,3 +87,20 @@ def _memory_gib() -> float | None:
     except (OSError, ValueError):
         pass
     return None
+
+
+def _cpu_id() -> str:
+    """Vendor, family and model number (Linux /proc/cpuinfo): what tells two "AMD EPYC" boxes apart (family 25 = Zen 3/4,
+    26 = Zen 5); "" where unreadable."""
+    fields = {}
+    try:
+        for line in open("/proc/cpuinfo"):
+            key, _, value = line.partition(":")
+            key = key.strip()
+            if key in ("vendor_id", "cpu family", "model") and key not in fields:
+                fields[key] = value.strip()
+            if not line.strip():
+                break
+    except OSError:
+        return ""
+    return " ".join(f"{k} {fields[k]}" for k in ("vendor_id", "cpu family", "model") if k in fields)

@@ -64,7 +64,7 @@ def _decode_rows(d: dict, command: str) -> list[Row]:
     for name, summary in drafters.items():
         o = summary["overall"]
         label = PEER_NAMES.get(name, f"tandem {'plain' if name == 'ar' else name}")
-        accept = f", acceptance length {o['acceptance_length']:.2f}" if o.get("acceptance_length") and name not in PEER_NAMES else ""
+        accept = f", acceptance length {o['acceptance_length']:.2f}" if o.get("acceptance_length") and name != "ar" and name not in PEER_NAMES else ""
         same = "" if name == "ar" or name in PEER_NAMES else (", greedy-identical to plain" if o["greedy_matches_ar"] else ", NOT identical to plain")
         rows.append(Row(f"single stream: {label} ({d['num_prompts']} prompts)", f"{o['tokens_per_s']:.2f} tok/s{accept}",
                         f"{o.get('speedup_vs_ar', 1.0):.2f}x tandem plain{same}", command))
@@ -109,7 +109,7 @@ def markdown(results: dict) -> str:
 
 
 def _machine_rows(m: dict) -> list[tuple[str, object]]:
-    return [("date", m.get("date")), ("CPU", m.get("cpu")), ("ISA flags", " ".join(m.get("isa_flags") or []) or "-"),
+    return [("date", m.get("date")), ("CPU", m.get("cpu")), ("CPU id", m.get("cpu_id") or "-"), ("ISA flags", " ".join(m.get("isa_flags") or []) or "-"),
             ("kernel blocks", m.get("kernel_isa")), ("cores", m.get("cores")), ("threads", m.get("threads")),
             ("memory", f"{m['memory_gib']} GiB" if m.get("memory_gib") else "-"), ("torch", m.get("torch")), ("python", m.get("python"))]
 
