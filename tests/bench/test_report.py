@@ -8,7 +8,7 @@ from tandem.bench.report_write import Row, headline_rows, markdown, write_report
 from tandem.cli import main
 from tandem.errors import InvalidParameterError
 
-MACHINE = {"cpu": "AMD EPYC 9R45", "cores": 2, "threads": 2, "torch": "2.13.0+cpu", "python": "3.11.7",
+MACHINE = {"cpu": "AMD EPYC 9R45", "cpu_id": "AuthenticAMD cpu family 26 model 2", "cores": 2, "threads": 2, "torch": "2.13.0+cpu", "python": "3.11.7",
            "isa_flags": ["avx2", "fma", "avx512f", "avx512_vnni"], "kernel_isa": "avx512", "memory_gib": 23.5, "date": "2026-12-04 12:47 UTC"}
 FORWARD = {"ar_tokens_per_s": 56.64, "roofline_tokens_per_s": 68.46, "fraction_of_roofline": 0.827, "memory_bandwidth_gbps": 36.8,
            "weight_bytes_per_token": 537_900_000, "forward_ms_per_token": 15.2, "cost_ratio": {"1": 1.0, "5": 0.99},
@@ -54,7 +54,7 @@ def test_headline_rows_carry_the_figures_and_ratios_of_known_results():
 
 def test_markdown_has_the_machine_the_table_the_domains_and_the_notes():
     text = markdown(RESULTS)
-    assert "| CPU | AMD EPYC 9R45 |" in text and "| ISA flags | avx2 fma avx512f avx512_vnni |" in text
+    assert "| CPU | AMD EPYC 9R45 |" in text and "| CPU id | AuthenticAMD cpu family 26 model 2 |" in text and "| ISA flags | avx2 fma avx512f avx512_vnni |" in text
     assert "| date | 2026-12-04 12:47 UTC |" in text and "| torch | 2.13.0+cpu |" in text and "| cores | 2 |" in text
     assert "| tandem plain vs onnxruntime-genai plain (interleaved) | 46.42 vs 42.74 tok/s | 1.09x | `tandem bench decode` |" in text
     assert "| runner | code | sql | all |" in text
