@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast setup assets head bench-forward clean
+.PHONY: demo test test-fast setup assets head bench bench-forward clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -46,6 +46,13 @@ test: assets
 
 test-fast: setup
 	$(PY) -m pytest -q
+
+# The headline benchmarks on this machine (forward vs roofline, decode per drafter, 60 prompts at once, peers where
+# ../shared/peers' environment exists) -> $(BENCH_OUT)/report.md, report.json, report.png. BENCH_QUICK=1: a few minutes.
+BENCH_OUT ?= out/bench
+BENCH_THREADS ?= 2
+bench: assets
+	$(PY) -m tandem.cli bench report --out $(BENCH_OUT) --threads $(BENCH_THREADS) $(if $(filter-out 0,$(BENCH_QUICK)),--quick)
 
 bench-forward: assets
 	$(PY) -m tandem.cli bench forward --model smollm2-135m --json out/bench_forward.json

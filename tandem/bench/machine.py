@@ -51,3 +51,56 @@ def resident_mb() -> float:
         return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
     except (OSError, ValueError, IndexError):
         return 0.0
+
+
+ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512dq", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_int8",
+             "amx_bf16", "avx_vnni")  # what the kernels (and the peers' kernels) can use, in /proc/cpuinfo spelling
+
+
+def machine_description() -> dict:
+    """machine_info plus what a reader needs to compare a report with another machine's: the ISA flags the
+    kernels care about, the kernels' blocks in use, total memory and the UTC date."""
+    from tandem.models import cpu_gemm
+
+    kernels = cpu_gemm.isa() if cpu_gemm.available() else "not built (oneDNN GEMMs)"
+    return machine_info() | {"cpu_id": _cpu_id(), "isa_flags": cpu_flags(ISA_FLAGS), "kernel_isa": kernels, "memory_gib": _memory_gib(),
+                             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+
+
+def cpu_flags(wanted=ISA_FLAGS) -> list[str]:
+    """The `wanted` flags this CPU has (Linux /proc/cpuinfo; empty where it is unreadable), in `wanted` order."""
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("flags"):
+                have = set(line.split(":", 1)[1].split())
+                return [f for f in wanted if f in have]
+    except OSError:
+        pass
+    return []
+
+
+def _memory_gib() -> float | None:
+    try:
+        for line in open("/proc/meminfo"):
+            if line.startswith("MemTotal:"):
+                return round(int(line.split()[1]) / 2**20, 1)
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def _cpu_id() -> str:
+    """Vendor, family and model number (Linux /proc/cpuinfo): what tells two "AMD EPYC" boxes apart (family 25 = Zen 3/4,
+    26 = Zen 5); "" where unreadable."""
+    fields = {}
+    try:
+        for line in open("/proc/cpuinfo"):
+            key, _, value = line.partition(":")
+            key = key.strip()
+            if key in ("vendor_id", "cpu family", "model") and key not in fields:
+                fields[key] = value.strip()
+            if not line.strip():
+                break
+    except OSError:
+        return ""
+    return " ".join(f"{k} {fields[k]}" for k in ("vendor_id", "cpu family", "model") if k in fields)

@@ -138,7 +138,7 @@ WIDE_MIN_ROWS = 33  # an unpacked linear over more rows than a verify step runs 
 
 class _WideLinear(torch.autograd.Function):
     """y = x W^T + b on the wide kernel, differentiable: dX = dY W and dW = dY^T X run on the same kernel. About 2x oneDNN / MKL's fp32 GEMMs on this box in every
-    direction (docs/BENCHMARKS.md 5); a different summation order, so gradients agree with F.linear's within fp32
+    direction (docs/BENCHMARKS.md 7.3); a different summation order, so gradients agree with F.linear's within fp32
     rounding, not bit for bit. Only dY is copied (transposed, for dW); W and X are read as they lie (wide_gemm_kn)."""
 
     @staticmethod
