@@ -7,8 +7,8 @@ by the generator's own seeds. They are disjoint by content too: a training probl
 (task + the question's bag of words and numbers, so "3 + 5" and "5 + 3" share one) is a held-out key
 is skipped, and the held-out set itself holds no two problems with one key.
 
-The prompt is one chat user turn: the question, then "think step by step, then give the final answer
-as <answer>...</answer>" (reasoning-gym's own answer format). `tandem.rl.rewards` scores completions.
+The prompt is a one-shot chat: a worked example exchange, then the question with "think step by step,
+then give the final answer as <answer>...</answer>" (reasoning-gym's own answer format). `tandem.rl.rewards` scores completions.
 """
 from __future__ import annotations
 
@@ -22,13 +22,23 @@ from tandem.errors import InvalidParameterError
 SEED_SPAN = 1 << 24  # generator seeds of one split: base + index, index < SEED_SPAN
 INSTRUCTION = ("Think step by step, then give the final answer as <answer>...</answer>, "
                "with only the answer inside the tags.")
+# One worked exchange before the question (a one-shot chat): small models follow the answer format from an
+# example far more often than from the instruction alone. It belongs to no task's generator.
+DEMONSTRATION = (
+    "Sam has 3 bags with 4 marbles in each bag. He gives away 5 marbles. How many marbles does Sam have left?",
+    "Sam starts with 3 bags of 4 marbles, so he has 3 * 4 = 12 marbles.\n"
+    "He gives away 5, so he has 12 - 5 = 7 marbles left.\n<answer>7</answer>",
+)
 
-# The default mix, chosen by measurement (docs/BENCHMARKS.md, RL section): SmolLM2-135M-Instruct starts
-# clearly above 0 and below 0.6 held-out reward on it, and completions run to hundreds of tokens.
+# The default mix, chosen by measurement (docs/BENCHMARKS.md 9.1; SmolLM2-135M-Instruct, greedy, one-shot prompt, 16
+# held-out problems each): 1-digit +/- reward 0.25 (median 18 tokens), chain sums 0.06 (15 tokens), GSM-style word
+# problems 0.005 (158 tokens, a tenth reach 256): learning is visible on the first two, and the third gives the batch
+# its long tail. (Zero-shot, the model never wrote the answer tags: reward 0 everywhere.)
 DEFAULT_TASKS: dict[str, dict] = {
     "basic_arithmetic": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1, "operators": ("+", "-"),
                          "allow_parentheses": False, "allow_negation": False},
     "chain_sum": {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 1},
+    "gsm_symbolic": {},
 }
 
 
@@ -46,6 +56,7 @@ class EnvConfig:
     tasks: tuple[str, ...] = tuple(DEFAULT_TASKS)  # reasoning-gym dataset names, drawn round-robin
     task_kwargs: dict = field(default_factory=lambda: {k: dict(v) for k, v in DEFAULT_TASKS.items()})  # per task: config overrides
     instruction: str = INSTRUCTION
+    demonstration: bool = True  # a one-shot worked example before the question
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tasks", tuple(self.tasks))
@@ -63,7 +74,7 @@ class EnvConfig:
     def as_dict(self) -> dict:
         return {"tasks": list(self.tasks), "task_kwargs": {t: {k: list(v) if isinstance(v, tuple) else v for k, v in kw.items()}
                                                            for t, kw in sorted(self.task_kwargs.items())},
-                "instruction": self.instruction}
+                "instruction": self.instruction, "demonstration": self.demonstration}
 
 
 def content_key(task: str, question: str) -> tuple:
@@ -133,7 +144,10 @@ class ReasoningEnv:
         return out, i
 
     def messages(self, problem: Problem) -> list[dict]:
-        return [{"role": "user", "content": f"{problem.question}\n\n{self.cfg.instruction}"}]
+        shot = []
+        if self.cfg.demonstration:
+            shot = [{"role": "user", "content": f"{DEMONSTRATION[0]}\n\n{self.cfg.instruction}"}, {"role": "assistant", "content": DEMONSTRATION[1]}]
+        return shot + [{"role": "user", "content": f"{problem.question}\n\n{self.cfg.instruction}"}]
 
     def render(self, problem: Problem, tokenizer) -> list[int]:
         """The problem as one chat user turn (token ids for the engine)."""

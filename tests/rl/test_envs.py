@@ -41,16 +41,21 @@ def test_unknown_task_and_bad_settings_are_clear_errors():
         EnvConfig(("chain_sum",), {"basic_arithmetic": {}})
 
 
-def test_prompt_is_one_chat_turn_asking_for_tagged_answer(tiny_llama):
+def test_prompt_is_a_one_shot_chat_asking_for_a_tagged_answer(tiny_llama):
     from tandem.llm import load_tokenizer
+    from tandem.rl.envs import DEMONSTRATION
 
     tok = load_tokenizer(tiny_llama)
     env = ReasoningEnv(EnvConfig(), held_out_size=1)
     p = env.held_out[0]
-    assert env.messages(p) == [{"role": "user", "content": f"{p.question}\n\n{env.cfg.instruction}"}]
+    question = {"role": "user", "content": f"{p.question}\n\n{env.cfg.instruction}"}
+    assert env.messages(p) == [{"role": "user", "content": f"{DEMONSTRATION[0]}\n\n{env.cfg.instruction}"},
+                               {"role": "assistant", "content": DEMONSTRATION[1]}, question]
+    assert "<answer>7</answer>" in DEMONSTRATION[1] and "<answer>" in env.cfg.instruction
     ids = env.render(p, tok)
     assert ids == list(tok.apply_chat_template(env.messages(p), add_generation_prompt=True, tokenize=True, return_dict=False))
-    assert p.question in tok.decode(ids) and "<answer>" in env.cfg.instruction
+    zero_shot = ReasoningEnv(EnvConfig(demonstration=False), held_out_size=1)
+    assert zero_shot.messages(p) == [question]
 
 
 def test_reasoning_gym_reward_uses_the_library_scorer():
