@@ -51,3 +51,22 @@ def test_self_draft_follows_a_policy_update(setup):
     params = SamplingParams(max_tokens=24, temperature=0.0)
     assert [r.completion_ids for r in spec.generate_rollouts(prompts, 1, params).rollouts] == \
         [r.completion_ids for r in ar.generate_rollouts(prompts, 1, params).rollouts]
+
+
+def test_a_short_grpo_run_on_the_reasoning_workload():
+    from tandem.rl.grpo import GRPOConfig
+    from tandem.rl.setup import build_trainer
+
+    cfg = GRPOConfig(steps=1, prompts_per_step=2, group_size=2, max_tokens=48, eval_problems=4, eval_every=1, lr=1e-5)
+    trainer = build_trainer("smollm2-135m", ["ngram"], cfg)
+    history = trainer.run()
+    record = history[0]
+    assert record["step"] == 0 and trainer.learner.version == 1 and trainer.engines[0].policy_version == 1
+    assert 0.0 <= record["reward_mean"] <= 1.0 and 1 <= record["completion_tokens_mean"] <= 48
+    assert record["tokens"] == sum(record["rollout_tokens"].values())
+    assert (record["entropy"] is None) == (record["skipped_samples"] == 4)  # no gradient anywhere: nothing forwarded
+    assert [e["step"] for e in trainer.evals] == [0, 1]
+    for e in trainer.evals:
+        low, high = e["greedy_ci95"]
+        assert e["problems"] == 4 and low <= e["greedy"] <= high
+    assert {p.task for p in trainer.held_out} <= {"basic_arithmetic", "chain_sum", "gsm_symbolic"}
