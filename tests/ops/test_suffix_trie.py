@@ -105,7 +105,7 @@ def test_draft_follows_the_most_frequent_continuation_and_stops_below_min_prob()
     tokens, _, _ = trie.draft(node, 8, 8, min_prob=0.6, width=1)
     assert tokens == [3]  # 0.75 * 2/3 = 0.5 < 0.6
     tokens, parents, probs = trie.draft(node, 8, 8, min_prob=0.2, width=3)
-    assert tokens == [3, 4, 9, 5] and parents == [-1, 0, -1, 1]  # best first: .75, .5, .25, .25 (ties: first pushed first)
+    assert tokens == [3, 4, 9, 5] and parents == [-1, 0, -1, 0]  # best first: .75, .5, .25, .25 (ties: first pushed first)
     assert probs == pytest.approx([0.75, 0.5, 0.25, 0.25])
     assert trie.draft(node, 2, 8, 0.0, 3)[0] == [3, 4]
     assert trie.draft(node, 8, 1, 0.0, 3)[0] == [3, 9]
