@@ -32,6 +32,7 @@ class _Group:
 
     def __init__(self, prompt: list[int], depth: int, max_nodes: int, keep_finished: int):
         self.prompt, self.depth, self.max_nodes = prompt, depth, max_nodes
+        self.limit = max_nodes  # rebuild past this many nodes (raised while the live outputs alone need more)
         self.finished: deque[list[int]] = deque(maxlen=keep_finished)
         self.live: dict[str, list[int]] = {}  # request id -> its output so far
         self.cursors: dict[str, list[int]] = {}
@@ -51,7 +52,7 @@ class _Group:
     def append(self, request_id: str, tokens: list[int]) -> None:
         self.live[request_id].extend(tokens)
         self.cursors[request_id] = self.trie.extend(self.cursors[request_id], tokens)
-        if len(self.trie) > self.max_nodes:
+        if len(self.trie) > self.limit:
             self._shrink()
 
     def close(self, request_id: str) -> list[int]:
@@ -59,14 +60,22 @@ class _Group:
         self.cursors.pop(request_id)
         if output:
             self.finished.append(output)
+        self.limit = self.max_nodes  # the live outputs that raised it may be gone
         return output
 
     def _shrink(self) -> None:
-        """Rebuild from the prompt, the live outputs and the newest half of the finished ones."""
-        keep = list(self.finished)[len(self.finished) // 2:]
+        """Rebuild from the prompt, the live outputs and the newest finished ones, halving those until the trie is at
+        most half the cap. Live outputs are always kept, so the trie stays <= max(max_nodes, 2 * (1 + depth * (prompt +
+        live tokens))): the rebuild threshold doubles while the live outputs alone need more (amortized O(1) per token)."""
+        keep = list(self.finished)
+        while True:
+            keep = keep[len(keep) // 2:]
+            self._build(keep)
+            if len(self.trie) <= self.max_nodes // 2 or not keep:
+                break
         self.finished.clear()
         self.finished.extend(keep)
-        self._build(keep)
+        self.limit = max(self.max_nodes, 2 * len(self.trie))
 
 
 class _History:
@@ -81,12 +90,13 @@ class _History:
     def add(self, output: list[int]) -> None:
         self.outputs.append(output)
         self.trie.extend(SuffixTrie.start(), output)
-        if len(self.trie) > self.max_nodes:
-            keep = list(self.outputs)[len(self.outputs) // 2:]
+        if len(self.trie) > self.max_nodes:  # rebuild from the newest half (the newest one alone if it is all that is left)
+            keep = list(self.outputs)[(len(self.outputs) + 1) // 2:] or list(self.outputs)[-1:]
             self.outputs.clear()
+            self.outputs.extend(keep)
             self.trie = SuffixTrie(self.depth)
             for out in keep:
-                self.add(out)
+                self.trie.extend(SuffixTrie.start(), out)
 
 
 class SuffixDrafter(DrafterBase):
@@ -203,3 +213,67 @@ def _builder(width: int):
 
 register("suffix")(_builder(1))
 register("suffix_tree")(_builder(3))
+
+
+class SuffixSelfDrafter:
+    """`suffix_self`: per request, the suffix draft where it is confident (its expected accepted tokens under the
+    trie's counts, the sum of the chain's path probabilities, >= min_expected), the int8 self-draft elsewhere.
+    Each request's draft comes whole from one drafter, so verification stays lossless at any temperature (the
+    self-draft's sampled draft_probs, or the suffix's point mass). The self-draft's forward runs for the whole
+    batch whenever one request needs it: the saving is in acceptance, not in drafting time."""
+
+    name = "suffix_self"
+    taps: tuple[int, ...] = ()
+
+    def __init__(self, suffix: SuffixDrafter, self_draft, min_expected: float = 1.5):
+        self.suffix, self.self_draft, self.min_expected = suffix, self_draft, min_expected
+        self.max_nodes = max(suffix.max_nodes, self_draft.max_nodes)
+        self.chosen = {"suffix": 0, "self_draft": 0}  # requests drafted by each, over the drafter's life
+
+    @property
+    def version(self) -> int:
+        return self.self_draft.version
+
+    @version.setter
+    def version(self, value: int) -> None:
+        self.self_draft.version = value
+
+    def resync(self) -> None:
+        self.self_draft.resync()
+
+    def propose(self, requests, budgets: list[int]) -> list[DraftTree]:
+        found = [self.suffix.lookup(r, min(b, self.suffix.max_nodes)) for r, b in zip(requests, budgets)]
+        use_suffix = [f is not None and sum(f[2]) >= self.min_expected for f in found]
+        model = self.self_draft.propose(requests, [0 if s else b for s, b in zip(use_suffix, budgets)])
+        drafts = []
+        for f, s, m in zip(found, use_suffix, model):
+            self.chosen["suffix" if s else "self_draft"] += 1
+            drafts.append(DraftTree(torch.tensor(f[0], dtype=torch.long), torch.tensor(f[1], dtype=torch.long)) if s else m)
+        return drafts
+
+    def on_prefill(self, request, target_out) -> None:
+        self.suffix.on_prefill(request, target_out)
+        self.self_draft.on_prefill(request, target_out)
+
+    def on_verified(self, requests, drafts, results, starts, target_out) -> None:
+        self.suffix.on_verified(requests, drafts, results, starts, target_out)
+        self.self_draft.on_verified(requests, drafts, results, starts, target_out)
+
+    def release(self, request) -> None:
+        self.suffix.release(request)
+        self.self_draft.release(request)
+
+    def move_row(self, src_row: int, dst_row: int) -> None:
+        self.self_draft.move_row(src_row, dst_row)
+
+    def attach_target_cache(self, cache) -> None:
+        self.self_draft.attach_target_cache(cache)
+
+
+@register("suffix_self")
+def _build_self(target, num_draft_tokens: int = 8, max_batch: int = 8, max_len: int | None = None, **kwargs) -> SuffixSelfDrafter:
+    from tandem.drafters.self_draft import SelfDrafter
+
+    suffix = _builder(1)(num_draft_tokens=num_draft_tokens, **kwargs)
+    return SuffixSelfDrafter(suffix, SelfDrafter(target, num_draft_tokens, max_batch, max_len or target.cfg.max_position),
+                             min_expected=kwargs.get("min_expected", 1.5))
