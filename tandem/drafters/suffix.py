@@ -6,7 +6,8 @@ keeps a `SuffixTrie` (tandem.ops.suffix_trie) holding the prompt once, then ever
 flight (extended as each sibling's tokens commit) and finished; a second trie holds recent finished outputs of
 all prompts (lower priority: used only where its match is strictly longer). A proposal follows the longest
 suffix of the request's context that occurred before and was continued there, and drafts the most frequent
-continuations while their empirical path probability stays >= `min_prob` (no budget spent on guesses). The
+continuations while their estimated path probability (counts, discounted by `prior`: count / (seen + prior)) stays
+>= `min_prob` (no budget spent on guesses). The
 proposal is deterministic (draft_probs None: a point mass), so the engine's verification keeps it lossless, at
 any temperature. `suffix` drafts a chain, `suffix_tree` a tree (the top `width` continuations per node).
 
@@ -69,7 +70,7 @@ class _Group:
         live tokens))): the rebuild threshold doubles while the live outputs alone need more (amortized O(1) per token)."""
         keep = list(self.finished)
         while True:
-            keep = keep[len(keep) // 2:]
+            keep = keep[(len(keep) + 1) // 2:]  # the newest half (a single one is dropped too)
             self._build(keep)
             if len(self.trie) <= self.max_nodes // 2 or not keep:
                 break
@@ -105,7 +106,7 @@ class SuffixDrafter(DrafterBase):
     def __init__(self, num_draft_tokens: int = 8, width: int = 1, max_nodes: int | None = None, max_match: int = 16,
                  min_prob: float = 0.1, min_match: int = 1, depth: int | None = None, max_prompts: int = 256,
                  max_group_nodes: int = 200_000, max_total_nodes: int = 1_000_000, keep_finished: int = 64,
-                 cross_prompt: bool = True):
+                 cross_prompt: bool = True, prior: float = 1.0):
         if num_draft_tokens < 1 or width < 1 or max_match < 1 or min_match < 1 or not 0.0 <= min_prob <= 1.0 or max_prompts < 1:
             raise InvalidParameterError(
                 f"suffix needs num_draft_tokens, width, max_match, min_match, max_prompts >= 1 and 0 <= min_prob <= 1, got "
@@ -114,7 +115,9 @@ class SuffixDrafter(DrafterBase):
         self.max_nodes = max_nodes or (num_draft_tokens if width == 1 else 2 * num_draft_tokens)
         self.depth = depth or max_match + num_draft_tokens
         self.max_prompts, self.max_group_nodes, self.max_total_nodes, self.keep_finished = max_prompts, max_group_nodes, max_total_nodes, keep_finished
-        self.cross_prompt = cross_prompt
+        if prior < 0:
+            raise InvalidParameterError(f"suffix prior must be >= 0, got {prior}")
+        self.cross_prompt, self.prior = cross_prompt, prior
         self.reset()
 
     def reset(self) -> None:
@@ -198,14 +201,14 @@ class SuffixDrafter(DrafterBase):
         if level < self.min_match:
             return None
         depth = min(self.k, trie.depth - level)
-        tokens, parents, probs = trie.draft(node, budget, depth, self.min_prob, self.width)
+        tokens, parents, probs = trie.draft(node, budget, depth, self.min_prob, self.width, self.prior)
         return (tokens, parents, probs) if tokens else None
 
 
 def _builder(width: int):
     def build(num_draft_tokens: int = 8, **kwargs) -> SuffixDrafter:
         options = {k: kwargs[k] for k in ("max_match", "min_prob", "min_match", "max_prompts", "max_group_nodes", "max_total_nodes",
-                                          "keep_finished", "cross_prompt") if k in kwargs}
+                                          "keep_finished", "cross_prompt", "prior") if k in kwargs}
         return SuffixDrafter(num_draft_tokens=num_draft_tokens, width=width, **options)
 
     return build

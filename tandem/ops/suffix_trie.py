@@ -117,10 +117,11 @@ class SuffixTrie:
                 hi = mid - 1
         return found
 
-    def draft(self, node: int, max_nodes: int, max_depth: int, min_prob: float, width: int) -> tuple[list[int], list[int], list[float]]:
+    def draft(self, node: int, max_nodes: int, max_depth: int, min_prob: float, width: int, prior: float = 0.0) -> tuple[list[int], list[int], list[float]]:
         """The most probable continuations after `node`, best first: (tokens, parents, path probabilities).
 
-        A node's path probability is the product of count[child] / out[parent] along the path from `node`; nodes
+        A node's path probability is the product of count[child] / (out[parent] + prior) along the path from `node`
+        (prior > 0 discounts continuations seen only a few times); nodes
         are taken in decreasing path probability while it is >= min_prob, at most max_nodes, at most max_depth
         deep, at most `width` children per node (width 1: a chain). Parents index earlier entries (-1 = `node`)."""
         tokens: list[int] = []
@@ -131,7 +132,7 @@ class SuffixTrie:
         heap: list[tuple[float, int, int, int]] = []  # (-prob, tiebreak, trie node, parent entry)
         order = 0
         for c in self._top_children(node, width):
-            heapq.heappush(heap, (-self.count[c] / self.out[node], order, c, -1))
+            heapq.heappush(heap, (-self.count[c] / (self.out[node] + prior), order, c, -1))
             order += 1
         while heap and len(tokens) < max_nodes:
             neg, _, c, parent = heapq.heappop(heap)
@@ -144,7 +145,7 @@ class SuffixTrie:
             depth = 1 if parent < 0 else _depth(parents, index)
             if depth < max_depth and self.out[c] > 0:
                 for cc in self._top_children(c, width):
-                    heapq.heappush(heap, (neg * self.count[cc] / self.out[c], order, cc, index))
+                    heapq.heappush(heap, (neg * self.count[cc] / (self.out[c] + prior), order, cc, index))
                     order += 1
         return tokens, parents, probs
 

@@ -37,7 +37,7 @@ def draft(drafter, r, budget=8):
 
 
 def test_a_sibling_drafts_what_another_sibling_wrote():
-    d = SuffixDrafter(num_draft_tokens=4, min_prob=0.0)
+    d = SuffixDrafter(num_draft_tokens=4, min_prob=0.0, prior=0.0)
     a, b = request("a", PROMPT), request("b", PROMPT)
     start(d, a, 10)
     emit(d, a, [11, 12, 13, 14, 15])
@@ -49,7 +49,7 @@ def test_a_sibling_drafts_what_another_sibling_wrote():
 
 
 def test_the_most_frequent_continuation_wins_and_min_prob_stops_the_chain():
-    d = SuffixDrafter(num_draft_tokens=4, min_prob=0.5)
+    d = SuffixDrafter(num_draft_tokens=4, min_prob=0.5, prior=0.0)
     siblings = [request(f"s{i}", PROMPT) for i in range(4)]
     for s, tail in zip(siblings, ([7, 8, 9], [7, 8, 9], [7, 8, 30], [7, 31, 32])):
         start(d, s, 6)
@@ -60,10 +60,12 @@ def test_the_most_frequent_continuation_wins_and_min_prob_stops_the_chain():
     assert d.lookup(probe, 8)[2] == pytest.approx([1.0, 0.75, 0.5])
     d.min_prob = 0.6
     assert draft(d, probe) == [7, 8]
+    d.prior, d.min_prob = 1.0, 0.0  # each step discounted: 4/5, 3/5, 2/4
+    assert d.lookup(probe, 8)[2] == pytest.approx([0.8, 0.8 * 0.6, 0.8 * 0.6 * 0.5])
 
 
 def test_history_outlives_the_request_and_other_prompts_help_with_lower_priority():
-    d = SuffixDrafter(num_draft_tokens=3, min_prob=0.0)
+    d = SuffixDrafter(num_draft_tokens=3, min_prob=0.0, prior=0.0)
     old = request("old", PROMPT)
     start(d, old, 40)
     emit(d, old, [41, 42, 43, 44])
@@ -100,6 +102,8 @@ def test_memory_is_bounded():
 def test_bad_options_are_refused():
     with pytest.raises(InvalidParameterError):
         SuffixDrafter(min_prob=1.5)
+    with pytest.raises(InvalidParameterError):
+        SuffixDrafter(prior=-1.0)
     with pytest.raises(InvalidParameterError):
         build_drafter("suffix", num_draft_tokens=0)
 
