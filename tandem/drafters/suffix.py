@@ -6,8 +6,9 @@ keeps a `SuffixTrie` (tandem.ops.suffix_trie) holding the prompt once, then ever
 flight (extended as each sibling's tokens commit) and finished; a second trie holds recent finished outputs of
 all prompts (lower priority: used only where its match is strictly longer). A proposal follows the longest
 suffix of the request's context that occurred before and was continued there, and drafts the most frequent
-continuations while their estimated path probability (counts, discounted by `prior`: count / (seen + prior)) stays
->= `min_prob` (no budget spent on guesses). The
+continuations while their estimated path probability stays >= `min_prob` (no budget spent on guesses): count / (seen
++ prior) for sampled requests (a continuation seen once is weak evidence of what a sample does next), count / seen
+for greedy ones (the target is deterministic there: what followed the same context once follows it again). The
 proposal is deterministic (draft_probs None: a point mass), so the engine's verification keeps it lossless, at
 any temperature. `suffix` drafts a chain, `suffix_tree` a tree (the top `width` continuations per node).
 
@@ -201,7 +202,7 @@ class SuffixDrafter(DrafterBase):
         if level < self.min_match:
             return None
         depth = min(self.k, trie.depth - level)
-        tokens, parents, probs = trie.draft(node, budget, depth, self.min_prob, self.width, self.prior)
+        tokens, parents, probs = trie.draft(node, budget, depth, self.min_prob, self.width, 0.0 if request.params.greedy else self.prior)
         return (tokens, parents, probs) if tokens else None
 
 

@@ -60,8 +60,11 @@ def test_the_most_frequent_continuation_wins_and_min_prob_stops_the_chain():
     assert d.lookup(probe, 8)[2] == pytest.approx([1.0, 0.75, 0.5])
     d.min_prob = 0.6
     assert draft(d, probe) == [7, 8]
-    d.prior, d.min_prob = 1.0, 0.0  # each step discounted: 4/5, 3/5, 2/4
-    assert d.lookup(probe, 8)[2] == pytest.approx([0.8, 0.8 * 0.6, 0.8 * 0.6 * 0.5])
+    d.prior, d.min_prob = 1.0, 0.0
+    assert d.lookup(probe, 8)[2] == pytest.approx([1.0, 0.75, 0.5])  # greedy: the prior is not applied
+    sampled = request("q", PROMPT, params=SamplingParams(max_tokens=24, temperature=1.0))
+    start(d, sampled, 6)  # a sampled request: each step discounted, 4/5, 3/5, 2/4 (4 siblings continued ...5, 6)
+    assert d.lookup(sampled, 8)[2] == pytest.approx([0.8, 0.8 * 0.6, 0.8 * 0.6 * 0.5])
 
 
 def test_history_outlives_the_request_and_other_prompts_help_with_lower_priority():
@@ -158,3 +161,19 @@ def test_greedy_identity_on_smollm2_with_a_group_of_samples():
     second = [r.output_ids for r in engine.run([prompt] * 4, [params] * 4)]  # drafts from the first round
     assert first == plain and second == plain
     assert engine.stats.accepted_tokens > 0
+
+
+def test_serving_reuses_the_history_of_repeated_requests(tiny_llama):
+    """LLM(drafter="suffix"): a repeated prompt is drafted from the earlier request's output (greedy: the same output,
+    nearly all of it accepted the second time)."""
+    from tandem.llm import LLM
+
+    llm = LLM(tiny_llama, max_model_len=128, max_batch_size=2, drafter="suffix", num_draft_tokens=4)
+    prompt = [7, 3, 9, 12, 40, 41, 42]
+    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    plain = LLM(tiny_llama, max_model_len=128, max_batch_size=2).generate([prompt], params)[0].token_ids
+    first = llm.generate([prompt], params)[0]
+    before = llm.engine.stats.accepted_tokens
+    second = llm.generate([prompt], params)[0]
+    assert first.token_ids == plain and second.token_ids == plain
+    assert llm.engine.stats.accepted_tokens - before >= 24  # 31 tokens after the first, drafted 4 at a time from history
