@@ -1,0 +1,179 @@
+"""The group suffix drafter: what it drafts from (siblings, history, other prompts), its bounds, and losslessness
+(greedy identity with plain decoding, and the target's distribution at T = 1)."""
+import pytest
+import torch
+
+from tandem.config import EngineConfig, SamplingParams
+from tandem.drafters import build_drafter
+from tandem.drafters.suffix import SuffixDrafter
+from tandem.engine.engine import Engine
+from tandem.engine.request import Request
+from tandem.errors import InvalidParameterError
+from tandem.models.loader import load_transformer
+from tests.engine.test_lossless_e2e import FALSE_FAILURE, SAMPLES, chi_square_p_value, exact_distribution, sample_outputs, small_vocab_model  # noqa: F401
+
+PROMPT = [1, 2, 3, 4, 5]
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+
+
+def request(rid, prompt, output=(), params=GREEDY):
+    r = Request(rid, list(prompt), params, Request.make_generator(0))
+    r.output_ids = list(output)
+    return r
+
+
+def start(drafter, r, first):
+    r.output_ids = [first]
+    drafter.on_prefill(r, None)
+
+
+def emit(drafter, r, tokens):
+    r.output_ids += tokens
+    drafter.on_verified([r], [], [], [], None)
+
+
+def draft(drafter, r, budget=8):
+    return drafter.propose([r], [budget])[0].tokens.tolist()
+
+
+def test_a_sibling_drafts_what_another_sibling_wrote():
+    d = SuffixDrafter(num_draft_tokens=4, min_prob=0.0, prior=0.0)
+    a, b = request("a", PROMPT), request("b", PROMPT)
+    start(d, a, 10)
+    emit(d, a, [11, 12, 13, 14, 15])
+    start(d, b, 10)  # b's context ends ...5, 10: a continued it with 11 12 13 14
+    assert draft(d, b) == [11, 12, 13, 14]
+    assert draft(d, b, budget=2) == [11, 12]
+    emit(d, b, [11, 12, 20])  # b went its own way after 12: nothing followed ...12, 20 yet
+    assert draft(d, b) == []
+
+
+def test_the_most_frequent_continuation_wins_and_min_prob_stops_the_chain():
+    d = SuffixDrafter(num_draft_tokens=4, min_prob=0.5, prior=0.0)
+    siblings = [request(f"s{i}", PROMPT) for i in range(4)]
+    for s, tail in zip(siblings, ([7, 8, 9], [7, 8, 9], [7, 8, 30], [7, 31, 32])):
+        start(d, s, 6)
+        emit(d, s, tail)
+    probe = request("p", PROMPT)
+    start(d, probe, 6)  # after 5, 6: 7 (4 of 4), then 8 (3 of 4), then 9 (2 of 3): path 1, .75, .5
+    assert draft(d, probe) == [7, 8, 9]
+    assert d.lookup(probe, 8)[2] == pytest.approx([1.0, 0.75, 0.5])
+    d.min_prob = 0.6
+    assert draft(d, probe) == [7, 8]
+    d.prior, d.min_prob = 1.0, 0.0
+    assert d.lookup(probe, 8)[2] == pytest.approx([1.0, 0.75, 0.5])  # greedy: the prior is not applied
+    sampled = request("q", PROMPT, params=SamplingParams(max_tokens=24, temperature=1.0))
+    start(d, sampled, 6)  # a sampled request: each step discounted, 4/5, 3/5, 2/4 (4 siblings continued ...5, 6)
+    assert d.lookup(sampled, 8)[2] == pytest.approx([0.8, 0.8 * 0.6, 0.8 * 0.6 * 0.5])
+
+
+def test_history_outlives_the_request_and_other_prompts_help_with_lower_priority():
+    d = SuffixDrafter(num_draft_tokens=3, min_prob=0.0, prior=0.0)
+    old = request("old", PROMPT)
+    start(d, old, 40)
+    emit(d, old, [41, 42, 43, 44])
+    d.release(old)
+    again = request("again", PROMPT)  # a later RL step (or a repeated serving request) with the same prompt
+    start(d, again, 40)
+    assert draft(d, again) == [41, 42, 43]
+    other = request("other", [9, 9, 9])  # a different prompt: only the cross-prompt history has 42 -> 43
+    start(d, other, 42)
+    assert draft(d, other) == [43, 44]
+    d.cross_prompt = False
+    assert draft(d, other) == []
+
+
+def test_memory_is_bounded():
+    d = SuffixDrafter(num_draft_tokens=4, max_prompts=3, max_group_nodes=400, keep_finished=8)
+    gen = torch.Generator().manual_seed(0)
+    for p in range(6):
+        prompt = [100 + p] * 3
+        for s in range(4):
+            r = request(f"{p}-{s}", prompt)
+            start(d, r, 1)
+            for _ in range(10):
+                emit(d, r, torch.randint(0, 50, (5,), generator=gen).tolist())
+                live = sum(len(out) for out in d._groups[tuple(prompt)].live.values())
+                assert len(d._groups[tuple(prompt)].trie) <= max(400, 2 * (1 + d.depth * (len(prompt) + live)))
+                assert len(d._groups[tuple(prompt)].finished) <= 8
+            d.release(r)
+    stats = d.stats()
+    assert stats["prompts"] == 3 and stats["live"] == 0
+    assert stats["history_nodes"] <= 400 + 51 * d.depth  # rebuilt from the newest half past 400 nodes
+
+
+def test_bad_options_are_refused():
+    with pytest.raises(InvalidParameterError):
+        SuffixDrafter(min_prob=1.5)
+    with pytest.raises(InvalidParameterError):
+        SuffixDrafter(prior=-1.0)
+    with pytest.raises(InvalidParameterError):
+        build_drafter("suffix", num_draft_tokens=0)
+
+
+def group_prompts():
+    gen = torch.Generator().manual_seed(3)
+    a = torch.randint(0, 256, (6,), generator=gen).tolist()
+    b = torch.randint(0, 256, (6,), generator=gen).tolist()
+    return [a + a[:3]] * 3 + [b + b[:2]] * 3  # two GRPO groups of three samples
+
+
+@pytest.mark.parametrize("name", ["suffix", "suffix_tree", "suffix_self"])
+def test_greedy_identical_to_plain_decoding_with_groups(tiny_llama, name):
+    prompts = group_prompts()
+    target = load_transformer(tiny_llama)
+    target.pack()
+    plain = [r.output_ids for r in Engine(target, EngineConfig(max_batch_size=6, max_model_len=128)).run(prompts, [GREEDY] * 6)]
+    drafter = build_drafter(name, target=target, num_draft_tokens=4, max_batch=6, max_len=128)
+    engine = Engine(target, EngineConfig(max_batch_size=6, max_model_len=128), drafter=drafter)
+    for _ in range(2):  # the second round drafts from the first round's outputs too
+        assert [r.output_ids for r in engine.run(prompts, [GREEDY] * 6)] == plain
+    assert engine.stats.drafted_tokens > 0 and engine.stats.accepted_tokens > 0
+
+
+@pytest.mark.parametrize("name", ["suffix", "suffix_tree", "suffix_self"])
+def test_sampled_output_at_temperature_one_has_the_target_distribution(small_vocab_model, name):
+    """The first three tokens' joint distribution over SAMPLES seeds of one prompt (all siblings of one group, so the
+    suffix drafter drafts from them) against the exact one enumerated from the model: chi-square, false failure 1e-4."""
+    params = SamplingParams(temperature=1.0)
+    exact = exact_distribution(load_transformer(small_vocab_model), params)
+    counts, engine = sample_outputs(small_vocab_model, name, params)
+    assert engine.stats.drafted_tokens > 0 and engine.stats.accepted_tokens < engine.stats.drafted_tokens
+    assert chi_square_p_value(counts, exact, SAMPLES) > FALSE_FAILURE
+
+
+@pytest.mark.slow
+def test_greedy_identity_on_smollm2_with_a_group_of_samples():
+    from tandem.llm import load_tokenizer
+    from tandem.models.zoo import resolve_model
+
+    path = resolve_model("smollm2-135m")
+    question = "A baker sells 14 cakes a day for 6 days. How many cakes does he sell? Think step by step, then give the answer."
+    prompt = list(load_tokenizer(path).apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                                           tokenize=True, return_dict=False))
+    params = SamplingParams(max_tokens=48, temperature=0.0)
+    target = load_transformer(path)
+    target.pack()
+    config = EngineConfig(max_batch_size=4, max_model_len=len(prompt) + 64)
+    plain = [r.output_ids for r in Engine(target, config).run([prompt] * 4, [params] * 4)]
+    engine = Engine(target, config, drafter=build_drafter("suffix", target=target, num_draft_tokens=4))
+    first = [r.output_ids for r in engine.run([prompt] * 4, [params] * 4)]
+    second = [r.output_ids for r in engine.run([prompt] * 4, [params] * 4)]  # drafts from the first round
+    assert first == plain and second == plain
+    assert engine.stats.accepted_tokens > 0
+
+
+def test_serving_reuses_the_history_of_repeated_requests(tiny_llama):
+    """LLM(drafter="suffix"): a repeated prompt is drafted from the earlier request's output (greedy: the same output,
+    nearly all of it accepted the second time)."""
+    from tandem.llm import LLM
+
+    llm = LLM(tiny_llama, max_model_len=128, max_batch_size=2, drafter="suffix", num_draft_tokens=4)
+    prompt = [7, 3, 9, 12, 40, 41, 42]
+    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    plain = LLM(tiny_llama, max_model_len=128, max_batch_size=2).generate([prompt], params)[0].token_ids
+    first = llm.generate([prompt], params)[0]
+    before = llm.engine.stats.accepted_tokens
+    second = llm.generate([prompt], params)[0]
+    assert first.token_ids == plain and second.token_ids == plain
+    assert llm.engine.stats.accepted_tokens - before >= 24  # 31 tokens after the first, drafted 4 at a time from history
