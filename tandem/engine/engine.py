@@ -28,7 +28,7 @@ from tandem.models.transformer import ForwardOutput, Transformer, packable
 from tandem.ops import tree as tree_ops
 from tandem.ops.sampling import draw_uniform, sampling_probs, token_logprobs
 from tandem.ops.verify import verify_greedy, verify_tree
-from tandem.engine.records import build_prefill_record, build_step_record
+from tandem.engine.records import build_abort_record, build_prefill_record, build_step_record
 from tandem.types import DraftTree, StepRecord
 
 
@@ -133,14 +133,21 @@ class Engine:
         return request_id
 
     def abort(self, request_id: str) -> None:
+        """Drop a request wherever it is (waiting, prefilling, running); observers get an "abort" record for it,
+        so whatever they hold for the request (the trace collector's partial trace) is released."""
+        aborted = []
         for request in list(self.waiting):
             if request.request_id == request_id:
                 self.waiting.remove(request)
                 request.finish_reason = FinishReason.ABORT
+                aborted.append(request)
         for request in [*self.running, self.prefilling]:
-            if request is not None and request.request_id == request_id:
+            if request is not None and request.request_id == request_id and not request.finished:
                 request.finish_reason = FinishReason.ABORT
+                aborted.append(request)
         self._release_finished()
+        if aborted and self.observers:
+            self._emit(build_abort_record(self.stats.steps, self.drafter.version if self.drafter is not None else 0, aborted))
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.prefilling)
