@@ -66,6 +66,8 @@ class ChildConfig:
     checkpoint_dir: str | None  # resumed from when it holds anything
     threads: int  # the child's torch threads
     first_version: int  # the number of the first version the child publishes
+    spill_max_bytes: int | None = None  # spill retention (TraceBuffer)
+    spill_max_age_s: float | None = None
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -308,7 +310,7 @@ def child_main(workdir: str, config_json: str, traces, control, status) -> None:
 class _Child:
     def __init__(self, workdir: Path, config: ChildConfig, status):
         tables = load_target_tables(workdir / TABLES_FILE)
-        self.buffer = TraceBuffer(config.buffer_bytes, config.buffer_policy, config.spill_dir)
+        self.buffer = TraceBuffer(config.buffer_bytes, config.buffer_policy, config.spill_dir, config.spill_max_bytes, config.spill_max_age_s)
         restored = refill(self.buffer, config.spill_dir)
         store = WeightStore(keep=1, directory=workdir / VERSIONS_DIR, first_version=config.first_version)
         self.trainer = resume_or_start(config.checkpoint_dir, tables, load_eagle(workdir / HEAD_DIR, tables), self.buffer, store, config.loss)
