@@ -33,7 +33,13 @@ class Delta:
 
 @dataclass
 class ChoiceText:
-    """Incremental detokenization of one choice with stop strings."""
+    """Incremental detokenization of one choice with stop strings, O(new tokens) per push.
+
+    Text grows by windows (vLLM's offsets): `decode(ids[prefix:]) - decode(ids[prefix:read])` is the text the
+    tokens after `read` add (decoding from `prefix` keeps a word-leading space right); it is taken only once it
+    does not end in an incomplete UTF-8 sequence. Stop strings are searched in the new text plus the longest
+    stop's length before it. A stop cut maps back to tokens through the window ends (`marks`).
+    """
 
     decode: Callable[[list[int]], str]  # token ids -> text (the tokenizer's decode, special tokens skipped)
     stops: tuple[str, ...]
@@ -45,6 +51,9 @@ class ChoiceText:
     cut_tokens: int | None = None  # tokens kept when a stop string cut the text
     logprobs: list[float] | None = None  # per token, when requested
     logprobs_sent: int = 0  # tokens whose log-probs were streamed
+    prefix_offset: int = 0  # the decode window starts here
+    read_offset: int = 0  # tokens before this are in `text`
+    marks: list[tuple[int, int]] = field(default_factory=list)  # (read_offset, len(text)) after each window
 
     def push(self, ids: list[int], finished: bool, reason: str | None, logprobs: list[float] | None = None) -> str:
         """Add tokens; returns the newly releasable text (empty when nothing can be released yet)."""
@@ -54,31 +63,58 @@ class ChoiceText:
         if logprobs is not None:
             self.logprobs = self.logprobs if self.logprobs is not None else []
             self.logprobs.extend(logprobs)
-        full = self.decode(self.token_ids)
-        cut = min((full.find(s) for s in self.stops if s in full), default=-1)
-        if cut >= 0:
-            self.done, self.finish_reason, self.text = True, "stop", full[:cut]
+        before = len(self.text)
+        self.text += self._new_text(final=finished)
+        cut = self._find_stop(before)
+        if cut is not None:
+            self.done, self.finish_reason = True, "stop"
             self.cut_tokens = self._tokens_for(cut)
+            self.text = self.text[:cut]
         elif finished:
-            self.done, self.finish_reason, self.text = True, "stop" if reason in ("stop", "abort") else reason, full
-        else:
-            self.text = full
-        end = len(self.text) if self.done else self._safe_end(full)
+            self.done, self.finish_reason = True, "stop" if reason in ("stop", "abort") else reason
+        end = len(self.text) if self.done else self._safe_end()
         delta = self.text[self.sent:end] if end > self.sent else ""
         self.sent = max(self.sent, end)
         return delta
 
-    def _safe_end(self, full: str) -> int:
-        end = len(full) - (max(map(len, self.stops)) - 1 if self.stops else 0)
-        while end > 0 and full[end - 1] == REPLACEMENT:
-            end -= 1
-        return max(end, 0)
+    def _new_text(self, final: bool) -> str:
+        ids = self.token_ids
+        if len(ids) == self.read_offset:
+            return ""
+        prefix = self.decode(ids[self.prefix_offset:self.read_offset]) if self.read_offset > self.prefix_offset else ""
+        window = self.decode(ids[self.prefix_offset:])
+        if len(window) <= len(prefix) or (window.endswith(REPLACEMENT) and not final):
+            return ""  # nothing yet, or an incomplete character: wait for the next token
+        self.prefix_offset, self.read_offset = self.read_offset, len(ids)
+        new = window[len(prefix):]
+        self.marks.append((self.read_offset, len(self.text) + len(new)))
+        return new
+
+    def _find_stop(self, before: int) -> int | None:
+        """The first stop string's position, searching only where the new text could complete one."""
+        if not self.stops or len(self.text) == before:
+            return None
+        start = max(0, before - max(map(len, self.stops)) + 1)
+        hits = [i for i in (self.text.find(s, start) for s in self.stops) if i >= 0]
+        return min(hits) if hits else None
+
+    def _safe_end(self) -> int:
+        """Release up to where a stop string could still begin."""
+        return max(len(self.text) - (max(map(len, self.stops)) - 1 if self.stops else 0), 0)
 
     def _tokens_for(self, cut: int) -> int:
-        """The shortest token prefix whose text reaches the stop string (what LLM.generate returns)."""
-        for n in range(len(self.token_ids) + 1):
-            if len(self.decode(self.token_ids[:n])) >= cut:
-                return n
+        """The shortest token prefix whose text reaches the stop string (what LLM.generate returns): found in the
+        window that crossed `cut`, decoding only prefixes inside it."""
+        if cut <= 0:
+            return 0
+        low = 0
+        for read, length in self.marks:
+            if length >= cut:
+                for n in range(low + 1, read + 1):
+                    if len(self.decode(self.token_ids[:n])) >= cut:
+                        return n
+                return read
+            low = read
         return len(self.token_ids)
 
     @property
