@@ -9,8 +9,10 @@ aborts the engine request; the choice's usage still arrives with the engine's fi
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 import uuid
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -20,8 +22,52 @@ from tandem.server.engine_loop import EngineLoop, Event, Submission
 REPLACEMENT = "\ufffd"  # what a partial UTF-8 sequence decodes to
 
 
+class Dispatcher:
+    """Hands engine events to an asyncio loop with one wake-up per engine step, not one per request: the
+    engine thread appends (queue, event) pairs and schedules a single flush while none is pending (60
+    requests in flight were 60 `call_soon_threadsafe` self-pipe writes and loop wake-ups per step)."""
+
+    _by_loop: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Dispatcher]" = weakref.WeakKeyDictionary()
+
+    def __init__(self, aio: asyncio.AbstractEventLoop):
+        self.aio = aio
+        self._pending: list[tuple[asyncio.Queue, Event]] = []
+        self._scheduled = False
+        self._lock = threading.Lock()
+
+    @classmethod
+    def of(cls, aio: asyncio.AbstractEventLoop) -> "Dispatcher":
+        found = cls._by_loop.get(aio)
+        if found is None:
+            found = cls._by_loop[aio] = cls(aio)
+        return found
+
+    def post(self, queue: asyncio.Queue, event: Event) -> None:
+        """Any thread."""
+        with self._lock:
+            self._pending.append((queue, event))
+            if self._scheduled:
+                return
+            self._scheduled = True
+        self.aio.call_soon_threadsafe(self._flush)
+
+    def _flush(self) -> None:
+        with self._lock:
+            items, self._pending, self._scheduled = self._pending, [], False
+        for queue, event in items:
+            queue.put_nowait(event)
+
+
 class EngineFailure(Exception):
-    """The engine step serving this request failed (the loop carried on)."""
+    """The engine could not finish this request (a failed step or loop iteration, a queue timeout, shutdown)."""
+
+    def __init__(self, message: str, code: str | None = None):
+        super().__init__(message)
+        self.code = code or "engine_step_failed"
+
+
+class RequestTimeout(Exception):
+    """The request ran past its deadline (ServerConfig.request_timeout_s); its engine requests were aborted."""
 
 
 @dataclass
@@ -133,8 +179,12 @@ class ChoiceText:
 class Generation:
     """The choices of one HTTP request in flight: `async for delta in generation` until all finish."""
 
-    def __init__(self, loop: EngineLoop, decode, prompts: list[list[int]], params: list[SamplingParams], prefix: str):
+    def __init__(self, loop: EngineLoop, decode, prompts: list[list[int]], params: list[SamplingParams], prefix: str,
+                 timeout_s: float | None = None, request_id: str | None = None):
         self.id = f"{prefix}-{uuid.uuid4().hex}"
+        self.request_id = request_id or self.id  # X-Request-Id (logs, engine request ids)
+        self.timeout_s = timeout_s
+        self.deadline = None if timeout_s is None else time.monotonic() + timeout_s
         self.created = int(time.time())
         self.start = time.perf_counter()
         self.first_token_s: float | None = None
@@ -148,16 +198,27 @@ class Generation:
         aio = asyncio.get_running_loop()
         per_prompt = len(params) // len(prompts)
         subs = [Submission(rid, i, prompts[i // per_prompt], p) for i, (rid, p) in enumerate(zip(self._ids, params))]
-        loop.submit(subs, lambda event: aio.call_soon_threadsafe(self._queue.put_nowait, event))  # QueueFullError: nothing queued
+        dispatcher, queue = Dispatcher.of(aio), self._queue
+        loop.submit(subs, lambda event: dispatcher.post(queue, event))  # QueueFullError: nothing queued
 
     @property
     def finished(self) -> bool:
         return all(self._engine_done)
 
     async def next_event(self, timeout: float) -> Event | None:
+        """The next engine event, or None after `timeout` s; RequestTimeout past the deadline (the rest is aborted)."""
+        if self.deadline is not None:
+            left = self.deadline - time.monotonic()
+            if left <= 0 and self._queue.empty():
+                self.abort()
+                raise RequestTimeout(f"the request did not finish within {self.timeout_s:g} s and was aborted")
+            timeout = max(0.0, min(timeout, left))
+        if not self._queue.empty():  # no timer when the engine already answered
+            return self._queue.get_nowait()
         try:
-            return await asyncio.wait_for(self._queue.get(), timeout)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(timeout):  # a timer handle, not a task per wait (wait_for's)
+                return await self._queue.get()
+        except TimeoutError:
             return None
 
     def apply(self, event: Event) -> Delta | None:
@@ -166,7 +227,7 @@ class Generation:
         if event.error is not None:
             self._engine_done[i] = True
             self.abort()
-            raise EngineFailure(event.error)
+            raise EngineFailure(event.error, event.error_code)
         if self.first_token_s is None and event.token_ids:
             self.first_token_s = time.perf_counter() - self.start
         choice = self.choices[i]

@@ -67,7 +67,7 @@ def test_online_flywheel_admin_trainer_death_and_resume(tiny_llama, reference, t
         assert serve_batch(server, expected, 16)  # serving continues on the last published version
         assert flywheel.store.latest().version == last and swapper.stats.version <= last and swapper.stats.refused == 0
         metrics = httpx.get(server.url + "/metrics").text
-        assert "tandem:trainer_alive 0.0" in metrics and "tandem:trainer_failed 1.0" in metrics
+        assert 'tandem:trainer_alive{model_name="tiny"} 0.0' in metrics and 'tandem:trainer_failed{model_name="tiny"} 1.0' in metrics
         assert "tandem:trace_buffer_bytes" in metrics and "tandem:drafter_swaps_total" in metrics
         assert admin.post("/admin/training/resume").status_code == 400  # a dead trainer is not resumed silently
         steps_at_death = flywheel.trainer.steps
