@@ -53,7 +53,7 @@ class ServerConfig:
     max_model_len: int | None = None  # KV cache per request (None = LLM's default)
     max_body_bytes: int = DEFAULT_MAX_BODY
     prefill_tokens_per_step: int = 512  # prompt tokens prefilled per engine step (a longer prompt in chunks: running requests never stall)
-    threads: int | None = None
+    threads: int | None = None  # the engine's torch threads (None: serving_threads(), one core left to the HTTP side)
     trainer_threads: int = 1
     publish_every: int | None = None  # online: trainer steps per published version (None = the flywheel default)
     checkpoint_every: int = 100  # online: trainer steps between checkpoints (and one at shutdown)
@@ -110,6 +110,14 @@ def default_kv_budget() -> int:
     return min(8 << 30, total // 4)
 
 
+def serving_threads() -> int:
+    """The engine's threads when serving: every core but one from 4 cores up, so the HTTP event loop (parsing,
+    detokenizing, writing responses) does not preempt one of the engine's OpenMP threads mid-step and stall the
+    whole parallel region behind it (vLLM's CPU backend also asks to leave a core to its API server)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return cores - 1 if cores >= 4 else cores
+
+
 def sized_batch(cfg, max_len: int, budget: int, dtype_bytes: int = 4) -> int:
     """vLLM sizes its batch from the KV-cache memory budget: as many rows as fit, 1..MAX_AUTO_BATCH."""
     return max(1, min(MAX_AUTO_BATCH, budget // kv_row_bytes(cfg, max_len, dtype_bytes)))
@@ -122,7 +130,7 @@ class Runtime:
         from tandem.llm import LLM
 
         self.state_dir, self._temporary_state = _state_dir(config)
-        self.llm = LLM(config.model, max_batch_size=config.max_batch_size or 1, max_model_len=config.max_model_len, num_threads=config.threads)
+        self.llm = LLM(config.model, max_batch_size=config.max_batch_size or 1, max_model_len=config.max_model_len, num_threads=config.threads or serving_threads())
         if config.max_batch_size is None:
             cfg, max_len = self.llm.target.cfg, self.llm.config.max_model_len
             dtype_bytes = self.llm.target.embed.weight.element_size()

@@ -143,3 +143,20 @@ def test_json_lines_logs_carry_the_request_id():
     logged = [limited.exception("step", "boom", exc_info=False) for _ in range(1000)]
     now[0] = 11.0
     assert logged.count(True) == 1 and limited.suppressed_total == 999 and limited.exception("step", "boom", exc_info=False)
+
+
+def test_the_default_batch_is_sized_from_the_kv_budget(tiny_llama):
+    from tandem.models.config import ModelConfig  # noqa: F401 - the config the sizing reads
+    from tandem.server.runtime import MAX_AUTO_BATCH, kv_row_bytes, sized_batch
+
+    probe = LiveServer(tiny_config(tiny_llama, max_batch_size=1))
+    row = kv_row_bytes(probe.runtime.llm.target.cfg, 128)
+    probe.close()
+    cfg = probe.runtime.llm.target.cfg
+    assert row == 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 128 * 4
+    assert sized_batch(cfg, 128, 5 * row + 1) == 5 and sized_batch(cfg, 128, 10) == 1 and sized_batch(cfg, 128, 10**15) == MAX_AUTO_BATCH
+    with LiveServer(tiny_config(tiny_llama, max_batch_size=None, max_queue=None, kv_cache_bytes=5 * row + 1)) as server:
+        runtime = server.runtime
+        assert runtime.config.max_batch_size == runtime.engine.config.max_batch_size == runtime.engine.cache.max_batch == 5
+        assert runtime.config.max_queue == 20 and runtime.loop.capacity == 25
+        assert completion(server, max_tokens=3).status_code == 200
