@@ -135,16 +135,11 @@ class Engine:
     def abort(self, request_id: str) -> None:
         """Drop a request wherever it is (waiting, prefilling, running); observers get an "abort" record for it,
         so whatever they hold for the request (the trace collector's partial trace) is released."""
-        aborted = []
-        for request in list(self.waiting):
-            if request.request_id == request_id:
+        aborted = [r for r in [*self.waiting, *self.running, self.prefilling] if r is not None and r.request_id == request_id and not r.finished]
+        for request in aborted:
+            if request in self.waiting:
                 self.waiting.remove(request)
-                request.finish_reason = FinishReason.ABORT
-                aborted.append(request)
-        for request in [*self.running, self.prefilling]:
-            if request is not None and request.request_id == request_id and not request.finished:
-                request.finish_reason = FinishReason.ABORT
-                aborted.append(request)
+            request.finish_reason = FinishReason.ABORT
         self._release_finished()
         if aborted and self.observers:
             self._emit(build_abort_record(self.stats.steps, self.drafter.version if self.drafter is not None else 0, aborted))
@@ -192,6 +187,11 @@ class Engine:
         outputs = []
         while budget > 0:
             if self.prefilling is None:
+                whole = self._whole_prompts(budget)
+                if whole:  # prompts that fit the budget whole: packed into shared forwards, as unchunked admission does
+                    budget -= sum(len(r.prompt_ids) for r in whole)
+                    outputs += self._prefill_batched(whole, {})
+                    continue
                 if not self.waiting or len(self.running) >= self.config.max_batch_size:
                     break
                 self._start_prefill(self.waiting.popleft())
@@ -205,6 +205,18 @@ class Engine:
             if done + take == len(request.prompt_ids):
                 outputs.append(self._finish_prefill())
         return outputs
+
+    def _whole_prompts(self, budget: int) -> list[Request]:
+        """With packed prefill on: the first waiting requests (two or more) whose whole prompts fit `budget` and free
+        rows, moved into the decode batch; [] otherwise (the chunked path takes the next one)."""
+        lengths = itertools.accumulate(len(r.prompt_ids) for r in self.waiting)
+        limit, rows = min(budget, self.config.prefill_batch_tokens), self.config.max_batch_size - len(self.running)
+        taken = min(rows, sum(1 for _ in itertools.takewhile(lambda used: used <= limit, lengths)))
+        whole = [self.waiting.popleft() for _ in range(taken if taken >= 2 else 0)]
+        for request in whole:
+            request.row = len(self.running)
+            self.running.append(request)
+        return whole
 
     def _start_prefill(self, request: Request) -> None:
         request.row = len(self.running)

@@ -96,3 +96,24 @@ def test_chunk_budget_is_validated():
         EngineConfig(prefill_chunk_tokens=-1)
     with pytest.raises(InvalidParameterError):
         EngineConfig(prefill_batch_tokens=-1)
+
+
+def test_whole_prompts_within_the_budget_are_packed_together(tiny_dirs):
+    """Chunked admission packs the prompts that fit the step's budget whole into one forward (as unchunked
+    admission does), with the same outputs; a prompt longer than what is left still goes in chunks."""
+    gen = torch.Generator().manual_seed(3)
+    burst = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (40, 45, 50, 60)]
+    params = [SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)] * 4
+    want = [r.output_ids for r in engine_for(tiny_dirs["llama"], 0, batch=4).run(burst, params)]
+    engine = engine_for(tiny_dirs["llama"], 160, batch=4)
+    packed = []
+    forward_packed = engine.model.forward_packed
+    engine.model.forward_packed = lambda prompts, *args: packed.append([len(p) for p in prompts]) or forward_packed(prompts, *args)
+    for prompt, p in zip(burst, params):
+        engine.add_request(prompt, p)
+    requests = list(engine.waiting)
+    engine.step()
+    assert packed == [[40, 45, 50]] and engine.prefilling is requests[3]  # 135 tokens packed; the rest of 160 starts the 4th
+    while engine.has_unfinished():
+        engine.step()
+    assert [r.output_ids for r in requests] == want
