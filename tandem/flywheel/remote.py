@@ -25,6 +25,7 @@ import json
 import multiprocessing as mp
 import queue
 import shutil
+import signal
 import tempfile
 import threading
 import time
@@ -295,6 +296,7 @@ class TrainerProcess:
 # ---- the child's side ---------------------------------------------------------------------------------------------
 def child_main(workdir: str, config_json: str, traces, control, status) -> None:
     """The child's entry: build the buffer and the trainer, then serve the queues until the trace stream ends."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the parent stops the child (and checkpoints)
     config = ChildConfig.from_json(config_json)
     torch.set_num_threads(config.threads)
     try:

@@ -209,7 +209,7 @@ class Generation:
         """The next engine event, or None after `timeout` s; RequestTimeout past the deadline (the rest is aborted)."""
         if self.deadline is not None:
             left = self.deadline - time.monotonic()
-            if left <= 0 and self._queue.empty():
+            if left <= 0:
                 self.abort()
                 raise RequestTimeout(f"the request did not finish within {self.timeout_s:g} s and was aborted")
             timeout = max(0.0, min(timeout, left))
