@@ -123,6 +123,19 @@ def sized_batch(cfg, max_len: int, budget: int, dtype_bytes: int = 4) -> int:
     return max(1, min(MAX_AUTO_BATCH, budget // kv_row_bytes(cfg, max_len, dtype_bytes)))
 
 
+def flywheel_options(c: ServerConfig, state_dir: Path):
+    """The live flywheel as benchmarks compose it (flywheel.setups.live_options): a trained head (--drafter-path)
+    is fine-tuned with the settings measured for it (lr 1e-4, anchor 100, no discard: docs/BENCHMARKS.md 4),
+    a day-0 head trained from scratch (lr 1e-3); traces spill under state_dir/traces with retention, or not at all."""
+    from tandem.flywheel.setups import FlywheelSetup, live_options
+
+    setup = FlywheelSetup(num_draft_tokens=c.num_draft_tokens, trainer_process=c.trainer_process,
+                          **({} if c.publish_every is None else {"publish_every": c.publish_every}))
+    spill = {"spill_dir": str(state_dir / "traces"), "spill_max_bytes": c.spill_max_bytes, "spill_max_age_s": c.spill_max_age_s} if c.spill_traces else {}
+    return live_options(setup, "static" if c.drafter_path else "scratch", {}, checkpoint_dir=str(state_dir / "checkpoint"),
+                        trainer_threads=c.trainer_threads, checkpoint_every=c.checkpoint_every, **spill)
+
+
 class Runtime:
     """The served model: tokenizer + engine + loop (+ flywheel), and the metrics over them."""
 
@@ -172,20 +185,9 @@ class Runtime:
         return llm.engine
 
     def _flywheel(self):
-        """The live flywheel as benchmarks compose it (flywheel.setups.live_options): a trained head (--drafter-path)
-        is fine-tuned with the settings measured for it (lr 1e-4, anchor 100, no discard: docs/BENCHMARKS.md 4),
-        a day-0 head trained from scratch (lr 1e-3)."""
         from tandem.flywheel.loop import Flywheel
-        from tandem.flywheel.setups import FlywheelSetup, live_options
 
-        c = self.config
-        setup = FlywheelSetup(num_draft_tokens=c.num_draft_tokens, trainer_process=c.trainer_process,
-                              **({} if c.publish_every is None else {"publish_every": c.publish_every}))
-        init = "static" if c.drafter_path else "scratch"
-        spill = {"spill_dir": str(self.state_dir / "traces"), "spill_max_bytes": c.spill_max_bytes, "spill_max_age_s": c.spill_max_age_s} if c.spill_traces else {}
-        options = live_options(setup, init, {}, checkpoint_dir=str(self.state_dir / "checkpoint"), trainer_threads=c.trainer_threads,
-                               checkpoint_every=c.checkpoint_every, **spill)
-        return Flywheel(self.engine, self.llm.target, options)
+        return Flywheel(self.engine, self.llm.target, flywheel_options(self.config, self.state_dir))
 
     def encode_prompt(self, prompt: str | list[int]) -> list[int]:
         return self.tokenizer.encode(prompt, add_special_tokens=False) if isinstance(prompt, str) else list(prompt)

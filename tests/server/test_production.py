@@ -160,3 +160,21 @@ def test_the_default_batch_is_sized_from_the_kv_budget(tiny_llama):
         assert runtime.config.max_batch_size == runtime.engine.config.max_batch_size == runtime.engine.cache.max_batch == 5
         assert runtime.config.max_queue == 20 and runtime.loop.capacity == 25
         assert completion(server, max_tokens=3).status_code == 200
+
+
+def test_the_online_flywheel_is_the_benchmarks_composition(tmp_path):
+    """A trained head is fine-tuned with the settings measured for a strong head (not a day-0 head's); spilling has
+    retention and an opt-out; --trainer-process reaches the flywheel."""
+    from tandem.flywheel.setups import FlywheelSetup, live_options
+    from tandem.server.runtime import ServerConfig, flywheel_options
+
+    base = dict(drafter="eagle", online=True)
+    strong = flywheel_options(ServerConfig(**base, drafter_path="head/", spill_max_bytes=1 << 20, spill_max_age_s=60.0, trainer_process=True), tmp_path)
+    assert (strong.loss.lr, strong.loss.anchor, strong.loss.discard_weight) == (1e-4, 100.0, 0.0)
+    assert strong.loss == live_options(FlywheelSetup(), "static", {}).loss and strong.train and strong.trainer_process
+    assert (strong.spill_dir, strong.spill_max_bytes, strong.spill_max_age_s) == (str(tmp_path / "traces"), 1 << 20, 60.0)
+    scratch = flywheel_options(ServerConfig(**base, spill_traces=False, publish_every=3), tmp_path)
+    assert (scratch.loss.lr, scratch.loss.anchor, scratch.loss.publish_every) == (1e-3, 0.0, 3) and scratch.spill_dir is None
+    assert scratch.checkpoint_dir == str(tmp_path / "checkpoint") and not scratch.trainer_process
+    with pytest.raises(Exception, match="--trainer-process needs --online"):
+        ServerConfig(trainer_process=True)
