@@ -71,6 +71,7 @@ class StepOutput:
     new_token_ids: list[int]
     finished: bool
     finish_reason: FinishReason | None
+    error: str | None = None  # chunked prefill: this request's prefill raised; it was aborted, the step went on
 
 
 class Engine:
@@ -187,11 +188,6 @@ class Engine:
         outputs = []
         while budget > 0:
             if self.prefilling is None:
-                whole = self._whole_prompts(budget)
-                if whole:  # prompts that fit the budget whole: packed into shared forwards, as unchunked admission does
-                    budget -= sum(len(r.prompt_ids) for r in whole)
-                    outputs += self._prefill_batched(whole, {})
-                    continue
                 if not self.waiting or len(self.running) >= self.config.max_batch_size:
                     break
                 self._start_prefill(self.waiting.popleft())
@@ -200,23 +196,15 @@ class Engine:
             take = min(budget, len(request.prompt_ids) - done)
             ids = torch.tensor([request.prompt_ids[done : done + take]], device=self.cache.k.device)
             rows = slice(request.row, request.row + 1)
-            self._prefill_parts.append(self.model(ids, cache=self.cache, rows=rows, last_only=True, taps=self.taps))
-            budget -= take
-            if done + take == len(request.prompt_ids):
-                outputs.append(self._finish_prefill())
+            try:
+                self._prefill_parts.append(self.model(ids, cache=self.cache, rows=rows, last_only=True, taps=self.taps))
+                budget -= take
+                if done + take == len(request.prompt_ids):
+                    outputs.append(self._finish_prefill())
+            except Exception as e:  # noqa: BLE001 - one request's prefill: it alone ends (with the error), the step goes on
+                self.abort(request.request_id)
+                outputs.append(StepOutput(request.request_id, [], True, FinishReason.ABORT, error=f"prefill failed: {type(e).__name__}: {e}"))
         return outputs
-
-    def _whole_prompts(self, budget: int) -> list[Request]:
-        """With packed prefill on: the first waiting requests (two or more) whose whole prompts fit `budget` and free
-        rows, moved into the decode batch; [] otherwise (the chunked path takes the next one)."""
-        lengths = itertools.accumulate(len(r.prompt_ids) for r in self.waiting)
-        limit, rows = min(budget, self.config.prefill_batch_tokens), self.config.max_batch_size - len(self.running)
-        taken = min(rows, sum(1 for _ in itertools.takewhile(lambda used: used <= limit, lengths)))
-        whole = [self.waiting.popleft() for _ in range(taken if taken >= 2 else 0)]
-        for request in whole:
-            request.row = len(self.running)
-            self.running.append(request)
-        return whole
 
     def _start_prefill(self, request: Request) -> None:
         request.row = len(self.running)

@@ -85,6 +85,7 @@ class EngineLoop:
         self.capacity = engine.config.max_batch_size + max_queue  # requests held at once (running + waiting)
         self.on_finish = on_finish  # called on the engine thread with each finished request's usage
         self.steps_failed = 0  # steps that raised (their requests were failed)
+        self.prefills_failed = 0  # requests whose prefill raised (the engine failed them alone)
         self.iterations_failed = 0  # loop iterations that raised outside a step (every request in flight was failed)
         self.consecutive_failures = 0
         self.broken = False  # too many failed iterations in a row: the loop refuses new work
@@ -278,6 +279,14 @@ class EngineLoop:
     def _deliver(self, out, version: int, now: float) -> None:
         entry = self._entries.get(out.request_id)
         if entry is None:
+            return
+        if out.error is not None:  # its prefill raised: the engine aborted it alone and went on
+            self.prefills_failed += 1
+            errors.exception("prefill", "a prefill failed (%s); failing its request", out.error, exc_info=False)
+            del self._entries[out.request_id]
+            self._release(1)
+            _send(entry.sink, Event(entry.index, [], True, "error", error=f"the engine failed serving this request ({out.error}); the request was aborted",
+                                    error_code="engine_step_failed"))
             return
         entry.versions.add(version)
         if out.new_token_ids:

@@ -103,18 +103,24 @@ def wait_idle(loop, timeout=30):
 
 def test_a_prefill_that_raises_fails_its_request_and_not_the_loop(tiny_llama):
     target = load_packed(tiny_llama)
-    engine = Engine(target, EngineConfig(max_batch_size=2, max_model_len=64, prefill_chunk_tokens=512))
+    engine = Engine(target, EngineConfig(max_batch_size=3, max_model_len=64, prefill_chunk_tokens=512))
+    engine.between_steps.append(lambda e: time.sleep(0.005))
     poisoned = engine.model = PoisonedPrefill(target)
     loop = EngineLoop(engine, max_queue=4).start()
-    bad, good = Sink(), Sink()
-    prompt = make_prompts(1, seed=3)[0]
+    bad, good, running = Sink(), Sink(), Sink()
+    prompt, first = make_prompts(2, seed=3)
+    loop.submit([Submission("running", 0, first, GREEDY)], running)  # decoding when the bad prefill raises: unharmed
+    deadline = time.monotonic() + 10
+    while not running.events and time.monotonic() < deadline:
+        time.sleep(0.005)
     loop.submit([Submission("bad", 0, [1, 2, POISON, 3], GREEDY)], bad)
     loop.submit([Submission("good", 0, prompt, GREEDY)], good)
     assert bad.done.wait(10), "the client of the failing prefill was never answered"
     assert good.done.wait(30), "a request behind the failing prefill never ran"
     assert bad.events[-1].error_code == "engine_step_failed" and "injected prefill fault" in bad.events[-1].error
     assert good.tokens() == plain_outputs(target, [prompt], [GREEDY])[0] and good.events[-1].finish_reason == "length"
-    assert poisoned.raised == 1 and loop.steps_failed == 1  # failed once, not retried every step
+    assert running.done.wait(30) and running.tokens() == plain_outputs(target, [first], [GREEDY])[0]
+    assert poisoned.raised == 1 and loop.prefills_failed == 1 and loop.steps_failed == 0  # failed once, alone, not retried every step
     assert wait_idle(loop) and engine.prefilling is None and not engine.running and not engine.waiting
     loop.stop()
 
