@@ -40,6 +40,7 @@ class BufferStats:
     dropped: int  # evicted or refused because the buffer was full
     spilled: int  # written to Parquet
     spill_dropped: int  # could not be queued for spilling (writer behind)
+    spill_pruned: int = 0  # shards deleted by the spill's retention (bytes, age)
 
 
 class TraceBuffer:
@@ -99,9 +100,9 @@ class TraceBuffer:
         return len(self._items)
 
     def stats(self) -> BufferStats:
-        spilled, spill_dropped = (self._spill.written, self._spill.dropped) if self._spill else (0, 0)
+        spilled, spill_dropped, pruned = (self._spill.written, self._spill.dropped, self._spill.pruned) if self._spill else (0, 0, 0)
         with self._lock:
-            return BufferStats(len(self._items), self._bytes, self.capacity_bytes, self._added, self._dropped, spilled, spill_dropped)
+            return BufferStats(len(self._items), self._bytes, self.capacity_bytes, self._added, self._dropped, spilled, spill_dropped, pruned)
 
     def close(self) -> None:
         """Flush pending spills to disk."""
