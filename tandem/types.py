@@ -123,6 +123,6 @@ class StepRecord:
     time: float
     drafter_version: int
     requests: list[RequestStep]
-    kind: str = "decode"  # "prefill" | "decode"
+    kind: str = "decode"  # "prefill" | "decode" | "abort" (requests aborted between steps: no forward, no tokens)
     taps: tuple[int, ...] = ()  # target layers of RequestStep.hidden, in order
     schema_version: int = STEP_RECORD_SCHEMA

@@ -28,7 +28,7 @@ from tandem.models.transformer import ForwardOutput, Transformer, packable
 from tandem.ops import tree as tree_ops
 from tandem.ops.sampling import draw_uniform, sampling_probs, token_logprobs
 from tandem.ops.verify import verify_greedy, verify_tree
-from tandem.engine.records import build_prefill_record, build_step_record
+from tandem.engine.records import build_abort_record, build_prefill_record, build_step_record
 from tandem.types import DraftTree, StepRecord
 
 
@@ -71,6 +71,7 @@ class StepOutput:
     new_token_ids: list[int]
     finished: bool
     finish_reason: FinishReason | None
+    error: str | None = None  # chunked prefill: this request's prefill raised; it was aborted, the step went on
 
 
 class Engine:
@@ -133,14 +134,16 @@ class Engine:
         return request_id
 
     def abort(self, request_id: str) -> None:
-        for request in list(self.waiting):
-            if request.request_id == request_id:
+        """Drop a request wherever it is (waiting, prefilling, running); observers get an "abort" record for it,
+        so whatever they hold for the request (the trace collector's partial trace) is released."""
+        aborted = [r for r in [*self.waiting, *self.running, self.prefilling] if r is not None and r.request_id == request_id and not r.finished]
+        for request in aborted:
+            if request in self.waiting:
                 self.waiting.remove(request)
-                request.finish_reason = FinishReason.ABORT
-        for request in [*self.running, self.prefilling]:
-            if request is not None and request.request_id == request_id:
-                request.finish_reason = FinishReason.ABORT
+            request.finish_reason = FinishReason.ABORT
         self._release_finished()
+        if aborted and self.observers:
+            self._emit(build_abort_record(self.stats.steps, self.drafter.version if self.drafter is not None else 0, aborted))
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.prefilling)
@@ -193,10 +196,14 @@ class Engine:
             take = min(budget, len(request.prompt_ids) - done)
             ids = torch.tensor([request.prompt_ids[done : done + take]], device=self.cache.k.device)
             rows = slice(request.row, request.row + 1)
-            self._prefill_parts.append(self.model(ids, cache=self.cache, rows=rows, last_only=True, taps=self.taps))
-            budget -= take
-            if done + take == len(request.prompt_ids):
-                outputs.append(self._finish_prefill())
+            try:
+                self._prefill_parts.append(self.model(ids, cache=self.cache, rows=rows, last_only=True, taps=self.taps))
+                budget -= take
+                if done + take == len(request.prompt_ids):
+                    outputs.append(self._finish_prefill())
+            except Exception as e:  # noqa: BLE001 - one request's prefill: it alone ends (with the error), the step goes on
+                self.abort(request.request_id)
+                outputs.append(StepOutput(request.request_id, [], True, FinishReason.ABORT, error=f"prefill failed: {type(e).__name__}: {e}"))
         return outputs
 
     def _start_prefill(self, request: Request) -> None:

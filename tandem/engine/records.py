@@ -62,6 +62,13 @@ def build_prefill_record(
     return StepRecord(step=step, time=time.time(), drafter_version=drafter_version, requests=[entry], kind="prefill", taps=taps)
 
 
+def build_abort_record(step: int, drafter_version: int, requests: list[Request]) -> StepRecord:
+    """Requests aborted between steps (no forward: no tokens, no details); finish_reason "abort"."""
+    entries = [RequestStep(request_id=r.request_id, tags=dict(r.tags), context_len=len(r.all_ids), pending_token=-1, draft_tokens=[],
+                           draft_parents=[], accepted_nodes=[], emitted_tokens=[], bonus=False, finish_reason="abort") for r in requests]
+    return StepRecord(step=step, time=time.time(), drafter_version=drafter_version, requests=entries, kind="abort")
+
+
 def _add_forward_details(entry: RequestStep, out: ForwardOutput, b: int, length: int, logits: torch.Tensor, topk: int, final_from: int = 0) -> None:
     """Copy what the trainer needs out of the forward's buffers (they are reused by the next forward):
     tapped hidden states of rows 0..length-1, final hidden states of rows final_from..length-1 (fp16)."""

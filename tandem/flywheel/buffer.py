@@ -7,7 +7,9 @@ domain does not erase the others (the flywheel's default); `drop_newest`: refuse
 counts the drops (`stats()`). With `spill_dir`, every accepted
 trace is also appended to Parquet shards (one row per trace, tensors as raw bytes + dtype + shape) by a
 background writer, so traces survive a restart (`load_traces`) and can train a drafter offline
-(`tandem train --data DIR`). The interface (put / sample / stats / close) is what a Ray-backed buffer
+(`tandem train --data DIR`). Spilled shards are pruned after each write (and at start), oldest first,
+down to `spill_max_bytes` and to those younger than `spill_max_age_s` (None: no bound of that kind), so a
+long-running server keeps a bounded window of its users' traffic on disk. The interface (put / sample / stats / close) is what a Ray-backed buffer
 would implement too.
 """
 from __future__ import annotations
@@ -38,10 +40,12 @@ class BufferStats:
     dropped: int  # evicted or refused because the buffer was full
     spilled: int  # written to Parquet
     spill_dropped: int  # could not be queued for spilling (writer behind)
+    spill_pruned: int = 0  # shards deleted by the spill's retention (bytes, age)
 
 
 class TraceBuffer:
-    def __init__(self, capacity_bytes: int = 512 << 20, policy: str = "drop_oldest", spill_dir: str | Path | None = None):
+    def __init__(self, capacity_bytes: int = 512 << 20, policy: str = "drop_oldest", spill_dir: str | Path | None = None,
+                 spill_max_bytes: int | None = None, spill_max_age_s: float | None = None):
         if capacity_bytes < 1:
             raise InvalidParameterError(f"capacity_bytes must be >= 1, got {capacity_bytes}")
         if policy not in POLICIES:
@@ -52,7 +56,7 @@ class TraceBuffer:
         self._bytes = 0
         self._lock = threading.Lock()
         self._added = self._dropped = 0
-        self._spill = None if spill_dir is None else _ParquetSpill(Path(spill_dir))
+        self._spill = None if spill_dir is None else _ParquetSpill(Path(spill_dir), max_bytes=spill_max_bytes, max_age_s=spill_max_age_s)
 
     def put(self, trace: SequenceTrace, spill: bool = True) -> bool:
         """Add a trace; returns False if it was dropped (never blocks). spill=False: don't write it to the
@@ -96,9 +100,9 @@ class TraceBuffer:
         return len(self._items)
 
     def stats(self) -> BufferStats:
-        spilled, spill_dropped = (self._spill.written, self._spill.dropped) if self._spill else (0, 0)
+        spilled, spill_dropped, pruned = (self._spill.written, self._spill.dropped, self._spill.pruned) if self._spill else (0, 0, 0)
         with self._lock:
-            return BufferStats(len(self._items), self._bytes, self.capacity_bytes, self._added, self._dropped, spilled, spill_dropped)
+            return BufferStats(len(self._items), self._bytes, self.capacity_bytes, self._added, self._dropped, spilled, spill_dropped, pruned)
 
     def close(self) -> None:
         """Flush pending spills to disk."""
@@ -172,12 +176,38 @@ def refill(buffer: TraceBuffer, spill_dir: str | Path | None, limit: int = 4096)
     return len(traces)
 
 
+def prune_shards(directory: Path, max_bytes: int | None, max_age_s: float | None, now: float | None = None) -> int:
+    """Delete trace shards older than max_age_s, then the oldest ones until the rest fit max_bytes; returns
+    how many were deleted. Shard names carry their write time (time_ns), which orders them."""
+    now = time.time() if now is None else now
+    shards = []
+    for path in sorted(directory.glob("traces-*.parquet")):
+        try:
+            shards.append((path, path.stat().st_size, int(path.stem.removeprefix("traces-")) / 1e9))
+        except (OSError, ValueError):
+            continue  # removed meanwhile, or not one of ours
+    total, deleted = sum(size for _, size, _ in shards), 0
+    for path, size, written in shards:  # oldest first
+        too_old = max_age_s is not None and now - written > max_age_s
+        too_big = max_bytes is not None and total > max_bytes
+        if not (too_old or too_big):
+            break
+        path.unlink(missing_ok=True)
+        total -= size
+        deleted += 1
+    return deleted
+
+
 class _ParquetSpill:
     """Background writer: traces are queued (never blocking the buffer) and written SHARD_ROWS at a time."""
 
-    def __init__(self, directory: Path, max_queue: int = 1024):
+    def __init__(self, directory: Path, max_queue: int = 1024, max_bytes: int | None = None, max_age_s: float | None = None):
+        if (max_bytes is not None and max_bytes < 0) or (max_age_s is not None and max_age_s <= 0):
+            raise InvalidParameterError(f"spill retention must be >= 0 bytes and > 0 s, got {max_bytes} bytes, {max_age_s} s")
         directory.mkdir(parents=True, exist_ok=True)
         self.directory = directory
+        self.max_bytes, self.max_age_s = max_bytes, max_age_s
+        self.pruned = prune_shards(directory, max_bytes, max_age_s)  # shards deleted by retention
         self.queue: queue.Queue = queue.Queue(maxsize=max_queue)
         self.written = self.dropped = 0
         self.error: BaseException | None = None
@@ -208,6 +238,7 @@ class _ParquetSpill:
         try:
             write_shard(self.directory / name, self._pending)
             self.written += len(self._pending)
+            self.pruned += prune_shards(self.directory, self.max_bytes, self.max_age_s)
         except Exception as e:  # a full disk loses spills, never serving
             self.error = e
             self.dropped += len(self._pending)

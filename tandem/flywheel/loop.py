@@ -9,6 +9,7 @@ same names (`TraceSink`, `Trainer`, a WeightStore), so everything here runs the 
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Protocol, Sequence
@@ -19,6 +20,9 @@ from tandem.flywheel.remote import ChildConfig, TrainerProcess
 from tandem.flywheel.trainer import FlywheelConfig, resume_or_start
 from tandem.flywheel.traces import SequenceTrace, TraceCollector
 from tandem.flywheel.weights import HotSwapper, WeightStore, WeightVersion
+
+
+STEP_WINDOW = 4096  # step times kept for the median / max (the newest)
 
 
 class TraceSink(Protocol):
@@ -53,7 +57,9 @@ class FlywheelOptions:
     train: bool = True  # False: collect traces and watch acceptance, but never train (a static drafter)
     buffer_bytes: int = 256 << 20
     buffer_policy: str = "balance_domains"  # when full: evict from the domain holding the most bytes
-    spill_dir: str | None = None  # Parquet shards of every trace (restart, offline training)
+    spill_dir: str | None = None  # Parquet shards of every trace (restart, offline training); None = no spilling
+    spill_max_bytes: int | None = None  # retention: the oldest shards are deleted beyond this many bytes (None = unbounded)
+    spill_max_age_s: float | None = None  # retention: shards older than this are deleted (None = kept)
     checkpoint_dir: str | None = None  # trainer checkpoints; resumed from when present
     checkpoint_every: int = 100  # trainer steps
     trainer_threads: int = 1
@@ -85,12 +91,12 @@ class Flywheel:
         self.swapper = HotSwapper(drafter, self.store, options.collapse_ratio, options.window).attach(engine)
         if self.trainer is not None:  # a rollback in serving reaches the trainer: it resumes from the good weights
             self.swapper.on_rollback = self.trainer.request_restore
-        self.step_times: list[float] = []
-        self.swap_steps: list[int] = []  # indices into step_times of steps that began with a swap or rollback
+        self.step_times: deque[float] = deque(maxlen=STEP_WINDOW)  # wall time of the newest steps
+        self.swap_step_times: deque[float] = deque(maxlen=STEP_WINDOW)  # of the newest steps that began with a swap or rollback
 
     def _train_in_process(self, target, drafter) -> None:
         o = self.options
-        self.buffer = TraceBuffer(o.buffer_bytes, o.buffer_policy, o.spill_dir)
+        self.buffer = TraceBuffer(o.buffer_bytes, o.buffer_policy, o.spill_dir, o.spill_max_bytes, o.spill_max_age_s)
         self.restored_traces = refill(self.buffer, o.spill_dir)
         self.store = WeightStore(first_version=drafter.version + 1)
         self.trainer = resume_or_start(o.checkpoint_dir, target, drafter.head, self.buffer, self.store, o.loss) if o.train else None
@@ -99,7 +105,8 @@ class Flywheel:
         """The buffer and the trainer in a child process; one proxy plays both roles, and its store is where
         the child's versions appear."""
         o = self.options
-        config = ChildConfig(o.loss, o.buffer_bytes, o.buffer_policy, o.spill_dir, o.checkpoint_dir, o.trainer_threads, first_version=drafter.version + 1)
+        config = ChildConfig(o.loss, o.buffer_bytes, o.buffer_policy, o.spill_dir, o.checkpoint_dir, o.trainer_threads, first_version=drafter.version + 1,
+                             spill_max_bytes=o.spill_max_bytes, spill_max_age_s=o.spill_max_age_s)
         self.buffer = self.trainer = TrainerProcess(target, drafter.head, config)
         self.store, self.restored_traces = self.trainer.store, self.trainer.restored_traces
 
@@ -115,15 +122,16 @@ class Flywheel:
         outputs = self.engine.step()
         self.step_times.append(time.perf_counter() - start)
         if self.swapper.stats.swaps + self.swapper.stats.rollbacks != changes:
-            self.swap_steps.append(len(self.step_times) - 1)
+            self.swap_step_times.append(self.step_times[-1])
         return outputs
 
     def metrics(self) -> dict:
         trainer = self.trainer
         times = sorted(self.step_times)
-        swap_times = [self.step_times[i] for i in self.swap_steps]
+        swap_times = list(self.swap_step_times)
         return {
             "buffer": asdict(self.buffer.stats()), "collector_dropped_records": self.collector.dropped_records,
+            "collector_aborted_traces": self.collector.assembler.aborted,
             "collector_error": repr(self.collector.error) if self.collector.error else None,
             "swaps": self.swapper.stats.as_dict(),
             "trainer": None if trainer is None else {

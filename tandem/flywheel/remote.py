@@ -25,6 +25,7 @@ import json
 import multiprocessing as mp
 import queue
 import shutil
+import signal
 import tempfile
 import threading
 import time
@@ -66,6 +67,8 @@ class ChildConfig:
     checkpoint_dir: str | None  # resumed from when it holds anything
     threads: int  # the child's torch threads
     first_version: int  # the number of the first version the child publishes
+    spill_max_bytes: int | None = None  # spill retention (TraceBuffer)
+    spill_max_age_s: float | None = None
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -293,6 +296,7 @@ class TrainerProcess:
 # ---- the child's side ---------------------------------------------------------------------------------------------
 def child_main(workdir: str, config_json: str, traces, control, status) -> None:
     """The child's entry: build the buffer and the trainer, then serve the queues until the trace stream ends."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the parent stops the child (and checkpoints)
     config = ChildConfig.from_json(config_json)
     torch.set_num_threads(config.threads)
     try:
@@ -308,7 +312,7 @@ def child_main(workdir: str, config_json: str, traces, control, status) -> None:
 class _Child:
     def __init__(self, workdir: Path, config: ChildConfig, status):
         tables = load_target_tables(workdir / TABLES_FILE)
-        self.buffer = TraceBuffer(config.buffer_bytes, config.buffer_policy, config.spill_dir)
+        self.buffer = TraceBuffer(config.buffer_bytes, config.buffer_policy, config.spill_dir, config.spill_max_bytes, config.spill_max_age_s)
         restored = refill(self.buffer, config.spill_dir)
         store = WeightStore(keep=1, directory=workdir / VERSIONS_DIR, first_version=config.first_version)
         self.trainer = resume_or_start(config.checkpoint_dir, tables, load_eagle(workdir / HEAD_DIR, tables), self.buffer, store, config.loss)

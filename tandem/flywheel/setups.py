@@ -195,9 +195,15 @@ def live_engine(mode: str, target, heads: dict[str, EagleHead], setup: FlywheelS
 
         policy = SpeculationController.for_engine(target, drafter, max_k=setup.num_draft_tokens)
     engine = Engine(target, EngineConfig(max_batch_size=batch, max_model_len=max_len, record_steps=True), drafter=drafter, draft_policy=policy)
-    options = FlywheelOptions(loss=setup.loss(switches or {}, init), train=switches is not None, collapse_ratio=setup.collapse_ratio, window=setup.watch_window,
-                              trainer_duty=setup.trainer_duty, trainer_process=setup.trainer_process)
-    return engine, Flywheel(engine, target, options).start()
+    return engine, Flywheel(engine, target, live_options(setup, init, switches)).start()
+
+
+def live_options(setup: FlywheelSetup, init: str, switches: dict | None = None, **storage) -> FlywheelOptions:
+    """The Flywheel's options for a live mode: what `live_engine` (benchmarks, the demo) and `tandem serve --online`
+    both run (one composition). init: "static" (a trained head: fine-tuned gently, anchored) or "scratch";
+    switches: the loss switches (None: a frozen head); storage: spill / checkpoint / retention fields."""
+    return FlywheelOptions(loss=setup.loss(switches or {}, init), train=switches is not None, collapse_ratio=setup.collapse_ratio, window=setup.watch_window,
+                           trainer_duty=setup.trainer_duty, trainer_process=setup.trainer_process, **storage)
 
 
 @dataclass

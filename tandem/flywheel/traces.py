@@ -175,10 +175,15 @@ class TraceAssembler:
         self.branch_depth = branch_depth  # keep branch nodes down to this many levels below the accepted path (0 = none)
         self.max_inflight = max_inflight
         self.inflight: OrderedDict[str, _Partial] = OrderedDict()
-        self.evicted = 0  # partial traces dropped (aborted requests, or more in flight than max_inflight)
+        self.evicted = 0  # partial traces dropped (more in flight than max_inflight)
+        self.aborted = 0  # partial traces of aborted requests (stop string, disconnect, failure): finished as they stand
         self.skipped = 0  # requests whose records lacked detail (record_steps off)
 
     def add(self, record: StepRecord) -> list[SequenceTrace]:
+        if record.kind == "abort":  # no forward: what was committed so far is a whole trace (the engine kept those tokens)
+            aborted = [e.request_id for e in record.requests if e.request_id in self.inflight]
+            self.aborted += len(aborted)
+            return [self._finish(request_id) for request_id in aborted]
         finished = []
         for entry in record.requests:
             if entry.final_hidden is None:
@@ -312,6 +317,10 @@ class TraceCollector:
             try:
                 if record is None:
                     return
+                if record.kind == "abort":  # the request is over: forget it was broken even if it had no trace
+                    for entry in record.requests:
+                        if entry.request_id not in self.assembler.inflight:
+                            self._broken.discard(entry.request_id)
                 for trace in self.assembler.add(record):
                     if trace.request_id in self._broken:
                         self._broken.discard(trace.request_id)

@@ -202,6 +202,14 @@ def validate(version: WeightVersion, served: dict[str, torch.Tensor]) -> None:
         raise WeightRefused(f"version {version.version}: checksum mismatch")
 
 
+MAX_EVENTS = 256  # swap / refusal / rollback events kept (the newest): a server runs for months
+
+
+def _keep_last(items: list, n: int = MAX_EVENTS) -> None:
+    if len(items) > n:
+        del items[: len(items) - n]
+
+
 @dataclass
 class SwapStats:
     version: int = 0  # serving now
@@ -209,12 +217,13 @@ class SwapStats:
     refused: int = 0
     rollbacks: int = 0
     alarms: int = 0  # collapse alarms raised (each one rolled back)
-    swap_ms: list[float] = field(default_factory=list)  # time of each in-place copy (incl. rollbacks)
-    events: list[dict] = field(default_factory=list)  # [{"time", "kind": swap|refused|rollback, "version", ...}]
+    swap_ms: list[float] = field(default_factory=list)  # time of each in-place copy (incl. rollbacks), the newest MAX_EVENTS
+    events: list[dict] = field(default_factory=list)  # [{"time", "kind": swap|refused|rollback, "version", ...}], the newest MAX_EVENTS
+    max_swap_ms: float = 0.0  # of all swaps since start
 
     def as_dict(self) -> dict:
         return {"version": self.version, "swaps": self.swaps, "refused": self.refused, "rollbacks": self.rollbacks,
-                "alarms": self.alarms, "max_swap_ms": round(max(self.swap_ms, default=0.0), 2)}
+                "alarms": self.alarms, "max_swap_ms": round(self.max_swap_ms, 2)}
 
 
 class HotSwapper:
@@ -291,6 +300,7 @@ class HotSwapper:
         self._bad.add(version.version)
         self.stats.refused += 1
         self.stats.events.append({"time": time.time(), "kind": "refused", "version": version.version, "reason": str(error)})
+        _keep_last(self.stats.events)
 
     def _install(self, version: WeightVersion, kind: str) -> None:
         start = time.perf_counter()
@@ -298,15 +308,22 @@ class HotSwapper:
             for name, tensor in self.head.state_dict().items():
                 tensor.copy_(version.tensors[name])
         self.head.pack()
+        previous = self.drafter.version
         self.drafter.version = version.version
         self._serving = version
         self.stats.swap_ms.append(1000 * (time.perf_counter() - start))
+        self.stats.max_swap_ms = max(self.stats.max_swap_ms, self.stats.swap_ms[-1])
+        for old in [v for v in self._recent if v not in (previous, version.version)]:  # windows of versions no longer compared
+            del self._recent[old]
+        self._bad = {v for v in self._bad if v > min(previous, version.version)}  # only newer versions are ever candidates
         self.stats.version = version.version
         if kind == "swap":
             self.stats.swaps += 1
         else:
             self.stats.rollbacks += 1
         self.stats.events.append({"time": time.time(), "kind": kind, "version": version.version, "ms": round(self.stats.swap_ms[-1], 2)})
+        _keep_last(self.stats.events)
+        _keep_last(self.stats.swap_ms)
 
     # ---- acceptance watch -----------------------------------------------------------------------------
     def observe(self, record: StepRecord) -> None:

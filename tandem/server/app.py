@@ -1,12 +1,18 @@
 """The OpenAI-compatible HTTP API over a Runtime (FastAPI + uvicorn).
 
 Every failure a client can cause is a 4xx with an OpenAI error body {"error": {message, type, param,
-code}}: validation (400), auth (401), unknown model / route (404), body size (413), capacity (429).
-A failed engine step is a 503 for the requests it was serving (streams get an error event), and the
-engine loop keeps serving everyone else.
+code}}: validation and unsupported fields (400), auth (401), unknown model / route (404), request
+timeout (408), body size (413), capacity (429). A failed engine step or loop iteration, a queue-wait
+timeout and draining are 503s (streams get an error event), and the engine loop keeps serving everyone
+else. /health is liveness (the engine loop runs and is not broken), /ready (or /health?ready=1) is
+readiness (also false while draining). SIGTERM/SIGINT drain: readiness turns false, new requests get
+503, requests in flight finish for up to `drain_timeout_s`, then uvicorn stops and the flywheel
+checkpoints; a second signal stops at once.
 """
 from __future__ import annotations
 
+import logging
+import threading
 import time
 
 from fastapi import FastAPI, Request
@@ -19,13 +25,15 @@ from tandem.config import SamplingParams
 from tandem.errors import InvalidParameterError, PromptTooLongError
 from tandem.server import responses
 from tandem.server.engine_loop import LoopStoppedError, QueueFullError
-from tandem.server.generation import EngineFailure, Generation
+from tandem.server.generation import EngineFailure, Generation, RequestTimeout
 from tandem.server.runtime import Runtime
 from tandem.server.admin_routes import add_admin_routes
 from tandem.server.schemas import ApiError, ChatCompletionRequest, CompletionRequest, error_body
 from tandem.server.security import Guard
 
 DISCONNECT_POLL_S = 0.5
+FAILURE_STATUS = {"request_rejected": 400}  # engine failure code -> HTTP status (503 otherwise)
+log = logging.getLogger("tandem.server")
 
 
 def create_app(runtime: Runtime) -> Guard:
@@ -75,10 +83,20 @@ def _routes(app: FastAPI, runtime: Runtime) -> None:
     name = runtime.config.model_name
 
     @app.get("/health")
-    async def health():
-        if not runtime.loop.alive:
-            return JSONResponse(error_body("the engine loop is not running", "server_error"), 503)
+    async def health(ready: bool = False):
+        if ready:
+            return await readiness()
+        if not runtime.loop.healthy:
+            return JSONResponse(error_body("the engine loop is not running" if not runtime.loop.broken else "the engine loop is broken",
+                                           "server_error", code="engine_stopped"), 503)
         return {"status": "ok"}
+
+    @app.get("/ready")
+    async def readiness():
+        if not runtime.ready:
+            reason = "the server is draining" if runtime.draining else "the engine loop is not running"
+            return JSONResponse(error_body(reason, "server_error", code="draining" if runtime.draining else "engine_stopped"), 503)
+        return {"status": "ready"}
 
     @app.get("/metrics")
     async def metrics():
@@ -133,12 +151,17 @@ def _params(runtime: Runtime, body, prompt_ids: list[int], chat: bool) -> list[S
 
 async def _serve(runtime: Runtime, request: Request, body, prompts: list[list[int]], prefix: str, chat: bool):
     params = [p for ids in prompts for p in _params(runtime, body, ids, chat)]
+    if runtime.draining:
+        runtime.metrics.failed("draining")
+        raise ApiError(503, "the server is shutting down and takes no new requests", "server_error", code="draining")
     try:
-        generation = Generation(runtime.loop, runtime.decode, prompts, params, prefix)
+        generation = Generation(runtime.loop, runtime.decode, prompts, params, prefix, runtime.config.request_timeout_s,
+                                request.scope.get("tandem.request_id"))
     except QueueFullError as e:
-        runtime.metrics.request_errors.labels("queue_full").inc()
+        runtime.metrics.failed("queue_full")
         raise ApiError(429, str(e), "rate_limit_error", code="queue_full") from e
     except LoopStoppedError as e:
+        runtime.metrics.failed("engine_stopped")
         raise ApiError(503, str(e), "server_error", code="engine_stopped") from e
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -147,8 +170,12 @@ async def _serve(runtime: Runtime, request: Request, body, prompts: list[list[in
     try:
         await _wait(request, generation)
     except EngineFailure as e:
-        runtime.metrics.request_errors.labels("engine_step").inc()
-        raise ApiError(503, str(e), "server_error", code="engine_step_failed") from e
+        runtime.metrics.failed(e.code)
+        status = FAILURE_STATUS.get(e.code, 503)
+        raise ApiError(status, str(e), "invalid_request_error" if status == 400 else "server_error", code=e.code) from e
+    except RequestTimeout as e:
+        runtime.metrics.failed("request_timeout")
+        raise ApiError(408, str(e), "timeout_error", code="request_timeout") from e
     if not generation.finished:
         return Response(status_code=499)  # the client went away: nobody reads this
     responses.observe(runtime, generation)
@@ -172,16 +199,45 @@ async def _wait(request: Request, generation: Generation) -> None:
             generation.abort()
 
 
-def serve(config, log_level: str = "info") -> None:
-    """Load the model, start the engine loop, serve until interrupted, then close (checkpointing)."""
-    import logging
-
+def draining_server(runtime: Runtime, uvicorn_config):
+    """A uvicorn Server whose first SIGTERM/SIGINT drains (see the module doc) before it exits."""
     import uvicorn
 
+    class DrainingServer(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            if runtime.draining or runtime.config.drain_timeout_s == 0:
+                return super().handle_exit(sig, frame)  # a second signal (or no drain): stop now
+            log.warning("signal %s: draining (%d requests in flight, up to %g s); a second signal stops at once",
+                        sig, runtime.loop.held, runtime.config.drain_timeout_s)
+            runtime.begin_drain()
+            threading.Thread(target=self._exit_when_drained, name="tandem-drain", daemon=True).start()
+
+        def _exit_when_drained(self) -> None:
+            deadline = time.monotonic() + runtime.config.drain_timeout_s
+            while runtime.loop.held and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if runtime.loop.held:
+                log.warning("drain deadline passed with %d requests in flight: they are failed", runtime.loop.held)
+            self.should_exit = True
+
+    return DrainingServer(uvicorn_config)
+
+
+def serve(config, log_level: str = "info") -> None:
+    """Load the model, start the engine loop, serve until a signal drains it, then close (checkpointing)."""
+    import uvicorn
+
+    from tandem.server.logs import configure
+
+    configure(log_level, config.json_logs)
     if config.host not in ("127.0.0.1", "localhost", "::1") and config.api_key is None:
-        logging.getLogger("tandem.server").warning("serving on %s without --api-key: anyone who can reach this port can use it", config.host)
+        log.warning("serving on %s without --api-key: anyone who can reach this port can use it", config.host)
     runtime = Runtime(config)
+    log.info("serving %s: max batch %d, queue %d, request timeout %s s, queue timeout %s s", runtime.config.model_name,
+             runtime.config.max_batch_size, runtime.config.max_queue, runtime.config.request_timeout_s, runtime.config.queue_timeout_s)
     try:
-        uvicorn.run(create_app(runtime), host=config.host, port=config.port, log_level=log_level, timeout_graceful_shutdown=5)
+        uv = uvicorn.Config(create_app(runtime), host=config.host, port=config.port, log_level=log_level,
+                            timeout_graceful_shutdown=max(1, int(config.drain_timeout_s)))
+        draining_server(runtime, uv).run()
     finally:
         runtime.close()

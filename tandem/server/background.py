@@ -23,7 +23,9 @@ class BackgroundServer:
         self._socket.bind((host, port))  # port 0: a free port, chosen without a race
         self.port = self._socket.getsockname()[1]
         self.url = f"http://{host}:{self.port}"
-        self._server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", timeout_graceful_shutdown=2))
+        from tandem.server.app import draining_server
+
+        self._server = draining_server(runtime, uvicorn.Config(self.app, log_level="warning", timeout_graceful_shutdown=2))
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._socket]}, name="tandem-http", daemon=True)
         self._thread.start()
         deadline = time.monotonic() + start_timeout_s

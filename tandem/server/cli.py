@@ -19,8 +19,17 @@ def add_serve_command(sub) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=os.environ.get("TANDEM_API_KEY"), help="require `Authorization: Bearer KEY` on /v1 (env TANDEM_API_KEY)")
     p.add_argument("--admin-key", default=os.environ.get("TANDEM_ADMIN_KEY"), help="enable /admin routes behind this key (env TANDEM_ADMIN_KEY)")
-    p.add_argument("--max-batch-size", type=int, default=8)
-    p.add_argument("--max-queue", type=int, default=64, help="requests queued beyond the running batch; more get 429")
+    p.add_argument("--max-batch-size", type=int, default=None, help="requests decoded together (default: as many KV rows as --kv-cache-memory holds, <= 64)")
+    p.add_argument("--max-queue", type=int, default=None, help="requests queued beyond the running batch; more get 429 (default: 4 x max batch)")
+    p.add_argument("--kv-cache-memory", type=float, default=None, help="GiB of KV cache that size the default batch (default: a quarter of RAM, <= 8)")
+    p.add_argument("--request-timeout", type=float, default=600.0, help="seconds a request may run before it is aborted (408); 0 = none")
+    p.add_argument("--queue-timeout", type=float, default=60.0, help="seconds a request may wait for a batch row (503 queue_timeout); 0 = none")
+    p.add_argument("--drain-timeout", type=float, default=30.0, help="on SIGTERM/SIGINT: seconds requests in flight get to finish (0: stop at once)")
+    p.add_argument("--no-spill", action="store_true", help="--online: keep traces in memory only (no Parquet under the state dir)")
+    p.add_argument("--spill-max-gb", type=float, default=2.0, help="--online: spilled traces kept on disk, oldest deleted beyond (GiB)")
+    p.add_argument("--spill-max-age-hours", type=float, default=168.0, help="--online: spilled traces older than this are deleted")
+    p.add_argument("--trainer-process", action="store_true", help="--online: train in a child process, not a thread of the server")
+    p.add_argument("--log-format", choices=("text", "json"), default="text", help="json: one JSON object per line, with request ids")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-body-bytes", type=int, default=1 << 20)
     p.add_argument("--threads", type=int, default=None)
@@ -40,6 +49,10 @@ def _serve(args: argparse.Namespace) -> int:
         api_key=args.api_key, admin_key=args.admin_key, max_batch_size=args.max_batch_size, max_queue=args.max_queue,
         max_model_len=args.max_model_len, max_body_bytes=args.max_body_bytes, threads=args.threads,
         publish_every=args.publish_every, checkpoint_every=args.checkpoint_every,
+        kv_cache_bytes=None if args.kv_cache_memory is None else int(args.kv_cache_memory * (1 << 30)),
+        request_timeout_s=args.request_timeout or None, queue_timeout_s=args.queue_timeout or None, drain_timeout_s=args.drain_timeout,
+        spill_traces=not args.no_spill, spill_max_bytes=int(args.spill_max_gb * (1 << 30)), spill_max_age_s=args.spill_max_age_hours * 3600,
+        trainer_process=args.trainer_process, json_logs=args.log_format == "json",
     )
     serve(config, args.log_level)
     return 0

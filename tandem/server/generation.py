@@ -9,8 +9,10 @@ aborts the engine request; the choice's usage still arrives with the engine's fi
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 import uuid
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -20,8 +22,52 @@ from tandem.server.engine_loop import EngineLoop, Event, Submission
 REPLACEMENT = "\ufffd"  # what a partial UTF-8 sequence decodes to
 
 
+class Dispatcher:
+    """Hands engine events to an asyncio loop with one wake-up per engine step, not one per request: the
+    engine thread appends (queue, event) pairs and schedules a single flush while none is pending (60
+    requests in flight were 60 `call_soon_threadsafe` self-pipe writes and loop wake-ups per step)."""
+
+    _by_loop: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Dispatcher]" = weakref.WeakKeyDictionary()
+
+    def __init__(self, aio: asyncio.AbstractEventLoop):
+        self.aio = aio
+        self._pending: list[tuple[asyncio.Queue, Event]] = []
+        self._scheduled = False
+        self._lock = threading.Lock()
+
+    @classmethod
+    def of(cls, aio: asyncio.AbstractEventLoop) -> "Dispatcher":
+        found = cls._by_loop.get(aio)
+        if found is None:
+            found = cls._by_loop[aio] = cls(aio)
+        return found
+
+    def post(self, queue: asyncio.Queue, event: Event) -> None:
+        """Any thread."""
+        with self._lock:
+            self._pending.append((queue, event))
+            if self._scheduled:
+                return
+            self._scheduled = True
+        self.aio.call_soon_threadsafe(self._flush)
+
+    def _flush(self) -> None:
+        with self._lock:
+            items, self._pending, self._scheduled = self._pending, [], False
+        for queue, event in items:
+            queue.put_nowait(event)
+
+
 class EngineFailure(Exception):
-    """The engine step serving this request failed (the loop carried on)."""
+    """The engine could not finish this request (a failed step or loop iteration, a queue timeout, shutdown)."""
+
+    def __init__(self, message: str, code: str | None = None):
+        super().__init__(message)
+        self.code = code or "engine_step_failed"
+
+
+class RequestTimeout(Exception):
+    """The request ran past its deadline (ServerConfig.request_timeout_s); its engine requests were aborted."""
 
 
 @dataclass
@@ -33,7 +79,13 @@ class Delta:
 
 @dataclass
 class ChoiceText:
-    """Incremental detokenization of one choice with stop strings."""
+    """Incremental detokenization of one choice with stop strings, O(new tokens) per push.
+
+    Text grows by windows (vLLM's offsets): `decode(ids[prefix:]) - decode(ids[prefix:read])` is the text the
+    tokens after `read` add (decoding from `prefix` keeps a word-leading space right); it is taken only once it
+    does not end in an incomplete UTF-8 sequence. Stop strings are searched in the new text plus the longest
+    stop's length before it. A stop cut maps back to tokens through the window ends (`marks`).
+    """
 
     decode: Callable[[list[int]], str]  # token ids -> text (the tokenizer's decode, special tokens skipped)
     stops: tuple[str, ...]
@@ -45,6 +97,9 @@ class ChoiceText:
     cut_tokens: int | None = None  # tokens kept when a stop string cut the text
     logprobs: list[float] | None = None  # per token, when requested
     logprobs_sent: int = 0  # tokens whose log-probs were streamed
+    prefix_offset: int = 0  # the decode window starts here
+    read_offset: int = 0  # tokens before this are in `text`
+    marks: list[tuple[int, int]] = field(default_factory=list)  # (read_offset, len(text)) after each window
 
     def push(self, ids: list[int], finished: bool, reason: str | None, logprobs: list[float] | None = None) -> str:
         """Add tokens; returns the newly releasable text (empty when nothing can be released yet)."""
@@ -54,31 +109,58 @@ class ChoiceText:
         if logprobs is not None:
             self.logprobs = self.logprobs if self.logprobs is not None else []
             self.logprobs.extend(logprobs)
-        full = self.decode(self.token_ids)
-        cut = min((full.find(s) for s in self.stops if s in full), default=-1)
-        if cut >= 0:
-            self.done, self.finish_reason, self.text = True, "stop", full[:cut]
+        before = len(self.text)
+        self.text += self._new_text(final=finished)
+        cut = self._find_stop(before)
+        if cut is not None:
+            self.done, self.finish_reason = True, "stop"
             self.cut_tokens = self._tokens_for(cut)
+            self.text = self.text[:cut]
         elif finished:
-            self.done, self.finish_reason, self.text = True, "stop" if reason in ("stop", "abort") else reason, full
-        else:
-            self.text = full
-        end = len(self.text) if self.done else self._safe_end(full)
+            self.done, self.finish_reason = True, "stop" if reason in ("stop", "abort") else reason
+        end = len(self.text) if self.done else self._safe_end()
         delta = self.text[self.sent:end] if end > self.sent else ""
         self.sent = max(self.sent, end)
         return delta
 
-    def _safe_end(self, full: str) -> int:
-        end = len(full) - (max(map(len, self.stops)) - 1 if self.stops else 0)
-        while end > 0 and full[end - 1] == REPLACEMENT:
-            end -= 1
-        return max(end, 0)
+    def _new_text(self, final: bool) -> str:
+        ids = self.token_ids
+        if len(ids) == self.read_offset:
+            return ""
+        prefix = self.decode(ids[self.prefix_offset:self.read_offset]) if self.read_offset > self.prefix_offset else ""
+        window = self.decode(ids[self.prefix_offset:])
+        if len(window) <= len(prefix) or (window.endswith(REPLACEMENT) and not final):
+            return ""  # nothing yet, or an incomplete character: wait for the next token
+        self.prefix_offset, self.read_offset = self.read_offset, len(ids)
+        new = window[len(prefix):]
+        self.marks.append((self.read_offset, len(self.text) + len(new)))
+        return new
+
+    def _find_stop(self, before: int) -> int | None:
+        """The first stop string's position, searching only where the new text could complete one."""
+        if not self.stops or len(self.text) == before:
+            return None
+        start = max(0, before - max(map(len, self.stops)) + 1)
+        hits = [i for i in (self.text.find(s, start) for s in self.stops) if i >= 0]
+        return min(hits) if hits else None
+
+    def _safe_end(self) -> int:
+        """Release up to where a stop string could still begin."""
+        return max(len(self.text) - (max(map(len, self.stops)) - 1 if self.stops else 0), 0)
 
     def _tokens_for(self, cut: int) -> int:
-        """The shortest token prefix whose text reaches the stop string (what LLM.generate returns)."""
-        for n in range(len(self.token_ids) + 1):
-            if len(self.decode(self.token_ids[:n])) >= cut:
-                return n
+        """The shortest token prefix whose text reaches the stop string (what LLM.generate returns): found in the
+        window that crossed `cut`, decoding only prefixes inside it."""
+        if cut <= 0:
+            return 0
+        low = 0
+        for read, length in self.marks:
+            if length >= cut:
+                for n in range(low + 1, read + 1):
+                    if len(self.decode(self.token_ids[:n])) >= cut:
+                        return n
+                return read
+            low = read
         return len(self.token_ids)
 
     @property
@@ -97,8 +179,12 @@ class ChoiceText:
 class Generation:
     """The choices of one HTTP request in flight: `async for delta in generation` until all finish."""
 
-    def __init__(self, loop: EngineLoop, decode, prompts: list[list[int]], params: list[SamplingParams], prefix: str):
+    def __init__(self, loop: EngineLoop, decode, prompts: list[list[int]], params: list[SamplingParams], prefix: str,
+                 timeout_s: float | None = None, request_id: str | None = None):
         self.id = f"{prefix}-{uuid.uuid4().hex}"
+        self.request_id = request_id or self.id  # X-Request-Id (logs, engine request ids)
+        self.timeout_s = timeout_s
+        self.deadline = None if timeout_s is None else time.monotonic() + timeout_s
         self.created = int(time.time())
         self.start = time.perf_counter()
         self.first_token_s: float | None = None
@@ -112,16 +198,27 @@ class Generation:
         aio = asyncio.get_running_loop()
         per_prompt = len(params) // len(prompts)
         subs = [Submission(rid, i, prompts[i // per_prompt], p) for i, (rid, p) in enumerate(zip(self._ids, params))]
-        loop.submit(subs, lambda event: aio.call_soon_threadsafe(self._queue.put_nowait, event))  # QueueFullError: nothing queued
+        dispatcher, queue = Dispatcher.of(aio), self._queue
+        loop.submit(subs, lambda event: dispatcher.post(queue, event))  # QueueFullError: nothing queued
 
     @property
     def finished(self) -> bool:
         return all(self._engine_done)
 
     async def next_event(self, timeout: float) -> Event | None:
+        """The next engine event, or None after `timeout` s; RequestTimeout past the deadline (the rest is aborted)."""
+        if self.deadline is not None:
+            left = self.deadline - time.monotonic()
+            if left <= 0:
+                self.abort()
+                raise RequestTimeout(f"the request did not finish within {self.timeout_s:g} s and was aborted")
+            timeout = max(0.0, min(timeout, left))
+        if not self._queue.empty():  # no timer when the engine already answered
+            return self._queue.get_nowait()
         try:
-            return await asyncio.wait_for(self._queue.get(), timeout)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(timeout):  # a timer handle, not a task per wait (wait_for's)
+                return await self._queue.get()
+        except TimeoutError:
             return None
 
     def apply(self, event: Event) -> Delta | None:
@@ -130,7 +227,7 @@ class Generation:
         if event.error is not None:
             self._engine_done[i] = True
             self.abort()
-            raise EngineFailure(event.error)
+            raise EngineFailure(event.error, event.error_code)
         if self.first_token_s is None and event.token_ids:
             self.first_token_s = time.perf_counter() - self.start
         choice = self.choices[i]

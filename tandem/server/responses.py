@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import time
 
-from tandem.server.generation import Delta, EngineFailure, Generation
+from tandem.server.generation import Delta, EngineFailure, Generation, RequestTimeout
 from tandem.server.schemas import error_body
 
 
@@ -54,15 +54,12 @@ def _chunk(runtime, generation: Generation, chat: bool, delta: Delta, first: boo
 async def stream(runtime, request, generation: Generation, chat: bool, include_usage: bool):
     """SSE chunks until every choice finished, then (optionally) a usage chunk and `[DONE]`.
 
-    A disconnect cancels this generator (Starlette watches the connection): `finally` aborts the engine
-    requests, which frees their cache rows.
+    Chat streams send the assistant role with the first engine output (after prefill), as vLLM does, so a
+    client's time to first token is the model's. A disconnect cancels this generator (Starlette watches
+    the connection): `finally` aborts the engine requests, which frees their cache rows.
     """
-    started: set[int] = set()
+    role_sent = not chat
     try:
-        if chat:  # the role comes first, as OpenAI sends it
-            for i in range(len(generation.choices)):
-                started.add(i)
-                yield sse(_chunk(runtime, generation, chat, Delta(i, ""), first=True))
         next_check = time.monotonic() + 0.5
         while not generation.finished:
             event = await generation.next_event(timeout=0.5)
@@ -73,6 +70,10 @@ async def stream(runtime, request, generation: Generation, chat: bool, include_u
             if event is None:
                 continue
             delta = generation.apply(event)
+            if not role_sent:  # the role comes first, as OpenAI sends it, once the model produced something
+                role_sent = True
+                for i in range(len(generation.choices)):
+                    yield sse(_chunk(runtime, generation, chat, Delta(i, ""), first=True))
             if delta is not None:
                 yield sse(_chunk(runtime, generation, chat, delta, first=False))
         observe(runtime, generation)
@@ -80,8 +81,12 @@ async def stream(runtime, request, generation: Generation, chat: bool, include_u
             yield sse(_head(generation, runtime, chat, chunk=True) | {"choices": [], "usage": generation.usage()})
         yield sse("[DONE]")
     except EngineFailure as e:
-        runtime.metrics.request_errors.labels("engine_step").inc()
-        yield sse(error_body(str(e), "server_error", code="engine_step_failed"))
+        runtime.metrics.failed(e.code)
+        yield sse(error_body(str(e), "server_error", code=e.code))
+        yield sse("[DONE]")
+    except RequestTimeout as e:
+        runtime.metrics.failed("request_timeout")
+        yield sse(error_body(str(e), "timeout_error", code="request_timeout"))
         yield sse("[DONE]")
     finally:
         if not generation.finished:
@@ -95,4 +100,4 @@ def observe(runtime, generation: Generation) -> None:
     if generation.first_token_s is not None:
         m.ttft.observe(generation.first_token_s)
     for choice in generation.choices:
-        m.request_success.labels(choice.finish_reason or "abort").inc()
+        m.success(choice.finish_reason or "abort")

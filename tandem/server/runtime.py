@@ -5,6 +5,7 @@ import each other). `Runtime.close()` stops the loop, then checkpoints the flywh
 """
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 from dataclasses import dataclass, replace
@@ -18,6 +19,8 @@ from tandem.server.engine_loop import EngineLoop
 from tandem.server.metrics import ServerMetrics
 
 DEFAULT_MAX_BODY = 1 << 20
+MAX_AUTO_BATCH = 64  # the batch sized from the KV budget stops here (CPU steps grow with the batch: latency)
+DAY = 86_400.0
 
 
 @dataclass(frozen=True)
@@ -36,12 +39,21 @@ class ServerConfig:
     port: int = 8000
     api_key: str | None = None  # Bearer key required on /v1 when set
     admin_key: str | None = None  # /admin routes exist only when set, and always require it
-    max_batch_size: int = 8
-    max_queue: int = 64  # requests accepted beyond the running batch; more get 429
+    max_batch_size: int | None = None  # None: as many rows as the KV-cache budget holds at max_model_len (<= 64)
+    max_queue: int | None = None  # requests accepted beyond the running batch; more get 429 (None: 4 x max_batch_size)
+    kv_cache_bytes: int | None = None  # KV budget sizing the default batch (None: a quarter of RAM, at most 8 GiB)
+    request_timeout_s: float | None = 600.0  # a request still running after this is aborted: 408 (streams: an error event)
+    queue_timeout_s: float | None = 60.0  # a request still queued after this is failed: 503 queue_timeout
+    drain_timeout_s: float = 30.0  # SIGTERM/SIGINT: requests in flight get this long to finish (a second signal: at once)
+    spill_traces: bool = True  # --online: also write traces to Parquet under state_dir/traces (restarts, offline training)
+    spill_max_bytes: int | None = 2 << 30  # --online: spilled traces kept (the oldest shards are deleted beyond)
+    spill_max_age_s: float | None = 7 * DAY  # --online: spilled shards older than this are deleted
+    trainer_process: bool = False  # --online: train in a child process instead of a thread of the server
+    json_logs: bool = False  # log JSON lines (with request ids) instead of text
     max_model_len: int | None = None  # KV cache per request (None = LLM's default)
     max_body_bytes: int = DEFAULT_MAX_BODY
     prefill_tokens_per_step: int = 512  # prompt tokens prefilled per engine step (a longer prompt in chunks: running requests never stall)
-    threads: int | None = None
+    threads: int | None = None  # the engine's torch threads (None: serving_threads(), one core left to the HTTP side)
     trainer_threads: int = 1
     publish_every: int | None = None  # online: trainer steps per published version (None = the flywheel default)
     checkpoint_every: int = 100  # online: trainer steps between checkpoints (and one at shutdown)
@@ -51,8 +63,16 @@ class ServerConfig:
             raise InvalidParameterError("--online trains an EAGLE head: use --drafter eagle")
         if not (1 <= self.port <= 65535 or self.port == 0):
             raise InvalidParameterError(f"port must be in [1, 65535], got {self.port}")
-        if self.max_queue < 0 or self.max_batch_size < 1 or self.max_body_bytes < 1024:
+        if (self.max_queue is not None and self.max_queue < 0) or (self.max_batch_size is not None and self.max_batch_size < 1) or self.max_body_bytes < 1024:
             raise InvalidParameterError("max_queue must be >= 0, max_batch_size >= 1, max_body_bytes >= 1024")
+        for name in ("request_timeout_s", "queue_timeout_s", "spill_max_age_s"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise InvalidParameterError(f"{name} must be > 0 (or None: no limit), got {value}")
+        if self.drain_timeout_s < 0 or (self.spill_max_bytes is not None and self.spill_max_bytes < 0):
+            raise InvalidParameterError("drain_timeout_s and spill_max_bytes must be >= 0")
+        if self.trainer_process and not self.online:
+            raise InvalidParameterError("--trainer-process needs --online")
         for name in ("api_key", "admin_key"):
             key = getattr(self, name)
             if key is not None and len(key) < 8:
@@ -76,23 +96,73 @@ def _state_dir(config: ServerConfig) -> tuple[Path, bool]:
     return Path(tempfile.mkdtemp(prefix="tandem-serve-")), True
 
 
+def kv_row_bytes(cfg, max_len: int, dtype_bytes: int = 4) -> int:
+    """Bytes of one request's KV cache row (keys and values of every layer at max_len positions)."""
+    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * max_len * dtype_bytes
+
+
+def default_kv_budget() -> int:
+    """A quarter of the machine's memory, at most 8 GiB."""
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        total = 16 << 30
+    return min(8 << 30, total // 4)
+
+
+def serving_threads() -> int:
+    """The engine's threads when serving: every core but one from 4 cores up, so the HTTP event loop (parsing,
+    detokenizing, writing responses) does not preempt one of the engine's OpenMP threads mid-step and stall the
+    whole parallel region behind it (vLLM's CPU backend also asks to leave a core to its API server)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return cores - 1 if cores >= 4 else cores
+
+
+def sized_batch(cfg, max_len: int, budget: int, dtype_bytes: int = 4) -> int:
+    """vLLM sizes its batch from the KV-cache memory budget: as many rows as fit, 1..MAX_AUTO_BATCH."""
+    return max(1, min(MAX_AUTO_BATCH, budget // kv_row_bytes(cfg, max_len, dtype_bytes)))
+
+
+def flywheel_options(c: ServerConfig, state_dir: Path):
+    """The live flywheel as benchmarks compose it (flywheel.setups.live_options): a trained head (--drafter-path)
+    is fine-tuned with the settings measured for it (lr 1e-4, anchor 100, no discard: docs/BENCHMARKS.md 4),
+    a day-0 head trained from scratch (lr 1e-3); traces spill under state_dir/traces with retention, or not at all."""
+    from tandem.flywheel.setups import FlywheelSetup, live_options
+
+    setup = FlywheelSetup(num_draft_tokens=c.num_draft_tokens, trainer_process=c.trainer_process,
+                          **({} if c.publish_every is None else {"publish_every": c.publish_every}))
+    spill = {"spill_dir": str(state_dir / "traces"), "spill_max_bytes": c.spill_max_bytes, "spill_max_age_s": c.spill_max_age_s} if c.spill_traces else {}
+    return live_options(setup, "static" if c.drafter_path else "scratch", {}, checkpoint_dir=str(state_dir / "checkpoint"),
+                        trainer_threads=c.trainer_threads, checkpoint_every=c.checkpoint_every, **spill)
+
+
 class Runtime:
     """The served model: tokenizer + engine + loop (+ flywheel), and the metrics over them."""
 
     def __init__(self, config: ServerConfig):
         from tandem.llm import LLM
 
-        self.config = config
         self.state_dir, self._temporary_state = _state_dir(config)
-        self.llm = LLM(config.model, max_batch_size=config.max_batch_size, max_model_len=config.max_model_len, num_threads=config.threads)
+        self.llm = LLM(config.model, max_batch_size=config.max_batch_size or 1, max_model_len=config.max_model_len, num_threads=config.threads or serving_threads())
+        if config.max_batch_size is None:
+            cfg, max_len = self.llm.target.cfg, self.llm.config.max_model_len
+            dtype_bytes = self.llm.target.embed.weight.element_size()
+            config = replace(config, max_batch_size=sized_batch(cfg, max_len, config.kv_cache_bytes or default_kv_budget(), dtype_bytes))
+        if config.max_queue is None:
+            config = replace(config, max_queue=4 * config.max_batch_size)
+        self.config = config
+        self.llm.config = replace(self.llm.config, max_batch_size=config.max_batch_size)
         self.tokenizer = self.llm.tokenizer
         self.engine = self._engine()
         self.flywheel = self._flywheel() if config.online else None
         self.control = DrafterControl.build(self.engine, self.flywheel, self.state_dir / "versions")
         step = self.flywheel.step if self.flywheel is not None else None
-        self.loop = EngineLoop(self.engine, step, config.max_queue, prefill_tokens_per_step=config.prefill_tokens_per_step)
-        self.metrics = ServerMetrics(self.engine, self.loop, self.control.swapper if self.control else None, self.flywheel)
+        self.loop = EngineLoop(self.engine, step, config.max_queue, prefill_tokens_per_step=config.prefill_tokens_per_step,
+                               queue_timeout_s=config.queue_timeout_s)
+        self.metrics = ServerMetrics(self.engine, self.loop, self.control.swapper if self.control else None, self.flywheel, config.model_name)
         self.loop.on_finish = self.metrics.on_finish
+        self.loop.on_tokens = self.metrics.on_tokens
+        self.draining = False  # SIGTERM: readiness false, new requests 503, the ones in flight finish
         if self.flywheel is not None:
             self.flywheel.start()
         self.loop.start()
@@ -115,13 +185,9 @@ class Runtime:
         return llm.engine
 
     def _flywheel(self):
-        from tandem.flywheel.loop import Flywheel, FlywheelOptions
-        from tandem.flywheel.trainer import FlywheelConfig
+        from tandem.flywheel.loop import Flywheel
 
-        loss = FlywheelConfig() if self.config.publish_every is None else FlywheelConfig(publish_every=self.config.publish_every)
-        options = FlywheelOptions(loss=loss, spill_dir=str(self.state_dir / "traces"), checkpoint_dir=str(self.state_dir / "checkpoint"),
-                                  trainer_threads=self.config.trainer_threads, checkpoint_every=self.config.checkpoint_every)
-        return Flywheel(self.engine, self.llm.target, options)
+        return Flywheel(self.engine, self.llm.target, flywheel_options(self.config, self.state_dir))
 
     def encode_prompt(self, prompt: str | list[int]) -> list[int]:
         return self.tokenizer.encode(prompt, add_special_tokens=False) if isinstance(prompt, str) else list(prompt)
@@ -137,6 +203,14 @@ class Runtime:
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         self.engine.validate(prompt_ids, params)  # reads only model config and limits: safe off the engine thread
+
+    @property
+    def ready(self) -> bool:
+        """Takes new requests: the loop is healthy and the server is not draining."""
+        return self.loop.healthy and not self.draining
+
+    def begin_drain(self) -> None:
+        self.draining = True
 
     def close(self) -> None:
         self.loop.stop()

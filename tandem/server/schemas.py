@@ -7,15 +7,32 @@ with a 400 rather than silently dropped.
 """
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 MAX_N = 8
 MAX_STOP = 4
 
 Prompt = Annotated[str, Field(min_length=1)] | Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)] | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=16)]
 Stop = str | Annotated[list[str], Field(max_length=MAX_STOP)] | None
+
+# fields a client may send that this server cannot honour: a 400 naming them, never silently ignored (neutral values pass)
+UNSUPPORTED = {
+    "tools": "tool calling is not supported by this server",
+    "tool_choice": "tool calling is not supported by this server",
+    "functions": "function calling is not supported by this server",
+    "function_call": "function calling is not supported by this server",
+    "response_format": 'structured output is not supported by this server: only {"type": "text"}',
+    "logit_bias": "logit_bias is not supported by this server",
+    "guided_json": "guided decoding is not supported by this server",
+    "guided_regex": "guided decoding is not supported by this server",
+    "guided_choice": "guided decoding is not supported by this server",
+    "guided_grammar": "guided decoding is not supported by this server",
+    "structured_outputs": "guided decoding is not supported by this server",
+    "suffix": "suffix (insertion) is not supported by this server",
+}
+NEUTRAL = (None, [], {}, "none", "auto", {"type": "text"}, "")
 
 
 class StreamOptions(BaseModel):
@@ -40,6 +57,27 @@ class _Sampling(BaseModel):
     ignore_eos: bool = False
     presence_penalty: Annotated[float, Field(ge=0.0, le=0.0)] | None = None  # only the neutral value is supported
     frequency_penalty: Annotated[float, Field(ge=0.0, le=0.0)] | None = None
+    tools: Any = None  # UNSUPPORTED: refused unless neutral
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    response_format: Any = None
+    logit_bias: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
+    suffix: Any = None
+
+    @field_validator(*UNSUPPORTED, mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, value, info: ValidationInfo):
+        if any(value == neutral and type(value) is type(neutral) for neutral in NEUTRAL if neutral is not None) or value is None:
+            return None
+        if info.field_name == "tool_choice" and value == "none":
+            return None
+        raise ValueError(UNSUPPORTED[info.field_name])
 
     @model_validator(mode="after")
     def _stops_non_empty(self):

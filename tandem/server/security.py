@@ -1,15 +1,28 @@
-"""ASGI guard in front of the app: body size limit, Bearer keys on /v1 and /admin (constant-time compare).
+"""ASGI guard in front of the app: request ids, body size limit, Bearer keys on /v1 and /admin (constant-time compare).
 
 Checks run before FastAPI parses anything, so an oversize or unauthenticated request never reaches a
-handler. /health and /metrics stay open (the server binds 127.0.0.1 by default).
+handler. /health, /ready and /metrics stay open (the server binds 127.0.0.1 by default). Every response
+carries `X-Request-Id`: the client's (printable ASCII, up to 128 characters) or a new one; handlers read
+it from `scope["tandem.request_id"]`, and one log line per /v1 request carries it.
 """
 from __future__ import annotations
 
 import hmac
+import logging
+import re
+import time
+import uuid
 
 from starlette.responses import JSONResponse
 
 from tandem.server.schemas import error_body
+
+log = logging.getLogger("tandem.server")
+REQUEST_ID = re.compile(rb"[\x21-\x7e]{1,128}")
+
+
+def request_id(header: bytes | None) -> str:
+    return header.decode() if header is not None and REQUEST_ID.fullmatch(header) else uuid.uuid4().hex
 
 
 def key_matches(header: bytes | None, key: str) -> bool:
@@ -27,6 +40,24 @@ class Guard:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
+        rid = scope["tandem.request_id"] = request_id(headers.get(b"x-request-id"))
+        start, status = time.perf_counter(), [0]
+
+        async def send_with_id(message):
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+                message = message | {"headers": [*message.get("headers", []), (b"x-request-id", rid.encode())]}
+            await send(message)
+
+        try:
+            await self._guarded(scope, receive, send_with_id, headers)
+        finally:
+            if scope["path"].startswith("/v1"):
+                log.info("%s %s %d %.3f s", scope["method"], scope["path"], status[0], time.perf_counter() - start,
+                         extra={"request_id": rid, "method": scope["method"], "path": scope["path"], "status": status[0],
+                                "duration_s": round(time.perf_counter() - start, 4)})
+
+    async def _guarded(self, scope, receive, send, headers):
         denied = self._auth(scope["path"], headers.get(b"authorization"))
         if denied is not None:
             return await denied(scope, receive, send)

@@ -96,3 +96,41 @@ def test_chunk_budget_is_validated():
         EngineConfig(prefill_chunk_tokens=-1)
     with pytest.raises(InvalidParameterError):
         EngineConfig(prefill_batch_tokens=-1)
+
+
+
+class FailingPrefill:
+    """The target, except that a prefill chunk (last_only) holding token 7 raises."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def __call__(self, ids, *args, **kwargs):
+        if kwargs.get("last_only") and 7 in ids.tolist()[0]:
+            raise RuntimeError("injected prefill fault")
+        return self.model(ids, *args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+
+def test_a_prefill_that_raises_ends_its_request_alone(tiny_dirs):
+    """A chunked prefill that raises aborts that request (a finished output carrying the error); the requests
+    decoding, and the next prompt prefilled in the same step, go on as if it had never come."""
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    want = engine_for(tiny_dirs["llama"], 0).run([[1, 2, 3], [4, 5, 6]], [params] * 2)
+    engine = engine_for(tiny_dirs["llama"], 64)
+    engine.model = FailingPrefill(engine.model)
+    a = engine.add_request([1, 2, 3], params)
+    outputs: dict[str, list] = {}
+    for o in engine.step():
+        outputs.setdefault(o.request_id, []).append(o)
+    bad = engine.add_request([9, 7, 9], params)
+    c = engine.add_request([4, 5, 6], params)
+    while engine.has_unfinished():
+        for o in engine.step():
+            outputs.setdefault(o.request_id, []).append(o)
+    assert [(o.finished, o.finish_reason.value, o.new_token_ids) for o in outputs[bad]] == [(True, "abort", [])]
+    assert "injected prefill fault" in outputs[bad][0].error and engine.prefilling is None
+    assert [t for o in outputs[a] for t in o.new_token_ids] == want[0].output_ids
+    assert [t for o in outputs[c] for t in o.new_token_ids] == want[1].output_ids

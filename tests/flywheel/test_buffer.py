@@ -85,3 +85,27 @@ def test_corrupt_shard_is_a_clear_error(tmp_path):
         load_traces(tmp_path)
     with pytest.raises(TandemError, match="no trace shards"):
         load_traces(tmp_path / "empty")
+
+
+def test_spill_retention_by_age_and_bytes(traces, tmp_path):
+    from tandem.flywheel.buffer import write_shard
+
+    now = time.time_ns()
+    day = 86_400 * 10**9
+    names = [f"traces-{t:020d}.parquet" for t in (now - 9 * day, now - 3 * day, now - 2 * day, now - 1 * day)]
+    for name, trace in zip(names, traces):
+        write_shard(tmp_path / name, [trace])
+    shard = (tmp_path / names[-1]).stat().st_size
+    buffer = TraceBuffer(spill_dir=tmp_path, spill_max_age_s=7 * 86_400, spill_max_bytes=int(2.5 * shard))
+    assert sorted(p.name for p in tmp_path.glob("traces-*.parquet")) == names[2:]  # 9 days old: too old; then the oldest over 2.5 shards
+    buffer.put(traces[0])
+    buffer.close()  # writes one more shard, then prunes to the byte bound again
+    left = sorted(p.name for p in tmp_path.glob("traces-*.parquet"))
+    assert len(left) == 2 and left[0] == names[3] and left[1] > names[3]
+    assert buffer._spill.pruned == 3
+    assert sum(p.stat().st_size for p in tmp_path.glob("*.parquet")) <= 2.5 * shard
+
+
+def test_spill_retention_settings_are_checked(tmp_path):
+    with pytest.raises(InvalidParameterError, match="retention"):
+        TraceBuffer(spill_dir=tmp_path, spill_max_age_s=0)

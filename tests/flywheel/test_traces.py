@@ -144,3 +144,30 @@ def test_traces_cross_a_process_boundary_as_bytes_exactly(target):
     other = dataclasses.replace(traces[0], schema_version=1)
     with pytest.raises(TandemError, match="schema"):
         trace_from_bytes(trace_to_bytes(other))
+
+
+def test_an_aborted_request_releases_its_partial_trace_as_a_trace(target):
+    """engine.abort tells observers: the assembler lets go of the partial trace (hidden states included) and
+    finishes it as it stands, so stop-string and disconnect aborts reach training instead of piling up."""
+    engine = eagle_engine(target)
+    traces = []
+    collector = TraceCollector(traces.append)
+    engine.observers.append(collector)
+    long = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    prompts = make_prompts(2)
+    ids = [engine.add_request(p, long) for p in prompts]
+    requests = list(engine.waiting)
+    for _ in range(3):
+        engine.step()
+    engine.abort(ids[0])
+    collector.flush()
+    assert collector.assembler.aborted == 1 and list(collector.assembler.inflight) == [ids[1]]
+    assert [t.request_id for t in traces] == [ids[0]]
+    trace, request = traces[0], requests[0]
+    assert trace.tokens.tolist() == request.prompt_ids + request.output_ids and 1 < len(request.output_ids) < 40
+    assert len(trace.features) == len(trace.tokens) - 1 and len(trace.step_root) == request.metrics.steps
+    engine.abort(ids[1])
+    engine.abort(ids[1])  # a second abort of a finished request emits nothing
+    collector.flush()
+    collector.close()
+    assert collector.assembler.aborted == 2 and not collector.assembler.inflight and len(traces) == 2

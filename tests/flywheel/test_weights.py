@@ -185,3 +185,19 @@ def test_swaps_between_steps_keep_serving_lossless(target):
     assert swapper.stats.swaps >= 2
     assert sorted(versions_seen) == versions_seen  # versions only move forward, step by step
     assert [r.output_ids for r in requests] == plain_outputs(target, prompts, [GREEDY] * 4)
+
+
+def test_swap_history_and_per_version_windows_stay_bounded(target):
+    from tandem.flywheel.weights import MAX_EVENTS
+
+    engine = eagle_engine(target)
+    store = WeightStore()
+    swapper = HotSwapper(engine.drafter, store, window=1, background=False)
+    versions = MAX_EVENTS + 40
+    for i in range(versions):
+        store.publish(perturbed(engine.drafter.head, scale=1e-4, seed=i))
+        swapper()  # adopts the new version
+        swapper.observe_lengths(swapper.stats.version, [3])  # its watch window (1) passes
+    assert swapper.stats.swaps == versions and engine.drafter.version == versions
+    assert len(swapper.stats.events) == len(swapper.stats.swap_ms) == MAX_EVENTS and swapper.stats.events[-1]["version"] == versions
+    assert set(swapper._recent) <= {versions - 1, versions} and swapper.stats.max_swap_ms >= max(swapper.stats.swap_ms)

@@ -82,8 +82,12 @@ def test_models_health_and_metrics(server):
         assert h.get("/health").json() == {"status": "ok"}
         text = h.get("/metrics").text
     for name in ("tandem:spec_decode_num_drafts_total", "tandem:spec_decode_num_draft_tokens_total", "tandem:spec_decode_num_accepted_tokens_total",
-                 'tandem:spec_decode_num_accepted_tokens_per_pos_total{position="0"}', "tandem:e2e_request_latency_seconds_bucket",
-                 "tandem:time_to_first_token_seconds_bucket", "tandem:num_requests_running", "tandem:num_requests_waiting", "tandem:drafter_version"):
+                 'tandem:spec_decode_num_accepted_tokens_per_pos_total{model_name="tiny",position="0"}', "tandem:e2e_request_latency_seconds_bucket",
+                 "tandem:time_to_first_token_seconds_bucket", "tandem:num_requests_running", "tandem:num_requests_waiting", "tandem:drafter_version",
+                 'tandem:kv_cache_usage_perc{model_name="tiny"}', 'tandem:request_success_total{finished_reason="length",model_name="tiny"}',
+                 "tandem:inter_token_latency_seconds_bucket", "tandem:request_queue_time_seconds_bucket", "tandem:request_prefill_time_seconds_bucket",
+                 "tandem:request_decode_time_seconds_bucket", "tandem:request_prompt_tokens_bucket", "tandem:request_generation_tokens_bucket",
+                 'tandem:engine_steps_failed_total{model_name="tiny"}'):
         assert name in text, name
     drafts = next(line for line in text.splitlines() if line.startswith("tandem:spec_decode_num_drafts_total"))
     assert float(drafts.split()[-1]) == server.runtime.engine.stats.drafts > 0

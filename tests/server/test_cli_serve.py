@@ -18,15 +18,17 @@ def free_port() -> int:
 
 
 @pytest.mark.slow  # a fresh interpreter imports torch, transformers and fastapi: ~10 s idle, a minute on a busy machine
-def test_tandem_serve_subprocess_online_checkpoints_on_ctrl_c(tiny_llama, tmp_path):
+@pytest.mark.parametrize("trainer_process", [False, True])
+def test_tandem_serve_subprocess_online_checkpoints_on_ctrl_c(tiny_llama, tmp_path, trainer_process):
     port, key = free_port(), "sk-cli-test-0123456789"
     cmd = [sys.executable, "-m", "tandem.cli", "serve", "--model", tiny_llama, "--served-model-name", "tiny", "--port", str(port),
            "--drafter", "eagle", "--draft-vocab-size", "200", "--online", "--state-dir", str(tmp_path / "state"),
-           "--api-key", key, "--max-model-len", "128", "--threads", "1", "--log-level", "warning"]
+           "--api-key", key, "--max-model-len", "128", "--threads", "1", "--log-level", "warning", "--log-format", "json",
+           *(["--trainer-process"] if trainer_process else [])]
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 300  # a loaded machine: minutes (the trainer child imports torch too)
         while True:
             assert proc.poll() is None, proc.stdout.read()
             try:
@@ -45,7 +47,7 @@ def test_tandem_serve_subprocess_online_checkpoints_on_ctrl_c(tiny_llama, tmp_pa
         except openai.AuthenticationError:
             pass
     finally:
-        proc.send_signal(signal.SIGINT)
+        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C in a terminal: the whole process group (a trainer child too)
         out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 0, out
     assert any((tmp_path / "state" / "checkpoint").iterdir())  # the trainer checkpointed on shutdown

@@ -46,6 +46,13 @@ BAD = [
     ("/v1/chat/completions", CHAT | {"messages": [{"role": "user"}]}, 400),
     ("/v1/chat/completions", CHAT | {"top_logprobs": 3, "logprobs": True}, 400),
     ("/v1/chat/completions", CHAT | {"model": "nope"}, 404),
+    ("/v1/chat/completions", CHAT | {"tools": [{"type": "function", "function": {"name": "f"}}]}, 400),  # unsupported: refused, not ignored
+    ("/v1/chat/completions", CHAT | {"tool_choice": "required"}, 400),
+    ("/v1/chat/completions", CHAT | {"response_format": {"type": "json_object"}}, 400),
+    ("/v1/chat/completions", CHAT | {"logit_bias": {"5": 10}}, 400),
+    ("/v1/completions", OK | {"logit_bias": {"5": -100}}, 400),
+    ("/v1/completions", OK | {"suffix": "end"}, 400),
+    ("/v1/completions", OK | {"guided_json": {"type": "object"}}, 400),
     ("/v1/nothing", OK, 404),
 ]
 
@@ -61,6 +68,13 @@ def test_bad_input_is_a_4xx_with_an_openai_error(server, path, body, status):
     content = body if isinstance(body, str) else json.dumps(body)
     r = httpx.post(server.url + path, content=content, headers={"content-type": "application/json"}, timeout=30)
     assert_openai_error(r, status)
+
+
+def test_unsupported_fields_name_themselves_and_neutral_values_pass(server):
+    r = httpx.post(server.url + "/v1/chat/completions", json=CHAT | {"response_format": {"type": "json_object"}}, timeout=30)
+    assert r.json()["error"]["param"] == "response_format" and "structured output is not supported" in r.json()["error"]["message"]
+    neutral = CHAT | {"tools": [], "tool_choice": "none", "response_format": {"type": "text"}, "logit_bias": {}}
+    assert httpx.post(server.url + "/v1/chat/completions", json=neutral, timeout=30).status_code == 200
 
 
 def test_the_server_still_serves_after_bad_input(server):

@@ -42,3 +42,57 @@ def test_spec_usage_sums_choices():
     assert usage["drafted_tokens"] == 12 and usage["accepted_tokens"] == 4 and usage["verify_steps"] == 5
     assert usage["acceptance_length"] == round((7 + 2) / 5, 4) and usage["acceptance_rate"] == round(4 / 12, 4)
     assert usage["accepted_per_position"] == [2, 1, 1] and usage["drafter_versions"] == [0, 1]
+
+
+class CountingDecode:
+    """byte_decode that counts the tokens it was asked to decode (the cost of detokenization)."""
+
+    def __init__(self):
+        self.tokens = 0
+
+    def __call__(self, ids):
+        self.tokens += len(ids)
+        return byte_decode(ids)
+
+
+def test_detokenization_is_incremental():
+    """Each token costs O(1) decoded tokens, not a re-decode of the whole choice (2,000 tokens: 2 M before)."""
+    text = ("the quick brown fox é jumps " * 80).encode()[:2000]
+    decode = CountingDecode()
+    choice = ChoiceText(decode, ("NEVER",))
+    released = "".join(choice.push([b], i == len(text) - 1, "length" if i == len(text) - 1 else None) for i, b in enumerate(text))
+    assert released == choice.text == text.decode("utf-8", errors="replace")
+    assert decode.tokens <= 4 * len(text)
+
+
+def test_a_stop_hit_late_in_a_long_choice_decodes_only_its_window():
+    body = ("abcdefghij" * 300).encode()
+    decode = CountingDecode()
+    choice = ChoiceText(decode, ("XYZ",))
+    for b in body:
+        choice.push([b], False, None)
+    spent = decode.tokens
+    choice.push(list(b"--XYZ tail"), False, None)
+    assert choice.done and choice.text == body.decode() + "--" and choice.num_tokens == len(body) + 2
+    assert decode.tokens - spent <= 12 * (len(body) + 12)  # a few prefix decodes of the last window, not one per token
+
+
+def test_incremental_text_equals_a_whole_decode_with_a_real_tokenizer(tiny_llama):
+    """Windows of a byte-level BPE tokenizer with specials glue back to the decode of all ids."""
+    import random
+
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    decode = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731
+    rng = random.Random(0)
+    for _ in range(20):
+        ids = [rng.randrange(tok.vocab_size) for _ in range(rng.randint(1, 60))]
+        choice = ChoiceText(decode, ())
+        pos, out = 0, []
+        while pos < len(ids):
+            step = rng.randint(1, 5)
+            last = pos + step >= len(ids)
+            out.append(choice.push(ids[pos:pos + step], last, "length" if last else None))
+            pos += step
+        assert "".join(out) == choice.text == decode(ids)

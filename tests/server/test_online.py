@@ -45,6 +45,16 @@ def test_online_flywheel_admin_trainer_death_and_resume(tiny_llama, reference, t
         until(lambda: swapper.stats.swaps >= 1, server, expected)
         assert runtime.flywheel.trainer.steps >= 2
 
+        # a request ended by a stop string is aborted in the engine: its partial trace is finished and counted, not leaked
+        text = expected[PROMPTS[0]]
+        aborted_before = flywheel.collector.assembler.aborted
+        r = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 40, "temperature": 0,
+                                                             "ignore_eos": True, "stop": [text[len(text) // 2]]}, timeout=60)
+        assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "stop"
+        flywheel.collector.flush()
+        assert flywheel.collector.assembler.aborted == aborted_before + 1 and not flywheel.collector.assembler.inflight
+        assert f'tandem:trace_aborted_requests_total{{model_name="tiny"}} {aborted_before + 1}.0' in httpx.get(server.url + "/metrics").text
+
         admin = httpx.Client(base_url=server.url, headers=ADMIN, timeout=30)
         status = admin.get("/admin/drafter").json()
         assert status["version"] == swapper.stats.version >= 1 and 0 in status["available_versions"] and status["training"]["alive"]
@@ -67,7 +77,7 @@ def test_online_flywheel_admin_trainer_death_and_resume(tiny_llama, reference, t
         assert serve_batch(server, expected, 16)  # serving continues on the last published version
         assert flywheel.store.latest().version == last and swapper.stats.version <= last and swapper.stats.refused == 0
         metrics = httpx.get(server.url + "/metrics").text
-        assert "tandem:trainer_alive 0.0" in metrics and "tandem:trainer_failed 1.0" in metrics
+        assert 'tandem:trainer_alive{model_name="tiny"} 0.0' in metrics and 'tandem:trainer_failed{model_name="tiny"} 1.0' in metrics
         assert "tandem:trace_buffer_bytes" in metrics and "tandem:drafter_swaps_total" in metrics
         assert admin.post("/admin/training/resume").status_code == 400  # a dead trainer is not resumed silently
         steps_at_death = flywheel.trainer.steps
