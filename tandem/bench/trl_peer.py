@@ -56,7 +56,7 @@ class TrlCompareConfig:
     eval_problems: int = 64
     seed: int = 0
     threads: int = 2
-    drafter: str = "suffix"  # tandem's rollout drafter (as `tandem rl --drafters`)
+    drafter: str = "ngram"  # tandem's rollout drafter (as `tandem rl --drafters`; NAME@fixed = always speculate)
     task: str = ""  # comma list of reasoning-gym tasks ("" = tandem's default mix)
     task_kwargs: str = ""  # JSON, as `tandem rl --task-kwargs`
     trl_python: str | None = None  # an interpreter with trl; default: the peer cache's venv-trl (made on demand)
@@ -161,6 +161,17 @@ def trl_command(cfg: TrlCompareConfig, python: Path, model_dir: Path, problems: 
             "--seed", str(cfg.seed), "--threads", str(cfg.threads)]
 
 
+def check_drafter(spec: str) -> None:
+    """Before anything runs: the drafter is "ar" or registered (as `tandem rl --drafters` takes it)."""
+    import tandem.drafters  # noqa: F401  (registers the built-in drafters)
+    from tandem.drafters.base import registered
+    from tandem.rl.setup import FIXED
+
+    name = spec[: -len(FIXED)] if spec.endswith(FIXED) else spec
+    if name != "ar" and name not in registered():
+        raise InvalidParameterError(f"--drafter {spec!r}: not ar or one of {', '.join(registered())}")
+
+
 def _run_child(cmd: list[str], threads: int, what: str) -> float:
     print(f"[rl-trl] {what}: {' '.join(cmd)}", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
@@ -247,6 +258,7 @@ def run_rl_trl_bench(cfg: TrlCompareConfig, work_dir: Path | None = None) -> dic
     from tandem.models.zoo import resolve_model
     from tandem.rl.report import timestamp
 
+    check_drafter(cfg.drafter)
     python = Path(cfg.trl_python) if cfg.trl_python else ensure_trl_venv()
     if not python.exists():
         raise InvalidParameterError(f"--trl-python: no interpreter at {python}")

@@ -6,6 +6,7 @@ import pytest
 
 from tandem.bench.trl_peer import (
     TrlCompareConfig,
+    check_drafter,
     compare,
     ensure_trl_venv,
     export_records,
@@ -56,6 +57,10 @@ def test_config_refuses_a_micro_batch_that_does_not_divide_the_rollout_batch_and
     flags = dict(zip(cmd[2::2], cmd[3::2]))
     assert flags["--loss-type"] == "dapo" and flags["--scale-rewards"] == "none" and flags["--epsilon-high"] == "0.28"
     assert flags["--epsilon"] == "0.2" and flags["--group-size"] == "8" and flags["--micro-batch"] == "8"
+    check_drafter("ngram@fixed")
+    check_drafter("ar")
+    with pytest.raises(InvalidParameterError, match="--drafter 'nope'"):
+        check_drafter("nope")
 
 
 def _tandem_json() -> dict:
