@@ -3,8 +3,8 @@
 Reads the problems tandem exported (tandem/bench/trl_peer.py: a meta line, the training problems in step order,
 the held-out set), trains with GRPOTrainer on CPU (no vLLM, transformers generate) at the settings given on the
 command line, one optimiser step per rollout batch of prompts_per_step x group_size completions, the dataset in
-the exported order (shuffle_dataset=False), no KL (beta=0), the (tied) embedding frozen as tandem's learner
-freezes it. Reward: reasoning-gym's extract_answer + the task's own score_answer, on a dataset rebuilt from the
+the exported order (shuffle_dataset=False), no KL (beta=0), fp32 without gradient checkpointing (TRL's defaults
+are bf16 and checkpointing; tandem's learner does neither), the (tied) embedding frozen as tandem's learner freezes it. Reward: reasoning-gym's extract_answer + the task's own score_answer, on a dataset rebuilt from the
 exported task settings and seed (as tandem's ReasoningEnv builds it). Writes one JSON: per step the wall time
 (between the trainer's step ends), reward mean and completion length mean; the greedy held-out rewards per
 problem before and after training; the versions; how many prompts tokenized exactly as tandem tokenized them.
@@ -141,7 +141,7 @@ def main() -> int:
         learning_rate=a.lr, lr_scheduler_type="constant", warmup_steps=0, adam_beta1=0.9, adam_beta2=0.99, weight_decay=0.0,
         max_grad_norm=1.0, beta=0.0, epsilon=a.epsilon, epsilon_high=a.epsilon_high, loss_type=a.loss_type, scale_rewards=a.scale_rewards,
         num_iterations=1, max_steps=steps, shuffle_dataset=False, logging_steps=1, report_to="none", save_strategy="no", use_cpu=True,
-        bf16=False, fp16=False, seed=a.seed, disable_dropout=True, dataloader_num_workers=0, remove_unused_columns=False, use_vllm=False,
+        bf16=False, fp16=False, gradient_checkpointing=False, seed=a.seed, disable_dropout=True, dataloader_num_workers=0, remove_unused_columns=False, use_vllm=False,
     )
     records: list[dict] = []
 
@@ -170,7 +170,8 @@ def main() -> int:
     end["eval_s"] = time.perf_counter() - t2
     settings = {k: getattr(cfg, k) for k in ("per_device_train_batch_size", "gradient_accumulation_steps", "generation_batch_size", "steps_per_generation",
                                               "num_generations", "max_completion_length", "temperature", "learning_rate", "loss_type", "scale_rewards",
-                                              "beta", "epsilon", "epsilon_high", "num_iterations", "max_steps", "shuffle_dataset", "seed")}
+                                              "beta", "epsilon", "epsilon_high", "num_iterations", "max_steps", "shuffle_dataset", "seed",
+                                              "gradient_checkpointing", "bf16", "max_grad_norm", "adam_beta2", "weight_decay", "lr_scheduler_type")}
     settings["trainable_parameters"] = sum(q.numel() for q in model.parameters() if q.requires_grad)
     result = {"versions": versions, "settings": settings, "steps": records, "train_s": train_s, "held_out_start": start, "held_out_end": end,
               "prompt_ids_match": [matches, sum("prompt_ids" in r for r in rows)], "threads": torch.get_num_threads()}

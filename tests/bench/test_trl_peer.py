@@ -110,6 +110,8 @@ def test_both_sides_end_to_end_on_the_tiny_model(tiny_llama, tmp_path):
     assert report["versions"]["trl_side"]["trl"] == "1.16.0" and report["versions"]["trl_side"]["torch"].startswith("2.13.0")
     assert report["prompt_ids_match"] == [8, 8]  # 2 steps x 2 prompts + 4 held-out, tokenized identically on both sides
     assert report["trl_settings"]["generation_batch_size"] == 4 and report["trl_settings"]["gradient_accumulation_steps"] == 2
+    assert report["trl_settings"]["gradient_checkpointing"] is False and report["trl_settings"]["bf16"] is False  # as tandem's learner
+    assert report["trl_settings"]["beta"] == 0.0 and report["trl_settings"]["shuffle_dataset"] is False
     c = report["comparison"]
     assert [r["step"] for r in c["curve"]] == [0, 1]
     for side in ("tandem", "trl"):
