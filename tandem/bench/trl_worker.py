@@ -94,11 +94,7 @@ def main() -> int:
     import torch
 
     torch.set_num_threads(a.threads)
-    import accelerate
     import datasets
-    import reasoning_gym
-    import transformers
-    import trl
     from reasoning_gym.utils import extract_answer
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -125,9 +121,10 @@ def main() -> int:
     def score(problem: dict, text: str) -> float:
         return float(by_task[problem["task"]].score_answer(extract_answer(text), problem["entry"]))
 
-    versions = {"trl": trl.__version__, "transformers": transformers.__version__, "accelerate": accelerate.__version__,
-                "datasets": datasets.__version__, "torch": torch.__version__, "reasoning_gym": getattr(reasoning_gym, "__version__", "?"),
-                "python": sys.version.split()[0]}
+    from importlib.metadata import version  # the installed distributions (reasoning_gym.__version__ lags its releases)
+
+    versions = {name: version(name) for name in ("trl", "transformers", "accelerate", "datasets", "torch", "reasoning-gym")}
+    versions["python"] = sys.version.split()[0]
     t0 = time.perf_counter()
     start = greedy_eval(model, tokenizer, held, score, a.max_tokens)
     start["eval_s"] = time.perf_counter() - t0
