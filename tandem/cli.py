@@ -147,6 +147,9 @@ def _bench_commands(sub) -> None:
     from tandem.bench.report import add_bench_report_command
 
     add_bench_report_command(bench)
+    from tandem.bench.trl_peer import add_bench_rl_trl_command
+
+    add_bench_rl_trl_command(bench)
 
 
 def _bench_forward(args) -> int:
