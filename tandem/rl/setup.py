@@ -7,7 +7,7 @@ from tandem.rl.grpo import GRPOConfig, GRPOTrainer
 from tandem.rl.learner import Learner
 from tandem.rl.rollout import RolloutEngine
 
-MAX_PROMPT_TOKENS = 256  # chat-rendered reasoning prompts are far shorter
+MAX_PROMPT_TOKENS = 512  # one-shot chat-rendered reasoning prompts: ~120-350 tokens
 FIXED = "@fixed"  # "suffix@fixed": that drafter at its full draft length every step (no controller)
 
 
