@@ -77,6 +77,7 @@ def flywheel(model: str, work: Path) -> dict:
         phase("kill_replica")
         out.update(_kill_trainer(cluster, model))
         phase("kill_trainer")
+        cluster.wait_until(lambda: all(s is not None and s["flywheel"]["traces_sent"]["pending"] == 0 for s in cluster.status()), 30)
         final = cluster.status()
         out["trace_counts"] = [s["flywheel"]["traces_sent"] for s in final]
     return out
@@ -134,7 +135,88 @@ def _kill_trainer(cluster, model: str) -> dict:
     return out
 
 
-SCENARIOS = {"flywheel": flywheel}
+def parity_reward(text, problem):  # gives the tiny random model's groups reward variance (as tests/rl)
+    return float(len(text) % 2)
+
+
+def rl(model: str, work: Path) -> dict:
+    """One GRPO step, embedded vs 2 rollout workers: the same rollouts before and after the policy update."""
+    from tandem.cluster.rl import build_ray_trainer
+    from tandem.rl.grpo import GRPOConfig
+    from tandem.rl.setup import build_trainer
+    from tandem.rl.tasks import TaskConfig
+
+    cfg = GRPOConfig(steps=1, prompts_per_step=3, group_size=3, max_tokens=8, lr=1e-3, micro_batch=4, eval_problems=0, seed=1,
+                     task=TaskConfig(kinds=("add",), max_value=9))
+    trainers = {"embedded": build_trainer(model, ["ngram"], cfg, num_draft_tokens=3, adaptive_k=False, reward_fn=parity_reward),
+                "ray": build_ray_trainer(model, "ngram", cfg, workers=2, num_draft_tokens=3, adaptive_k=False, reward_fn=parity_reward,
+                                         placement=Placement(num_cpus=0.5))}
+    out: dict = {}
+    for name, trainer in trainers.items():
+        problems, batches = trainer.rollouts(0)
+        trainer.update(batches["ngram"], problems)
+        sync = trainer.sync()
+        _, after = trainer.rollouts(1)
+        out[name] = {"rollouts": [_rollout_view(r) for r in batches["ngram"].rollouts], "after": [_rollout_view(r) for r in after["ngram"].rollouts],
+                     "policy_version": trainer.engines[0].policy_version, "sync": sync["sync"]}
+    return out
+
+
+def _rollout_view(r) -> dict:
+    return {"prompt_index": r.prompt_index, "sample_index": r.sample_index, "seed": r.seed, "completion_ids": r.completion_ids,
+            "logprobs": [round(x, 4) for x in r.logprobs], "policy_version": r.policy_version}
+
+
+def serve_scenario(model: str, work: Path) -> dict:
+    """tandem serve --ray with 2 replicas: the openai client, streaming, keys, /metrics of every replica."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+    import openai
+
+    from tandem.cluster import serve as ray_serve
+
+    key, out = "test-key-0123456789", {}
+    config = _server_config(model, api_key=key, port=8000)
+    t0 = time.monotonic()
+    ray_serve.start(config, replicas=2, replica_cpus=0.5)
+    out["start_s"] = round(time.monotonic() - t0, 2)
+    try:
+        client = openai.OpenAI(base_url="http://127.0.0.1:8000/v1", api_key=key, max_retries=0, timeout=120)
+        prompts = make_prompts(8, seed=31)
+        reference = plain_outputs(model, prompts, [SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)] * 8)
+        from tandem.llm import load_tokenizer
+
+        tokenizer = load_tokenizer(model)
+        out["expected"] = [tokenizer.decode(ids, skip_special_tokens=True) for ids in reference]
+
+        def ask(p):
+            return client.completions.create(model="tiny", prompt=p, max_tokens=8, temperature=0.0, extra_body={"ignore_eos": True}).choices[0].text
+
+        with ThreadPoolExecutor(8) as pool:
+            out["texts"] = list(pool.map(ask, prompts))
+        stream = client.completions.create(model="tiny", prompt=prompts[0], max_tokens=8, temperature=0.0, stream=True, extra_body={"ignore_eos": True})
+        out["streamed"] = "".join(chunk.choices[0].text for chunk in stream if chunk.choices)
+        bad = httpx.post("http://127.0.0.1:8000/v1/completions", json={"model": "tiny", "prompt": "x"}, headers={"Authorization": "Bearer wrong-key-000"})
+        out["bad_key"] = {"status": bad.status_code, "body": bad.json()}
+        unknown = client.with_options(max_retries=0)
+        try:
+            unknown.completions.create(model="nope", prompt="x", max_tokens=2)
+        except openai.NotFoundError as e:
+            out["unknown_model"] = {"status": e.status_code, "body": e.body}
+        time.sleep(2 * ray_serve.PUSH_S + 0.5)
+        metrics = httpx.get("http://127.0.0.1:8000/metrics", headers={"Authorization": f"Bearer {key}"}).text
+        out["metrics_replicas"] = sorted({line.split('replica="')[1].split('"')[0] for line in metrics.splitlines() if 'replica="' in line})
+        out["metrics_generation_tokens"] = sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines() if line.startswith("tandem:generation_tokens_total{"))
+        out["metrics_cluster_replicas"] = [line for line in metrics.splitlines() if line.startswith("tandem:cluster_replicas ")]
+    finally:
+        from ray import serve
+
+        serve.shutdown()
+    return out
+
+
+SCENARIOS = {"flywheel": flywheel, "rl": rl, "serve": serve_scenario}
 
 
 def main() -> int:
