@@ -35,6 +35,8 @@ def serve_ray(args) -> int:
     if args.replicas < 1:
         raise InvalidParameterError(f"--replicas must be >= 1, got {args.replicas}")
     config = config_from_args(args)
+    if config.admin_key is not None:
+        raise InvalidParameterError("--admin-key with --ray is not supported yet: Serve routes an admin request to one replica, not all")
     spec = None
     if config.online:
         from tandem.models.zoo import tandem_home
