@@ -164,7 +164,7 @@ def rl(model: str, work: Path) -> dict:
 
 def _rollout_view(r) -> dict:
     return {"prompt_index": r.prompt_index, "sample_index": r.sample_index, "seed": r.seed, "completion_ids": r.completion_ids,
-            "logprobs": [round(x, 4) for x in r.logprobs], "policy_version": r.policy_version}
+            "logprobs": list(r.logprobs), "policy_version": r.policy_version}
 
 
 def serve_scenario(model: str, work: Path) -> dict:

@@ -28,7 +28,9 @@ def observed(tiny_llama, tmp_path_factory):
         pytest.skip(f"no private network namespace here ({reason}): Ray tests never run on the host network")
     work = tmp_path_factory.mktemp("ray")
     out = work / "observed.json"
-    env = ray_local_env() | {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
+    # TANDEM_CPU_GEMM=onednn: these tests are about placement, faults and the wire, not kernels; every actor process
+    # would otherwise load (or wait for a build of) the C++ GEMM extension. References are computed in the same env.
+    env = ray_local_env() | {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE", "TANDEM_CPU_GEMM": "onednn"}
     argv = netns_argv([sys.executable, str(ROOT / "tests" / "cluster" / "scenarios.py"), tiny_llama, str(work), str(out)])
     done = subprocess.run(argv, env=env, cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT_S)
     assert out.is_file(), f"scenarios wrote nothing (rc {done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
@@ -88,9 +90,15 @@ def test_one_rl_step_on_two_rollout_workers_equals_the_embedded_engine(observed)
     r = _scenario(observed, "rl")
     embedded, ray = r["embedded"], r["ray"]
     assert len(embedded["rollouts"]) == 9
-    assert ray["rollouts"] == embedded["rollouts"]  # same prompts, seeds, tokens, log-probs (4 d.p.), policy version
-    assert ray["after"] == embedded["after"]  # after one update broadcast through the object store
+    for when in ("rollouts", "after"):  # before, and after one update broadcast through the object store
+        assert [_exact(r) for r in ray[when]] == [_exact(r) for r in embedded[when]]  # prompts, seeds, tokens, policy version
+        for a, b in zip(ray[when], embedded[when]):  # a worker's batch is a slice of the embedded one: float noise only
+            assert a["logprobs"] == pytest.approx(b["logprobs"], abs=1e-3)
     assert ray["policy_version"] == embedded["policy_version"] == embedded["after"][0]["policy_version"] > embedded["rollouts"][0]["policy_version"]
+
+
+def _exact(rollout: dict) -> dict:
+    return {k: v for k, v in rollout.items() if k != "logprobs"}
 
 
 def test_serve_on_ray_answers_the_openai_client_with_every_replica_in_metrics(observed):
