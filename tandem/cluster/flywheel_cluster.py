@@ -64,13 +64,15 @@ class FlywheelCluster:
     def generate_on(self, replica: int, prompt_ids: list[int], params: SamplingParams, timeout: float = GENERATE_TIMEOUT_S) -> dict:
         """One request on one replica; ReplicaFailed when that replica dies or stops answering."""
         import ray
-        from ray.exceptions import GetTimeoutError, RayActorError
+        from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
 
         ref = self.replicas[replica].generate.remote(list(prompt_ids), dataclasses.asdict(params))
         try:
             out = ray.get(ref, timeout=timeout)
+        except ActorUnavailableError as e:  # before RayActorError: its subclass
+            raise ReplicaFailed(f"replica {replica} is unavailable (died, restarting); the request did not finish, retry on any replica ({type(e).__name__})") from e
         except RayActorError as e:
-            raise ReplicaFailed(f"replica {replica} died while serving this request; it is being restarted, retry on any replica ({type(e).__name__})") from e
+            raise ReplicaFailed(f"replica {replica} died while serving this request; the request did not finish, retry on any replica ({type(e).__name__})") from e
         except GetTimeoutError as e:
             ray.cancel(ref)
             raise ReplicaFailed(f"replica {replica} gave no answer within {timeout:.0f} s") from e

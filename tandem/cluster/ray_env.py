@@ -46,7 +46,7 @@ def connect(address: str | None = None, num_cpus: int | None = None, namespace: 
     if ray.is_initialized():
         return ray
     if address is not None and address != "auto":
-        _probe(address.removeprefix("ray://") if not address.startswith("ray://") else address[6:])
+        _probe(address.removeprefix("ray://"))
     kwargs = {"namespace": namespace, "log_to_driver": False}
     try:
         if address is None:

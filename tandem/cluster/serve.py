@@ -153,20 +153,26 @@ def start(config: ServerConfig, replicas: int, trainer_spec=None, replica_cpus: 
     return trainer, hub
 
 
-def stop() -> None:
-    try:
-        from ray import serve
+def stop_app(trainer=None, hub=None) -> None:
+    """Shut the Serve application down (replicas close their runtimes), then the trainer (checkpointing) and the hub."""
+    import ray
+    from ray import serve
 
-        serve.shutdown()
-    finally:
-        shutdown()
+    serve.shutdown()
+    if trainer is not None:
+        try:
+            ray.get(trainer.stop.remote(), timeout=120)
+        finally:
+            ray.kill(trainer, no_restart=True)
+    if hub is not None:
+        ray.kill(hub, no_restart=True)
 
 
 def serve_on_ray(config: ServerConfig, replicas: int, trainer_spec=None, replica_cpus: float = 1.0, address: str | None = None) -> None:
     """`tandem serve --ray`: run until interrupted, then shut Serve down (and Ray, when this process started it)."""
     import logging
 
-    start(config, replicas, trainer_spec, replica_cpus, address)
+    trainer, hub = start(config, replicas, trainer_spec, replica_cpus, address)
     logging.getLogger("tandem.server").warning("serving %s on Ray Serve: %d replicas at http://%s:%d", config.model_name, replicas, config.host, config.port)
     try:
         while True:
@@ -174,4 +180,7 @@ def serve_on_ray(config: ServerConfig, replicas: int, trainer_spec=None, replica
     except KeyboardInterrupt:
         pass
     finally:
-        stop()
+        try:
+            stop_app(trainer, hub)
+        finally:
+            shutdown()

@@ -26,6 +26,7 @@ from tandem.flywheel.trainer import FlywheelConfig  # noqa: E402
 from tandem.server.runtime import ServerConfig  # noqa: E402
 
 HALF = Placement(num_cpus=0.5, max_restarts=2)
+RESTART_S = 300  # a restarted actor imports torch and loads the model again: seconds here, minutes on a crowded box
 
 
 def _server_config(model: str, **kw) -> ServerConfig:
@@ -103,7 +104,10 @@ def _kill_replica(cluster, model: str) -> dict:
     out["killed_replica_outcomes"] = outcomes
     out["killed_replica_resolved_s"] = round(time.monotonic() - began, 2)
     out["other_replica_lossless"] = [f.result(timeout=120)["token_ids"] for f in served] == plain_outputs(model, survivors, [GREEDY] * 4)
-    out["replica_restarted"] = cluster.wait_until(lambda: (s := cluster.status(timeout=5)[0]) is not None and s["pid"] != victim["pid"], 120)
+    restarted = cluster.wait_until(lambda: (s := cluster.status(timeout=5)[0]) is not None and s["pid"] != victim["pid"], RESTART_S)
+    out["replica_restarted"], out["replica_restart_s"] = restarted, round(time.monotonic() - began, 2)
+    if not restarted:
+        return out
     newest = cluster.trainer_status()["published"]
     out["restarted_caught_up"] = _serve_until(cluster, lambda: (cluster.versions()[0] or 0) >= newest, 60, seed=200)
     return out
@@ -124,7 +128,9 @@ def _kill_trainer(cluster, model: str) -> dict:
     results = cluster.generate(during, GREEDY)
     out["served_while_trainer_dead"] = [r["token_ids"] for r in results] == plain_outputs(model, during, [GREEDY] * 4)
     out["versions_held"], out["versions_during"] = held, cluster.versions()
-    out["trainer_restarted"] = cluster.wait_until(lambda: (s := cluster.trainer_status(5)) is not None and s["pid"] != before["pid"], 120)
+    out["trainer_restarted"] = cluster.wait_until(lambda: (s := cluster.trainer_status(5)) is not None and s["pid"] != before["pid"], RESTART_S)
+    if not out["trainer_restarted"]:
+        return out
     after = cluster.trainer_status()
     out["resumed_from_step"], out["restored_traces"], out["lost_with_buffer"] = after["resumed_from_step"], after["restored_traces"], after["lost_with_buffer"]
     out["held_before_kill"] = before["buffer"]["traces"]
@@ -177,9 +183,11 @@ def serve_scenario(model: str, work: Path) -> dict:
     from tandem.cluster import serve as ray_serve
 
     key, out = "test-key-0123456789", {}
-    config = _server_config(model, api_key=key, port=8000)
+    config = _server_config(model, api_key=key, port=8000, online=True)  # --online: the trainer actor beside the Serve replicas
+    spec = TrainerSpec(model=model, draft_vocab_size=200, loss=FlywheelConfig(publish_every=2, min_traces=2), state_dir=str(work / "trainer"),
+                       checkpoint_every=50, placement=Placement(num_cpus=0.25))
     t0 = time.monotonic()
-    ray_serve.start(config, replicas=2, replica_cpus=0.5)
+    trainer, hub = ray_serve.start(config, replicas=2, trainer_spec=spec, replica_cpus=0.5)
     out["start_s"] = round(time.monotonic() - t0, 2)
     try:
         client = openai.OpenAI(base_url="http://127.0.0.1:8000/v1", api_key=key, max_retries=0, timeout=120)
@@ -204,15 +212,21 @@ def serve_scenario(model: str, work: Path) -> dict:
             unknown.completions.create(model="nope", prompt="x", max_tokens=2)
         except openai.NotFoundError as e:
             out["unknown_model"] = {"status": e.status_code, "body": e.body}
-        time.sleep(2 * ray_serve.PUSH_S + 0.5)
-        metrics = httpx.get("http://127.0.0.1:8000/metrics", headers={"Authorization": f"Bearer {key}"}).text
-        out["metrics_replicas"] = sorted({line.split('replica="')[1].split('"')[0] for line in metrics.splitlines() if 'replica="' in line})
-        out["metrics_generation_tokens"] = sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines() if line.startswith("tandem:generation_tokens_total{"))
-        out["metrics_cluster_replicas"] = [line for line in metrics.splitlines() if line.startswith("tandem:cluster_replicas ")]
+        deadline = time.monotonic() + 30  # every finished request's trace reaches the trainer; replicas push metrics every second
+        while True:
+            metrics = httpx.get("http://127.0.0.1:8000/metrics", headers={"Authorization": f"Bearer {key}"}).text
+            lines = metrics.splitlines()
+            traces = sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith("tandem:trace_buffer_added_total{"))
+            replicas = sorted({line.split('replica="')[1].split('"')[0] for line in lines if 'replica="' in line})
+            if (traces == 9 and len(replicas) == 2) or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        out["metrics_replicas"], out["metrics_traces_added"] = replicas, traces
+        out["metrics_generation_tokens"] = sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith("tandem:generation_tokens_total{"))
+        out["metrics_cluster_replicas"] = [line for line in lines if line.startswith("tandem:cluster_replicas ")]
+        out["metrics_drafter_version_replicas"] = len([line for line in lines if line.startswith("tandem:drafter_version{replica=")])
     finally:
-        from ray import serve
-
-        serve.shutdown()
+        ray_serve.stop_app(trainer, hub)
     return out
 
 

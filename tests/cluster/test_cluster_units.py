@@ -66,9 +66,35 @@ def test_an_unreachable_address_is_a_clear_error_within_seconds():
         connect("no-port-here")
 
 
+def test_without_ray_installed_the_error_says_how_to_install_it(monkeypatch):
+    import sys
+
+    from tandem.cluster.ray_env import require_ray
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # what `import ray` sees when the package is absent
+    with pytest.raises(RayUnavailableError, match=r"pip install 'tandem\[ray\]'"):
+        require_ray()
+
+
 def test_netns_needs_a_command_and_pinning_checks_cores():
     with pytest.raises(TandemError, match="no command"):
         netns_argv([])
     assert netns_argv(["echo", "hi"])[-3:] == ["sh", "echo", "hi"]
     with pytest.raises(InvalidParameterError, match="not all on this machine"):
         pin_to_cores((10_000,))
+
+
+def test_the_ray_cli_paths_fail_clearly_before_starting_anything(capsys):
+    from tandem.cli import main
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    assert main(["serve", "--ray", "--address", f"127.0.0.1:{port}", "--model", "unused"]) == 1
+    assert f"cannot reach the Ray cluster at 127.0.0.1:{port}" in capsys.readouterr().err
+    assert main(["serve", "--ray", "--admin-key", "admin-0123456789"]) == 1
+    assert "--admin-key with --ray is not supported yet" in capsys.readouterr().err
+    assert main(["rl", "--ray", "--compare"]) == 1
+    assert "--ray does not support --compare yet" in capsys.readouterr().err
+    assert main(["serve", "--ray", "--replicas", "0"]) == 1
+    assert "--replicas must be >= 1" in capsys.readouterr().err
