@@ -15,8 +15,8 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import threading
-import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -192,7 +192,7 @@ class RayFlywheel(Flywheel):
 
     def __init__(self, engine, target, options: FlywheelOptions, trainer_actor, poll_s: float = 0.2):
         self._actor, self._poll_s = trainer_actor, poll_s
-        super().__init__(engine, target, FlywheelOptions(**{**options.__dict__, "trainer_process": False, "checkpoint_dir": None, "spill_dir": None}))
+        super().__init__(engine, target, dataclasses.replace(options, trainer_process=False, checkpoint_dir=None, spill_dir=None))  # the actor keeps those
 
     def _train_in_process(self, target, drafter) -> None:
         self.buffer = RemoteTraceSink(self._actor)

@@ -17,6 +17,7 @@ from dataclasses import replace
 
 from tandem.cluster.ray_env import pin_to_cores
 from tandem.config import SamplingParams
+from tandem.errors import InvalidParameterError
 from tandem.server.engine_loop import Event, Submission
 from tandem.server.runtime import Runtime, ServerConfig
 
@@ -38,13 +39,16 @@ class RayRuntime(Runtime):
         from tandem.flywheel.loop import FlywheelOptions
 
         if self.trainer_actor is None:
-            raise ValueError("RayRuntime with online=True needs the trainer actor")
+            raise InvalidParameterError("RayRuntime with online=True needs the trainer actor")
         options = FlywheelOptions(trainer_threads=self.config.trainer_threads)
         return RayFlywheel(self.engine, self.llm.target, options, self.trainer_actor, self._poll_s)
 
     def status(self) -> dict:
         swapper = self.control.swapper if self.control is not None else None
-        return {"pid": os.getpid(), "cores": list(self.cores), "version": self.engine.drafter.version if self.engine.drafter is not None else 0,
+        stats = self.engine.stats
+        engine = {"steps": stats.steps, "drafts": stats.drafts, "drafted_tokens": stats.drafted_tokens, "accepted_tokens": stats.accepted_tokens,
+                  "emitted_tokens": stats.emitted_tokens}
+        return {"engine": engine, "pid": os.getpid(), "cores": list(self.cores), "version": self.engine.drafter.version if self.engine.drafter is not None else 0,
                 "swaps": swapper.stats.as_dict() if swapper is not None else None, "loop_alive": self.loop.alive,
                 "steps_failed": self.loop.steps_failed, "flywheel": self.flywheel.metrics() if self.flywheel is not None else None}
 
