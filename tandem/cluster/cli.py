@@ -63,8 +63,6 @@ def add_ray_rl_options(p: argparse.ArgumentParser) -> None:
 def rl_ray(args) -> int:
     """`tandem rl --ray`: GRPO with the first drafter's rollouts on Ray workers (no --compare, --sweep, --plot,
     --resume/--checkpoint yet: tandem.rl.command has no hook for another trainer builder)."""
-    import torch
-
     from tandem.cluster.ray_env import connect, shutdown
     from tandem.cluster.rl import build_ray_trainer
     from tandem.cluster.specs import Placement
@@ -77,6 +75,8 @@ def rl_ray(args) -> int:
     if unsupported:
         raise InvalidParameterError(f"--ray does not support {', '.join(unsupported)} yet")
     if args.threads:
+        import torch
+
         torch.set_num_threads(args.threads)
     drafter = next((d for d in args.drafters.split(",") if d), None)
     if drafter is None:

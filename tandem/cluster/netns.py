@@ -1,8 +1,8 @@
 """Run a command in a private network namespace that has only loopback: `python -m tandem.cluster.netns -- CMD`.
 
 Ray advertises the machine's non-loopback address and probes 8.8.8.8 to learn it; local tests and
-benchmarks must keep all of that traffic on this machine. `unshare --net` (root, or a user namespace where
-the kernel allows it) gives the command a network stack of its own, `ip link set lo up` brings up its
+benchmarks must keep all of that traffic on this machine. `unshare --net` (as root; otherwise inside a user
+namespace, `--user --map-root-user`, where the kernel allows unprivileged ones) gives the command a network stack of its own, `ip link set lo up` brings up its
 loopback, and nothing else exists there: no route leaves the namespace. The command inherits the
 environment (`--ray-local` adds RAY_AUTH_MODE=disabled, which a throwaway local cluster wants).
 """
@@ -22,14 +22,19 @@ class NamespaceUnavailable(TandemError):
     """A private network namespace cannot be created here (no unshare/ip, or not permitted)."""
 
 
-def netns_argv(command: list[str]) -> list[str]:
-    """The argv that runs `command` inside a new network namespace with loopback up."""
+def netns_argv(command: list[str], user_namespace: bool | None = None) -> list[str]:
+    """The argv that runs `command` inside a new network namespace with loopback up. Without root, a user
+    namespace (`--map-root-user`) makes one where the kernel allows unprivileged user namespaces; None: that
+    only when this process is not root."""
     if not command:
         raise TandemError("netns: no command given (usage: python -m tandem.cluster.netns [--ray-local] -- CMD ...)")
     unshare, ip = shutil.which("unshare"), shutil.which("ip") or ("/usr/sbin/ip" if os.path.exists("/usr/sbin/ip") else None)
     if unshare is None or ip is None:
         raise NamespaceUnavailable("netns needs `unshare` (util-linux) and `ip` (iproute2) on PATH")
-    return [unshare, "--net", "--", "sh", "-c", INNER.replace("ip ", ip + " ", 1), "sh", *command]
+    if user_namespace is None:
+        user_namespace = os.geteuid() != 0
+    flags = ["--user", "--map-root-user", "--net"] if user_namespace else ["--net"]
+    return [unshare, *flags, "--", "sh", "-c", INNER.replace("ip ", ip + " ", 1), "sh", *command]
 
 
 def in_private_netns() -> bool:
@@ -53,7 +58,8 @@ def netns_available() -> str | None:
     except (OSError, subprocess.TimeoutExpired) as e:
         return f"unshare --net failed: {e}"
     if done.returncode != 0:
-        return f"unshare --net is not permitted here: {(done.stderr or done.stdout).strip()[:200]}"
+        how = "unshare --user --map-root-user --net" if os.geteuid() != 0 else "unshare --net"
+        return f"{how} is not permitted here: {(done.stderr or done.stdout).strip()[:200]}"
     return None
 
 

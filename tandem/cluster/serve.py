@@ -139,12 +139,12 @@ def deployment(replicas: int, num_cpus: float = 1.0, max_ongoing: int = 72):
 def start(config: ServerConfig, replicas: int, trainer_spec=None, replica_cpus: float = 1.0, address: str | None = None, num_cpus: int | None = None):
     """Join/start Ray, the trainer actor (online), the metrics hub and the Serve application; returns
     (trainer handle or None, hub handle). Serve's HTTP proxy listens on config.host:config.port."""
+    connect(address, num_cpus)  # first: an unreachable address fails in seconds, before Serve is imported
     import ray
     from ray import serve
 
     from tandem.cluster.trainer_actor import trainer_actor
 
-    connect(address, num_cpus)
     trainer = trainer_actor(trainer_spec, name="tandem-trainer") if config.online else None
     hub = ray.remote(MetricsHub).options(num_cpus=0, name="tandem-metrics-hub", get_if_exists=True, max_restarts=-1).remote()
     serve.start(http_options={"host": config.host, "port": config.port})
