@@ -234,6 +234,10 @@ SCENARIOS = {"flywheel": flywheel, "rl": rl, "serve": serve_scenario}
 
 
 def main() -> int:
+    from tandem.cluster.netns import in_private_netns
+
+    if not in_private_netns():
+        sys.exit("scenarios.py starts Ray: run it inside `python -m tandem.cluster.netns --ray-local -- ...` (loopback only)")
     model, work, target = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
     names = sys.argv[4:] or list(SCENARIOS)
     results: dict = {}

@@ -98,3 +98,17 @@ def test_the_ray_cli_paths_fail_clearly_before_starting_anything(capsys):
     assert "--ray does not support --compare yet" in capsys.readouterr().err
     assert main(["serve", "--ray", "--replicas", "0"]) == 1
     assert "--replicas must be >= 1" in capsys.readouterr().err
+
+
+def test_the_namespace_has_only_loopback_and_the_host_has_more():
+    import sys
+
+    from tandem.cluster.netns import in_private_netns, netns_available, run_in_netns
+
+    reason = netns_available()
+    if reason is not None:
+        pytest.skip(f"no private network namespace here: {reason}")
+    probe = "from tandem.cluster.netns import in_private_netns; import socket; print(in_private_netns(), socket.if_nameindex())"
+    done = run_in_netns([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert done.stdout.strip() == "True [(1, 'lo')]", done.stderr
+    assert in_private_netns() is False  # this test process: the host's network
