@@ -212,19 +212,26 @@ def serve_scenario(model: str, work: Path) -> dict:
             unknown.completions.create(model="nope", prompt="x", max_tokens=2)
         except openai.NotFoundError as e:
             out["unknown_model"] = {"status": e.status_code, "body": e.body}
-        deadline = time.monotonic() + 30  # every finished request's trace reaches the trainer; replicas push metrics every second
+        import ray
+
+        deadline = time.monotonic() + 30  # every finished request's trace reaches the trainer actor
+        while ray.get(trainer.status.remote())["buffer"]["added"] < 9 and time.monotonic() < deadline:
+            time.sleep(0.5)
+        out["trainer_added"] = ray.get(trainer.status.remote())["buffer"]["added"]
+        deadline = time.monotonic() + 30  # replicas push their metrics every second
         while True:
             metrics = httpx.get("http://127.0.0.1:8000/metrics", headers={"Authorization": f"Bearer {key}"}).text
             lines = metrics.splitlines()
             traces = sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith("tandem:trace_buffer_added_total{"))
             replicas = sorted({line.split('replica="')[1].split('"')[0] for line in lines if 'replica="' in line})
-            if (traces == 9 and len(replicas) == 2) or time.monotonic() > deadline:
+            if (traces == out["trainer_added"] and len(replicas) == 2) or time.monotonic() > deadline:
                 break
             time.sleep(0.5)
         out["metrics_replicas"], out["metrics_traces_added"] = replicas, traces
         out["metrics_generation_tokens"] = sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith("tandem:generation_tokens_total{"))
         out["metrics_cluster_replicas"] = [line for line in lines if line.startswith("tandem:cluster_replicas ")]
         out["metrics_drafter_version_replicas"] = len([line for line in lines if line.startswith("tandem:drafter_version{replica=")])
+        out["metrics_trace_losses"] = [line for line in lines if line.startswith(("tandem:trace_buffer_dropped_total{", "tandem:trace_collector_dropped_records_total{"))]
     finally:
         ray_serve.stop_app(trainer, hub)
     return out

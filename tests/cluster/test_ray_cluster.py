@@ -111,4 +111,5 @@ def test_serve_on_ray_answers_the_openai_client_with_every_replica_in_metrics(ob
     assert s["metrics_cluster_replicas"] == ["tandem:cluster_replicas 2.0"] or s["metrics_cluster_replicas"] == ["tandem:cluster_replicas 2"]
     assert s["metrics_generation_tokens"] == 9 * 8  # 8 concurrent requests + 1 streamed, 8 tokens each, over both replicas
     assert s["metrics_drafter_version_replicas"] == 2  # --online: each replica reports the version it serves
-    assert s["metrics_traces_added"] == 9  # every request's trace reached the trainer actor (acknowledged, per replica)
+    assert s["trainer_added"] == 9, s["metrics_trace_losses"]  # every request's trace reached the trainer actor
+    assert s["metrics_traces_added"] == 9  # and each replica's /metrics counts the ones it delivered
