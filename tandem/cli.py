@@ -353,15 +353,19 @@ def _demo(args) -> int:
 
 
 def _rl_command(sub) -> None:
+    from tandem.cluster.cli import add_ray_rl_options
     from tandem.rl.command import add_rl_command
 
     add_rl_command(sub)
+    add_ray_rl_options(sub.choices["rl"])
 
 
 def _serve_command(sub) -> None:
+    from tandem.cluster.cli import add_ray_serve_options
     from tandem.server.cli import add_serve_command
 
     add_serve_command(sub)
+    add_ray_serve_options(sub.choices["serve"])
 
 
 def _simulate_command(sub) -> None:

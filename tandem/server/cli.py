@@ -41,9 +41,16 @@ def add_serve_command(sub) -> None:
 
 def _serve(args: argparse.Namespace) -> int:
     from tandem.server.app import serve
+
+    serve(config_from_args(args), args.log_level)
+    return 0
+
+
+def config_from_args(args: argparse.Namespace):
+    """The ServerConfig `tandem serve` runs (also the Ray path's, tandem.cluster.cli)."""
     from tandem.server.runtime import ServerConfig
 
-    config = ServerConfig(
+    return ServerConfig(
         model=args.model, served_model_name=args.served_model_name, drafter=args.drafter, drafter_path=args.drafter_path,
         num_draft_tokens=args.num_draft_tokens, draft_vocab_size=args.draft_vocab_size, online=args.online, state_dir=args.state_dir, host=args.host, port=args.port,
         api_key=args.api_key, admin_key=args.admin_key, max_batch_size=args.max_batch_size, max_queue=args.max_queue,
@@ -54,5 +61,3 @@ def _serve(args: argparse.Namespace) -> int:
         spill_traces=not args.no_spill, spill_max_bytes=int(args.spill_max_gb * (1 << 30)), spill_max_age_s=args.spill_max_age_hours * 3600,
         trainer_process=args.trainer_process, json_logs=args.log_format == "json",
     )
-    serve(config, args.log_level)
-    return 0

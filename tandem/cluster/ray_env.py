@@ -1,0 +1,78 @@
+"""Joining or starting a Ray cluster, with clear errors, and pinning a process to cores.
+
+Ray is an optional dependency (`pip install 'tandem[ray]'`): `require_ray()` imports it or says how to
+install it. `connect(address)` joins an existing cluster ("HOST:PORT", or "auto" for the one `ray start`
+began on this node) after checking, within seconds, that something listens there (Ray's own connect
+retries for about a minute before failing); without an address it starts a local cluster with
+`num_cpus` and no dashboard. `pin_to_cores` is the CPU-affinity half of "engine on one core, trainer
+on the other": Ray's `num_cpus` only reserves capacity, it does not bind a process to a core.
+"""
+from __future__ import annotations
+
+import os
+import socket
+
+from tandem.errors import InvalidParameterError, TandemError
+
+CONNECT_PROBE_S = 3.0
+
+
+class RayUnavailableError(TandemError):
+    """Ray is not installed, or the cluster address cannot be reached."""
+
+
+def require_ray():
+    try:
+        import ray
+    except ImportError as e:
+        raise RayUnavailableError("the Ray path needs Ray: pip install 'tandem[ray]' (ray[serve]==2.60.0)") from e
+    return ray
+
+
+def _probe(address: str) -> None:
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        raise InvalidParameterError(f"--address must be HOST:PORT (the head's GCS address, e.g. 10.0.0.1:6379) or 'auto', got {address!r}")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_PROBE_S):
+            pass
+    except OSError as e:
+        raise RayUnavailableError(f"cannot reach the Ray cluster at {address}: {e} (is `ray start --head` running there, and the port open?)") from e
+
+
+def connect(address: str | None = None, num_cpus: int | None = None, namespace: str = "tandem"):
+    """ray.init: join `address` (checked first) or start a local cluster; returns the ray module."""
+    ray = require_ray()
+    if ray.is_initialized():
+        return ray
+    if address is not None and address != "auto":
+        _probe(address.removeprefix("ray://"))
+    kwargs = {"namespace": namespace, "log_to_driver": False}
+    try:
+        if address is None:
+            ray.init(num_cpus=num_cpus, include_dashboard=False, **kwargs)
+        else:
+            ray.init(address=address, **kwargs)
+    except ConnectionError as e:
+        raise RayUnavailableError(f"cannot join the Ray cluster at {address}: {e}") from e
+    return ray
+
+
+def shutdown() -> None:
+    try:
+        import ray
+    except ImportError:
+        return
+    if ray.is_initialized():
+        ray.shutdown()
+
+
+def pin_to_cores(cores: tuple[int, ...] | None) -> tuple[int, ...]:
+    """Bind this process (all its threads created later) to `cores`; None leaves it as it is. Returns the
+    affinity now in force."""
+    if cores:
+        available = os.sched_getaffinity(0) | set(range(os.cpu_count() or 1))
+        if not set(cores) <= available:
+            raise InvalidParameterError(f"cores {sorted(cores)} not all on this machine (it has {sorted(available)})")
+        os.sched_setaffinity(0, set(cores))
+    return tuple(sorted(os.sched_getaffinity(0)))

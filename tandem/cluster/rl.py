@@ -1,0 +1,162 @@
+"""RL on Ray: rollout workers as actors, behind RolloutEngine's interface, and the GRPO trainer over them.
+
+`RolloutWorker` (an actor) owns a RolloutEngine: its own packed copy of the policy and its drafter.
+`RemoteRolloutEngine` is what GRPOTrainer sees: `name`, `generate_rollouts`, `policy_version`, `drafter`
+(its `.version`), and `update_policy(named_tensors, version)`. `generate_rollouts` gives each worker a
+contiguous slice of the prompts and shifts its seed so that every sample keeps the seed it has in one
+process (params.seed + SEED_STRIDE * prompt + sample): the same rollouts as the embedded engine. A policy
+update is `ray.put` once (safetensors bytes) and every worker copies it into its target (validated by
+Engine.update_target) and re-syncs its drafter.
+
+GRPOTrainer.sync() calls tandem.rl.rollout.update_policy(engines, ...), which copies into `engines[0].engine`
+and re-syncs each `drafter`; the proxy offers those names (`.engine.update_target` broadcasts, `.drafter`
+has nothing left to re-sync), so today's GRPOTrainer runs unchanged on remote engines.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import torch
+
+from tandem.cluster.ray_env import pin_to_cores
+from tandem.cluster.specs import Placement
+from tandem.cluster.wire import tensors_from_bytes, tensors_to_bytes
+from tandem.config import SamplingParams
+from tandem.errors import InvalidParameterError
+from tandem.rl.rollout import SEED_STRIDE, Rollout, RolloutBatch, StepProfile, update_policy
+
+
+class RolloutWorker:
+    def __init__(self, model: str, drafter: str, max_batch: int, max_len: int, num_draft_tokens: int = 4, adaptive_k: bool = True,
+                 threads: int = 1, cores: tuple[int, ...] | None = None):
+        from tandem.models.loader import load_transformer
+        from tandem.models.zoo import resolve_model
+        from tandem.rl.setup import build_engines
+
+        self.cores = pin_to_cores(cores)
+        torch.set_num_threads(threads)
+        target = load_transformer(resolve_model(model))
+        target.pack()
+        [self.engine] = build_engines(target, [drafter], max_batch, max_len, num_draft_tokens, adaptive_k, model_name=model)
+
+    def generate(self, prompts: list[list[int]], n_per_prompt: int, params: dict, first_prompt: int) -> dict:
+        seed = params["seed"]
+        shifted = SamplingParams(**dict(params, stop=tuple(params["stop"]), stop_token_ids=tuple(params["stop_token_ids"]),
+                                        seed=None if seed is None else seed + SEED_STRIDE * first_prompt))
+        batch = self.engine.generate_rollouts(prompts, n_per_prompt, shifted)
+        rollouts = [dataclasses.replace(r, prompt_index=r.prompt_index + first_prompt) for r in batch.rollouts]
+        return {"rollouts": [dataclasses.asdict(r) for r in rollouts], "wall_s": batch.wall_s, "profile": [dataclasses.asdict(p) for p in batch.profile]}
+
+    def update_policy(self, blob: bytes, version: int) -> dict:
+        tensors, _ = tensors_from_bytes(blob)
+        return update_policy([self.engine], tensors, version)
+
+    def status(self) -> dict:
+        drafter = self.engine.drafter
+        return {"policy_version": self.engine.policy_version, "drafter_version": drafter.version if drafter is not None else 0,
+                "name": self.engine.name, "cores": list(self.cores)}
+
+
+@dataclasses.dataclass
+class _DrafterView:
+    version: int  # the workers' drafter version (each re-syncs its own drafter; nothing to do here)
+
+
+class _Broadcast:
+    """`engine.update_target` as tandem.rl.rollout.update_policy calls it: one ray.put, every worker adopts."""
+
+    def __init__(self, proxy: "RemoteRolloutEngine"):
+        self.proxy = proxy
+
+    def update_target(self, named_tensors: dict[str, torch.Tensor], version: int) -> None:
+        self.proxy.update_policy(named_tensors, version)
+
+
+class RemoteRolloutEngine:
+    def __init__(self, workers: list, name: str):
+        import ray
+
+        if not workers:
+            raise InvalidParameterError("RemoteRolloutEngine needs at least one rollout worker")
+        self.workers, self.name = workers, name
+        self.engine = _Broadcast(self)
+        self.target = self  # update_policy checks that its engines share one target: each proxy is its own
+        self.last_sync: dict[str, float] = {}
+        status = ray.get([w.status.remote() for w in workers])
+        self._policy_version = status[0]["policy_version"]
+        self.drafter = None if name == "ar" else _DrafterView(status[0]["drafter_version"])
+
+    @property
+    def policy_version(self) -> int:
+        return self._policy_version
+
+    def generate_rollouts(self, prompts: list[list[int]], n_per_prompt: int, params: SamplingParams) -> RolloutBatch:
+        import ray
+
+        if n_per_prompt < 1:
+            raise InvalidParameterError(f"n_per_prompt must be >= 1, got {n_per_prompt}")
+        start = time.perf_counter()
+        slices = _slices(len(prompts), len(self.workers))
+        calls = [w.generate.remote(prompts[a:b], n_per_prompt, dataclasses.asdict(params), a) for w, (a, b) in zip(self.workers, slices) if b > a]
+        parts = ray.get(calls)
+        rollouts = [Rollout(**r) for part in parts for r in part["rollouts"]]
+        profile = [StepProfile(**p) for part in parts for p in part["profile"]]
+        return RolloutBatch(self.name, rollouts, time.perf_counter() - start, profile)
+
+    def update_policy(self, named_tensors: dict[str, torch.Tensor], version: int) -> dict[str, float]:
+        """The new policy into the object store once; every worker copies it in and re-syncs its drafter."""
+        import ray
+
+        t0 = time.perf_counter()
+        ref = ray.put(tensors_to_bytes(named_tensors))
+        put_s = time.perf_counter() - t0
+        timings = ray.get([w.update_policy.remote(ref, version) for w in self.workers])
+        status = ray.get(self.workers[0].status.remote())
+        self._policy_version = status["policy_version"]
+        if self.drafter is not None:
+            self.drafter.version = status["drafter_version"]
+        self.last_sync = {"put": put_s, "workers": time.perf_counter() - t0} | {f"worker{i}/{k}": v for i, t in enumerate(timings) for k, v in t.items()}
+        return self.last_sync
+
+
+def _slices(n: int, parts: int) -> list[tuple[int, int]]:
+    """Contiguous, as even as possible: prompts [a, b) per worker."""
+    size, extra = divmod(n, parts)
+    out, a = [], 0
+    for i in range(parts):
+        b = a + size + (1 if i < extra else 0)
+        out.append((a, b))
+        a = b
+    return out
+
+
+def rollout_workers(model: str, drafter: str, workers: int, max_batch: int, max_len: int, num_draft_tokens: int = 4, adaptive_k: bool = True,
+                    placement: Placement = Placement(), threads: int = 1, cores: list[tuple[int, ...] | None] | None = None) -> list:
+    import ray
+
+    actor = ray.remote(RolloutWorker).options(**placement.options(max_concurrency=2))
+    return [actor.remote(model, drafter, max_batch, max_len, num_draft_tokens, adaptive_k, threads, cores[i] if cores else placement.cores) for i in range(workers)]
+
+
+def build_ray_trainer(model: str, drafter: str, cfg, workers: int, num_draft_tokens: int = 4, adaptive_k: bool = True, max_batch: int | None = None,
+                      reward_fn=None, placement: Placement = Placement()):
+    """tandem.rl.setup.build_trainer with the rollouts on `workers` Ray actors (the learner stays here)."""
+    from tandem.llm import load_tokenizer
+    from tandem.models.loader import load_transformer
+    from tandem.models.zoo import resolve_model
+    from tandem.rl.grpo import GRPOTrainer, Learner
+    from tandem.rl.setup import MAX_PROMPT_TOKENS
+
+    if drafter in ("eagle", "eagle_tree"):
+        raise InvalidParameterError("--ray rollout workers: the online EAGLE head trains beside the learner; use ar, ngram or self_draft")
+    if workers < 1:
+        raise InvalidParameterError(f"--rollout-workers must be >= 1, got {workers}")
+    path = resolve_model(model)
+    learner_model = load_transformer(path)
+    max_len = min(MAX_PROMPT_TOKENS + cfg.max_tokens, learner_model.cfg.max_position)
+    batch = max_batch or min(cfg.prompts_per_step * cfg.group_size, 64)
+    handles = rollout_workers(str(path), drafter, workers, batch, max_len, num_draft_tokens, adaptive_k, placement)
+    engine = RemoteRolloutEngine(handles, drafter)
+    kwargs = {"reward_fn": reward_fn} if reward_fn is not None else {}
+    return GRPOTrainer(Learner(learner_model, cfg), [engine], load_tokenizer(path), cfg, **kwargs)

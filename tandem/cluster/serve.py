@@ -1,0 +1,186 @@
+"""`tandem serve --ray`: the embedded server's app on Ray Serve (its HTTP proxy, its routing, N replicas).
+
+Each Serve replica builds a `RayRuntime` (engine, drafter, hot-swapper, engine loop; with --online a
+RayFlywheel whose trainer is one actor shared by all replicas) and serves it through the embedded server's
+own ASGI app (`tandem.server.app.create_app`: the same routes, OpenAI API, SSE, keys, size limits and error
+bodies). Ray Serve's proxy takes HTTP on --host/--port and routes each request to a replica.
+
+/metrics covers every replica: each replica pushes its Prometheus text to the `MetricsHub` actor every
+PUSH_S seconds, and whichever replica answers /metrics renders all of them with a `replica` label (a
+replica silent for STALE_S is left out and counted in tandem:cluster_replicas_stale).
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+from tandem.cluster.ray_env import connect, shutdown
+from tandem.cluster.replica import RayRuntime
+from tandem.server.runtime import ServerConfig
+
+PUSH_S = 1.0
+STALE_S = 30.0
+APP_NAME = "tandem"
+
+
+class MetricsHub:
+    """A Ray actor: the newest metrics text of every replica."""
+
+    def __init__(self):
+        self.texts: dict[str, tuple[float, str]] = {}
+
+    def push(self, replica: str, text: str) -> None:
+        self.texts[replica] = (time.time(), text)
+
+    def collect(self) -> dict[str, tuple[float, str]]:
+        return dict(self.texts)
+
+
+def merge_metrics(texts: dict[str, str]) -> str:
+    """Prometheus text of several replicas as one exposition: each family's HELP/TYPE once, then every
+    replica's samples with a `replica` label."""
+    families: dict[str, list[str]] = {}
+    samples: dict[str, list[str]] = {}
+    for replica, text in sorted(texts.items()):
+        family = None
+        for line in text.splitlines():
+            if line.startswith("# HELP ") or line.startswith("# TYPE "):
+                family = line.split(" ", 3)[2]
+                headers = families.setdefault(family, [])
+                if line not in headers:
+                    headers.append(line)
+                samples.setdefault(family, [])
+            elif line and not line.startswith("#") and family is not None:
+                samples[family].append(_with_label(line, replica))
+    out = []
+    for family, headers in families.items():
+        out.extend(headers)
+        out.extend(samples[family])
+    return "\n".join(out) + "\n"
+
+
+def _with_label(line: str, replica: str) -> str:
+    label = f'replica="{replica}"'
+    brace, space = line.find("{"), line.find(" ")
+    if brace != -1 and brace < space:
+        inner = line[brace + 1:]
+        return f"{line[:brace]}{{{label}{',' if not inner.startswith('}') else ''}{inner}"
+    return f"{line[:space]}{{{label}}}{line[space:]}"
+
+
+class _ClusterMetrics:
+    """ASGI: /metrics from the hub (every replica); everything else to the embedded app."""
+
+    def __init__(self, app, hub, own):
+        self.app, self.hub, self.own = app, hub, own
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] != "/metrics" or self.hub is None:
+            return await self.app(scope, receive, send)
+        from starlette.responses import Response
+
+        collected = await self.hub.collect.remote()
+        now = time.time()
+        fresh = {r: text for r, (at, text) in collected.items() if now - at <= STALE_S}
+        fresh[self.own.replica_id] = self.own.runtime.metrics.render().decode()  # this replica: now
+        stale = len(set(collected) - set(fresh))
+        body = merge_metrics(fresh) + (
+            "# HELP tandem:cluster_replicas Replicas reporting metrics.\n# TYPE tandem:cluster_replicas gauge\n"
+            f"tandem:cluster_replicas {len(fresh)}\n"
+            "# HELP tandem:cluster_replicas_stale Replicas silent for more than 30 s (left out).\n# TYPE tandem:cluster_replicas_stale gauge\n"
+            f"tandem:cluster_replicas_stale {stale}\n")
+        await Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")(scope, receive, send)
+
+
+class TandemReplica:
+    """The Serve deployment's class (wrapped by `deployment()`): a RayRuntime behind the embedded app."""
+
+    def __init__(self, config: ServerConfig, trainer=None, hub=None, cores: tuple[int, ...] | None = None):
+        from ray import serve
+
+        self.runtime = RayRuntime(config, trainer, cores)
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        self.hub = hub
+        self._stop = threading.Event()
+        if hub is not None:
+            threading.Thread(target=self._push_forever, name="tandem-metrics-push", daemon=True).start()
+
+    def __serve_build_asgi_app__(self):
+        from tandem.server.app import create_app
+
+        guard = create_app(self.runtime)  # keys and body limits apply to /metrics as to every route
+        guard.app = _ClusterMetrics(guard.app, self.hub, self)
+        return guard
+
+    def _push_forever(self) -> None:
+        while not self._stop.wait(PUSH_S):
+            try:
+                self.hub.push.remote(self.replica_id, self.runtime.metrics.render().decode())
+            except Exception:  # noqa: BLE001 - the hub restarting: the next push tries again
+                pass
+
+    def check_health(self) -> None:
+        if not self.runtime.loop.alive:
+            raise RuntimeError("the engine loop is not running")
+
+    def __del__(self):
+        self._stop.set()
+        self.runtime.close()
+
+
+def deployment(replicas: int, num_cpus: float = 1.0, max_ongoing: int = 72):
+    from ray import serve
+
+    ingress = serve.ingress()(TandemReplica)
+    return serve.deployment(ingress, name="TandemReplica", num_replicas=replicas, ray_actor_options={"num_cpus": num_cpus},
+                            max_ongoing_requests=max_ongoing, health_check_period_s=5)
+
+
+def start(config: ServerConfig, replicas: int, trainer_spec=None, replica_cpus: float = 1.0, address: str | None = None, num_cpus: int | None = None):
+    """Join/start Ray, the trainer actor (online), the metrics hub and the Serve application; returns
+    (trainer handle or None, hub handle). Serve's HTTP proxy listens on config.host:config.port."""
+    connect(address, num_cpus)  # first: an unreachable address fails in seconds, before Serve is imported
+    import ray
+    from ray import serve
+
+    from tandem.cluster.trainer_actor import trainer_actor
+
+    trainer = trainer_actor(trainer_spec, name="tandem-trainer") if config.online else None
+    hub = ray.remote(MetricsHub).options(num_cpus=0, name="tandem-metrics-hub", get_if_exists=True, max_restarts=-1).remote()
+    serve.start(http_options={"host": config.host, "port": config.port})
+    app = deployment(replicas, replica_cpus, config.max_batch_size + config.max_queue).bind(config, trainer, hub)
+    serve.run(app, name=APP_NAME, route_prefix="/")
+    return trainer, hub
+
+
+def stop_app(trainer=None, hub=None) -> None:
+    """Shut the Serve application down (replicas close their runtimes), then the trainer (checkpointing) and the hub."""
+    import ray
+    from ray import serve
+
+    serve.shutdown()
+    if trainer is not None:
+        try:
+            ray.get(trainer.stop.remote(), timeout=120)
+        finally:
+            ray.kill(trainer, no_restart=True)
+    if hub is not None:
+        ray.kill(hub, no_restart=True)
+
+
+def serve_on_ray(config: ServerConfig, replicas: int, trainer_spec=None, replica_cpus: float = 1.0, address: str | None = None) -> None:
+    """`tandem serve --ray`: run until interrupted, then shut Serve down (and Ray, when this process started it)."""
+    import logging
+
+    trainer, hub = start(config, replicas, trainer_spec, replica_cpus, address)
+    logging.getLogger("tandem.server").warning("serving %s on Ray Serve: %d replicas at http://%s:%d", config.model_name, replicas, config.host, config.port)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        try:
+            stop_app(trainer, hub)
+        finally:
+            shutdown()

@@ -1,0 +1,114 @@
+"""The Ray path's pieces that need no cluster: wire format, metrics merge, prompt slicing, start-up errors."""
+import socket
+import time
+
+import pytest
+import torch
+
+from tandem.cluster.netns import netns_argv
+from tandem.cluster.ray_env import RayUnavailableError, connect, pin_to_cores
+from tandem.cluster.rl import _slices
+from tandem.cluster.serve import merge_metrics
+from tandem.cluster.wire import version_from_bytes, version_to_bytes
+from tandem.errors import InvalidParameterError, TandemError
+from tandem.flywheel.weights import WeightRefused, WeightVersion, checksum
+
+
+def _version(n=3):
+    tensors = {"fc.weight": torch.arange(6, dtype=torch.float32).reshape(2, 3), "d2t": torch.tensor([4, 7], dtype=torch.long)}
+    return WeightVersion(n, tensors, checksum(tensors), {"trainer_step": 30, "restores": 1})
+
+
+def test_a_version_crosses_the_object_store_as_bytes_and_comes_back_identical():
+    v = _version()
+    back = version_from_bytes(version_to_bytes(v))
+    assert back.version == 3 and back.checksum == v.checksum and back.meta == {"trainer_step": 30, "restores": 1}
+    assert all(torch.equal(back.tensors[k], v.tensors[k]) for k in v.tensors)
+
+
+def test_a_corrupted_version_blob_is_refused():
+    blob = bytearray(version_to_bytes(_version()))
+    blob[-1] ^= 0xFF  # a flipped bit in the last tensor's data
+    with pytest.raises(WeightRefused, match="checksum mismatch"):
+        version_from_bytes(bytes(blob))
+    with pytest.raises(WeightRefused, match="unreadable"):
+        version_from_bytes(b"not safetensors")
+
+
+def test_metrics_of_replicas_merge_with_a_replica_label_and_one_header_per_family():
+    a = ('# HELP tandem:generation_tokens_total Tokens generated.\n# TYPE tandem:generation_tokens_total counter\n'
+         'tandem:generation_tokens_total 5.0\n# HELP tandem:request_success_total Finished.\n# TYPE tandem:request_success_total counter\n'
+         'tandem:request_success_total{finished_reason="length"} 2.0\n')
+    b = a.replace("5.0", "7.0").replace("} 2.0", "} 3.0")
+    merged = merge_metrics({"r1": a, "r2": b}).splitlines()
+    assert merged == [
+        "# HELP tandem:generation_tokens_total Tokens generated.", "# TYPE tandem:generation_tokens_total counter",
+        'tandem:generation_tokens_total{replica="r1"} 5.0', 'tandem:generation_tokens_total{replica="r2"} 7.0',
+        "# HELP tandem:request_success_total Finished.", "# TYPE tandem:request_success_total counter",
+        'tandem:request_success_total{replica="r1",finished_reason="length"} 2.0', 'tandem:request_success_total{replica="r2",finished_reason="length"} 3.0',
+    ]
+
+
+def test_prompts_are_sliced_contiguously_and_evenly():
+    assert _slices(5, 2) == [(0, 3), (3, 5)]
+    assert _slices(2, 3) == [(0, 1), (1, 2), (2, 2)]
+
+
+def test_an_unreachable_address_is_a_clear_error_within_seconds():
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    began = time.monotonic()
+    with pytest.raises(RayUnavailableError, match=f"cannot reach the Ray cluster at 127.0.0.1:{port}"):
+        connect(f"127.0.0.1:{port}")
+    assert time.monotonic() - began < 10
+    with pytest.raises(InvalidParameterError, match="HOST:PORT"):
+        connect("no-port-here")
+
+
+def test_without_ray_installed_the_error_says_how_to_install_it(monkeypatch):
+    import sys
+
+    from tandem.cluster.ray_env import require_ray
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # what `import ray` sees when the package is absent
+    with pytest.raises(RayUnavailableError, match=r"pip install 'tandem\[ray\]'"):
+        require_ray()
+
+
+def test_netns_needs_a_command_and_pinning_checks_cores():
+    with pytest.raises(TandemError, match="no command"):
+        netns_argv([])
+    assert netns_argv(["echo", "hi"])[-3:] == ["sh", "echo", "hi"]
+    with pytest.raises(InvalidParameterError, match="not all on this machine"):
+        pin_to_cores((10_000,))
+
+
+def test_the_ray_cli_paths_fail_clearly_before_starting_anything(capsys):
+    from tandem.cli import main
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    assert main(["serve", "--ray", "--address", f"127.0.0.1:{port}", "--model", "unused"]) == 1
+    assert f"cannot reach the Ray cluster at 127.0.0.1:{port}" in capsys.readouterr().err
+    assert main(["serve", "--ray", "--admin-key", "admin-0123456789"]) == 1
+    assert "--admin-key with --ray is not supported yet" in capsys.readouterr().err
+    assert main(["rl", "--ray", "--compare"]) == 1
+    assert "--ray does not support --compare yet" in capsys.readouterr().err
+    assert main(["serve", "--ray", "--replicas", "0"]) == 1
+    assert "--replicas must be >= 1" in capsys.readouterr().err
+
+
+def test_the_namespace_has_only_loopback_and_the_host_has_more():
+    import sys
+
+    from tandem.cluster.netns import in_private_netns, netns_available, run_in_netns
+
+    reason = netns_available()
+    if reason is not None:
+        pytest.skip(f"no private network namespace here: {reason}")
+    probe = "from tandem.cluster.netns import in_private_netns; import socket; print(in_private_netns(), socket.if_nameindex())"
+    done = run_in_netns([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert done.stdout.strip() == "True [(1, 'lo')]", done.stderr
+    assert in_private_netns() is False  # this test process: the host's network
