@@ -66,9 +66,9 @@ def rl_ray(args) -> int:
     from tandem.cluster.ray_env import connect, shutdown
     from tandem.cluster.rl import build_ray_trainer
     from tandem.cluster.specs import Placement
-    from tandem.rl.grpo import GRPOConfig
+    from tandem.rl.command import grpo_config
     from tandem.rl.report import summarize
-    from tandem.rl.tasks import TaskConfig
+    from tandem.rl.rewards import load_reward
 
     unsupported = [flag for flag, on in (("--compare", args.compare), ("--sweep", args.sweep), ("--plot", args.plot), ("--checkpoint", args.checkpoint),
                                          ("--resume", args.resume)) if on]
@@ -81,14 +81,12 @@ def rl_ray(args) -> int:
     drafter = next((d for d in args.drafters.split(",") if d), None)
     if drafter is None:
         raise InvalidParameterError("--drafters is empty")
-    cfg = GRPOConfig(steps=args.steps, prompts_per_step=args.prompts_per_step, group_size=args.group_size, max_tokens=args.max_tokens,
-                     temperature=args.temperature, lr=args.lr, micro_batch=args.micro_batch, eval_problems=args.eval_problems,
-                     eval_every=args.eval_every, async_mode=args.async_mode, seed=args.seed,
-                     task=TaskConfig(kinds=tuple(k for k in args.tasks.split(",") if k), max_value=args.max_value))
+    cfg = grpo_config(args)
+    reward_fn = load_reward(args.reward)
     connect(args.address)
     try:
         trainer = build_ray_trainer(args.model, drafter, cfg, args.rollout_workers, args.num_draft_tokens, not args.no_adaptive_k,
-                                    placement=Placement(num_cpus=args.worker_cpus))
+                                    placement=Placement(num_cpus=args.worker_cpus), reward_fn=reward_fn)
 
         def on_step(record: dict) -> None:
             print(json.dumps({k: record[k] for k in ("step", "reward_mean", "train_s", "sync_s", "step_wall_s")} | {"eval": record.get("eval")}), flush=True)

@@ -8,9 +8,8 @@ process (params.seed + SEED_STRIDE * prompt + sample): the same rollouts as the 
 update is `ray.put` once (safetensors bytes) and every worker copies it into its target (validated by
 Engine.update_target) and re-syncs its drafter.
 
-GRPOTrainer.sync() calls tandem.rl.rollout.update_policy(engines, ...), which copies into `engines[0].engine`
-and re-syncs each `drafter`; the proxy offers those names (`.engine.update_target` broadcasts, `.drafter`
-has nothing left to re-sync), so today's GRPOTrainer runs unchanged on remote engines.
+GRPOTrainer.sync() calls tandem.rl.rollout.update_policy(engines, ...), which hands the weights to an engine's own
+`update_policy` where it has one (this proxy: one broadcast), so GRPOTrainer runs unchanged on remote engines.
 """
 from __future__ import annotations
 
@@ -40,11 +39,11 @@ class RolloutWorker:
         target.pack()
         [self.engine] = build_engines(target, [drafter], max_batch, max_len, num_draft_tokens, adaptive_k, model_name=model)
 
-    def generate(self, prompts: list[list[int]], n_per_prompt: int, params: dict, first_prompt: int) -> dict:
+    def generate(self, prompts: list[list[int]], n_per_prompt: int, params: dict, first_prompt: int, seeds: list[list[int]] | None = None) -> dict:
         seed = params["seed"]
         shifted = SamplingParams(**dict(params, stop=tuple(params["stop"]), stop_token_ids=tuple(params["stop_token_ids"]),
                                         seed=None if seed is None else seed + SEED_STRIDE * first_prompt))
-        batch = self.engine.generate_rollouts(prompts, n_per_prompt, shifted)
+        batch = self.engine.generate_rollouts(prompts, n_per_prompt, shifted, seeds=seeds)
         rollouts = [dataclasses.replace(r, prompt_index=r.prompt_index + first_prompt) for r in batch.rollouts]
         return {"rollouts": [dataclasses.asdict(r) for r in rollouts], "wall_s": batch.wall_s, "profile": [dataclasses.asdict(p) for p in batch.profile]}
 
@@ -63,16 +62,6 @@ class _DrafterView:
     version: int  # the workers' drafter version (each re-syncs its own drafter; nothing to do here)
 
 
-class _Broadcast:
-    """`engine.update_target` as tandem.rl.rollout.update_policy calls it: one ray.put, every worker adopts."""
-
-    def __init__(self, proxy: "RemoteRolloutEngine"):
-        self.proxy = proxy
-
-    def update_target(self, named_tensors: dict[str, torch.Tensor], version: int) -> None:
-        self.proxy.update_policy(named_tensors, version)
-
-
 class RemoteRolloutEngine:
     def __init__(self, workers: list, name: str):
         import ray
@@ -80,8 +69,6 @@ class RemoteRolloutEngine:
         if not workers:
             raise InvalidParameterError("RemoteRolloutEngine needs at least one rollout worker")
         self.workers, self.name = workers, name
-        self.engine = _Broadcast(self)
-        self.target = self  # update_policy checks that its engines share one target: each proxy is its own
         self.last_sync: dict[str, float] = {}
         status = ray.get([w.status.remote() for w in workers])
         self._policy_version = status[0]["policy_version"]
@@ -91,14 +78,18 @@ class RemoteRolloutEngine:
     def policy_version(self) -> int:
         return self._policy_version
 
-    def generate_rollouts(self, prompts: list[list[int]], n_per_prompt: int, params: SamplingParams) -> RolloutBatch:
+    def generate_rollouts(self, prompts: list[list[int]], n_per_prompt: int, params: SamplingParams,
+                          seeds: list[list[int]] | None = None) -> RolloutBatch:
         import ray
 
         if n_per_prompt < 1:
             raise InvalidParameterError(f"n_per_prompt must be >= 1, got {n_per_prompt}")
+        if seeds is not None and len(seeds) != len(prompts):
+            raise InvalidParameterError(f"seeds must be {len(prompts)} lists of {n_per_prompt} seeds")
         start = time.perf_counter()
         slices = _slices(len(prompts), len(self.workers))
-        calls = [w.generate.remote(prompts[a:b], n_per_prompt, dataclasses.asdict(params), a) for w, (a, b) in zip(self.workers, slices) if b > a]
+        calls = [w.generate.remote(prompts[a:b], n_per_prompt, dataclasses.asdict(params), a, None if seeds is None else seeds[a:b])
+                 for w, (a, b) in zip(self.workers, slices) if b > a]
         parts = ray.get(calls)
         rollouts = [Rollout(**r) for part in parts for r in part["rollouts"]]
         profile = [StepProfile(**p) for part in parts for p in part["profile"]]
@@ -145,7 +136,8 @@ def build_ray_trainer(model: str, drafter: str, cfg, workers: int, num_draft_tok
     from tandem.llm import load_tokenizer
     from tandem.models.loader import load_transformer
     from tandem.models.zoo import resolve_model
-    from tandem.rl.grpo import GRPOTrainer, Learner
+    from tandem.rl.grpo import GRPOTrainer
+    from tandem.rl.learner import Learner
     from tandem.rl.setup import MAX_PROMPT_TOKENS
 
     if drafter in ("eagle", "eagle_tree"):
@@ -159,4 +151,5 @@ def build_ray_trainer(model: str, drafter: str, cfg, workers: int, num_draft_tok
     handles = rollout_workers(str(path), drafter, workers, batch, max_len, num_draft_tokens, adaptive_k, placement)
     engine = RemoteRolloutEngine(handles, drafter)
     kwargs = {"reward_fn": reward_fn} if reward_fn is not None else {}
-    return GRPOTrainer(Learner(learner_model, cfg), [engine], load_tokenizer(path), cfg, **kwargs)
+    reference = load_transformer(path) if cfg.kl_coef > 0 else None
+    return GRPOTrainer(Learner(learner_model, cfg, reference=reference), [engine], load_tokenizer(path), cfg, **kwargs)

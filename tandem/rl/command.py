@@ -6,6 +6,7 @@ Thin: args -> GRPOConfig -> build_trainer -> run (checkpoint every step when ask
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 
@@ -22,6 +23,7 @@ def add_rl_command(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--async", dest="async_mode", action="store_true", help="overlap the rollouts of step t+1 with the update of step t")
     p.add_argument("--task", default="", help="comma list of reasoning-gym task names (default: the measured default mix)")
     p.add_argument("--task-kwargs", default="", help='JSON: per task, generator settings, e.g. {"chain_sum": {"max_terms": 4}}')
+    p.add_argument("--no-demonstration", action="store_true", help="zero-shot prompts (no worked example before the question)")
     p.add_argument("--reward", default="reasoning_gym", help="reasoning_gym | math_verify | module:function (text, problem, env) -> float")
     p.add_argument("--prompts-per-step", type=int, default=4)
     p.add_argument("--group-size", type=int, default=8)
@@ -67,6 +69,8 @@ def env_config(args):
         if not isinstance(extra, dict) or not all(isinstance(v, dict) for v in extra.values()):
             raise InvalidParameterError('--task-kwargs takes {"task": {"setting": value}}')
         cfg = EnvConfig(cfg.tasks, {t: cfg.task_kwargs.get(t, {}) | extra.get(t, {}) for t in set(cfg.task_kwargs) | set(extra)})
+    if args.no_demonstration:
+        cfg = dataclasses.replace(cfg, demonstration=False)
     return cfg
 
 

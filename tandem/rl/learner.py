@@ -99,7 +99,8 @@ class Learner:
         out = {"train_s": time.perf_counter() - start, "grad_norm": float(np.mean(stats["grad_norms"])),
                "lr": stats["lrs"][-1], "ratio_mean": stats["ratio_sum"] / n if stats["tokens"] else 1.0,
                "ratio_max": stats["ratio_max"], "clip_fraction": stats["clipped_tokens"] / n, "kl": stats["kl_sum"] / n,
-               "entropy": stats["entropy_sum"] / n if stats["tokens"] else None,  # None: every sample was skipped "importance_mean": stats["importance_sum"] / n,
+               "entropy": stats["entropy_sum"] / n if stats["tokens"] else None,  # None: every sample was skipped
+               "importance_mean": stats["importance_sum"] / n,
                "skipped_samples": stats["skipped_samples"], "optimizer_steps": self.optimizer_steps}
         if online is not None:
             out |= online.train_on(examples, online.target_rows(self.model), trained_on)

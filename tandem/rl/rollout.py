@@ -148,21 +148,26 @@ def resync_drafter(drafter) -> None:
         resync()
 
 
-def update_policy(engines: list[RolloutEngine], named_tensors: dict[str, torch.Tensor], version: int) -> dict[str, float]:
-    """Copy new policy weights into the target all `engines` share, then re-sync each drafter.
+def update_policy(engines: list, named_tensors: dict[str, torch.Tensor], version: int) -> dict[str, float]:
+    """Copy new policy weights into the target the local `engines` share, then re-sync each drafter. An engine with
+    its own `update_policy` (a remote one: tandem.cluster.rl) is handed the weights instead.
 
     Returns seconds spent: "target" (validate + copy + repack) and "resync/<drafter>" per engine.
     """
-    if not engines:
-        return {}
-    first = engines[0]
-    if any(e.target is not first.target for e in engines):
-        raise InvalidParameterError("update_policy: the rollout engines must share one target model")
     timings = {}
+    for e in engines:
+        if callable(getattr(e, "update_policy", None)):
+            timings |= {f"{e.name}/{k}": v for k, v in e.update_policy(named_tensors, version).items()}
+    local = [e for e in engines if not callable(getattr(e, "update_policy", None))]
+    if not local:
+        return timings
+    first = local[0]
+    if any(e.target is not first.target for e in local):
+        raise InvalidParameterError("update_policy: the rollout engines must share one target model")
     t0 = time.perf_counter()
     first.engine.update_target(named_tensors, version)
     timings["target"] = time.perf_counter() - t0
-    for e in engines:
+    for e in local:
         if e is not first:
             e.engine.update_target({}, version)  # same weights (shared); resets its KV rows and version
         t0 = time.perf_counter()

@@ -141,7 +141,7 @@ def _kill_trainer(cluster, model: str) -> dict:
     return out
 
 
-def parity_reward(text, problem):  # gives the tiny random model's groups reward variance (as tests/rl)
+def parity_reward(text, problem, env):  # gives the tiny random model's groups reward variance (as tests/rl)
     return float(len(text) % 2)
 
 
@@ -150,17 +150,18 @@ def rl(model: str, work: Path) -> dict:
     from tandem.cluster.rl import build_ray_trainer
     from tandem.rl.grpo import GRPOConfig
     from tandem.rl.setup import build_trainer
-    from tandem.rl.tasks import TaskConfig
 
-    cfg = GRPOConfig(steps=1, prompts_per_step=3, group_size=3, max_tokens=8, lr=1e-3, micro_batch=4, eval_problems=0, seed=1,
-                     task=TaskConfig(kinds=("add",), max_value=9))
+    from tandem.rl.envs import EnvConfig
+
+    env = EnvConfig(("basic_arithmetic", "chain_sum"), {}, demonstration=False)  # short questions: the tiny model's 512 positions
+    cfg = GRPOConfig(steps=1, prompts_per_step=3, group_size=3, max_tokens=8, lr=1e-3, micro_batch=4, eval_problems=0, seed=1, env=env)
     trainers = {"embedded": build_trainer(model, ["ngram"], cfg, num_draft_tokens=3, adaptive_k=False, reward_fn=parity_reward),
                 "ray": build_ray_trainer(model, "ngram", cfg, workers=2, num_draft_tokens=3, adaptive_k=False, reward_fn=parity_reward,
                                          placement=Placement(num_cpus=0.5))}
     out: dict = {}
     for name, trainer in trainers.items():
         problems, batches = trainer.rollouts(0)
-        trainer.update(batches["ngram"], problems)
+        trainer.update(batches["ngram"], problems, 0)
         sync = trainer.sync()
         _, after = trainer.rollouts(1)
         out[name] = {"rollouts": [_rollout_view(r) for r in batches["ngram"].rollouts], "after": [_rollout_view(r) for r in after["ngram"].rollouts],

@@ -4,6 +4,7 @@ import torch
 
 from tandem.errors import TandemError
 from tandem.rl.checkpoint import load_checkpoint, save_checkpoint
+from tandem.rl.envs import EnvConfig
 from tandem.rl.grpo import GRPOConfig, sample_seed
 from tandem.rl.setup import build_trainer
 
@@ -12,9 +13,13 @@ def parity_reward(text, problem, env):  # gives the tiny random model's groups r
     return float(len(text) % 2)
 
 
+TINY_ENV = EnvConfig.for_tasks(["basic_arithmetic", "chain_sum"])  # short questions: the tiny model's byte tokens fit its 512
+TINY_ENV = EnvConfig(TINY_ENV.tasks, TINY_ENV.task_kwargs, demonstration=False)
+
+
 def tiny_trainer(path, drafters, async_mode=False, **overrides):
     settings = dict(steps=2, prompts_per_step=2, group_size=3, max_tokens=8, lr=1e-3, micro_batch=4, eval_problems=4, eval_every=2,
-                    async_mode=async_mode, seed=1) | overrides
+                    async_mode=async_mode, seed=1, env=TINY_ENV) | overrides
     cfg = GRPOConfig(**settings)
     return build_trainer(path, drafters, cfg, num_draft_tokens=3, reward_fn=parity_reward)
 

@@ -10,7 +10,8 @@ def test_rl_compare_writes_summary_sweep_plot_and_checkpoint(tiny_llama, tmp_pat
     out, png, ckpt = tmp_path / "rl.json", tmp_path / "rl.png", tmp_path / "ckpt"
     args = ["rl", "--model", tiny_llama, "--steps", "2", "--drafters", "ar,ngram,self_draft,eagle", "--compare", "--prompts-per-step", "2",
             "--group-size", "2", "--max-tokens", "6", "--eval-problems", "4", "--eval-every", "1", "--sweep", "1,4",
-            "--json", str(out), "--plot", str(png), "--checkpoint", str(ckpt), "--lr", "1e-4"]
+            "--json", str(out), "--plot", str(png), "--checkpoint", str(ckpt), "--lr", "1e-4",
+            "--task", "basic_arithmetic,chain_sum", "--no-demonstration"]
     assert main(args) == 0
     result = json.loads(out.read_text())
     summary = result["summary"]
@@ -25,7 +26,8 @@ def test_rl_compare_writes_summary_sweep_plot_and_checkpoint(tiny_llama, tmp_pat
     assert [e["step"] for e in result["evals"]] == [0, 1, 2]
     assert png.stat().st_size > 10_000 and (ckpt / "state.json").exists() and (ckpt / "eagle" / "model.safetensors").exists()
     capsys.readouterr()
-    assert main(args[:4] + ["1", "--resume", str(ckpt), "--json", str(out), "--drafters", "ar,ngram,self_draft,eagle", "--compare",
-                             "--prompts-per-step", "2", "--group-size", "2", "--max-tokens", "6", "--eval-problems", "4"]) == 0
+    assert main(args[:4] + ["3", "--resume", str(ckpt), "--json", str(out), "--drafters", "ar,ngram,self_draft,eagle", "--compare",
+                             "--prompts-per-step", "2", "--group-size", "2", "--max-tokens", "6", "--eval-problems", "4", "--eval-every", "1",
+                             "--sweep", "1,4", "--lr", "1e-4", "--task", "basic_arithmetic,chain_sum", "--no-demonstration"]) == 0
     resumed = json.loads(out.read_text())
-    assert [h["step"] for h in resumed["history"]] == [0, 1, 2]  # steps 0, 1 restored, step 2 run
+    assert [h["step"] for h in resumed["history"]] == [0, 1, 2]  # steps 0, 1 restored, step 2 run (--steps is the total)
