@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast setup assets head bench-forward clean
+.PHONY: demo test test-fast setup assets head head-general bench-forward clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -40,6 +40,19 @@ head: assets
 	$(PY) -m tandem.cli train --recipe eagle-smollm2 --hours $(REGEN_TRAIN_HOURS) --threads 1 --out $(HEAD_RUN) --phase train --kinds regenerated
 	$(PY) -m tandem.cli train --recipe eagle-smollm2 --hours $(MORE_HOURS) --threads 1 --out $(HEAD_RUN) --phase all --kinds regenerated \
 		--export tandem/heads/eagle-smollm2
+
+# Aurora's static drafter: the same four stages on general chat / instruction data only (recipe
+# eagle-smollm2-general: alpaca outputs, chatterbot-corpus conversations, the target's own answers to the
+# English chat prompts; no code, SQL, math or translation), at the shipped head's hours. Every stage resumes
+# (features by document key, training from DIR/ckpt/LATEST); the best checkpoint is picked on a chat
+# validation split (tandem.training.pipeline.validation_prompts) and reported on every domain's held-out set.
+GENERAL_RUN = $${TANDEM_HOME:-$$HOME/.cache/tandem}/runs/eagle-smollm2-general
+head-general: assets
+	$(PY) -m tandem.cli train --recipe eagle-smollm2-general --hours $(HEAD_HOURS) --threads 1 --out $(GENERAL_RUN)
+	$(PY) -m tandem.cli train --recipe eagle-smollm2-general --hours $(REGEN_HOURS) --threads 1 --out $(GENERAL_RUN) --phase features --kinds regenerated
+	$(PY) -m tandem.cli train --recipe eagle-smollm2-general --hours $(REGEN_TRAIN_HOURS) --threads 1 --out $(GENERAL_RUN) --phase train --kinds regenerated
+	$(PY) -m tandem.cli train --recipe eagle-smollm2-general --hours $(MORE_HOURS) --threads 1 --out $(GENERAL_RUN) --phase all --kinds regenerated \
+		--export tandem/heads/eagle-smollm2-general
 
 test: assets
 	TANDEM_SLOW=1 $(PY) -m pytest -q

@@ -86,11 +86,21 @@ class TraceBuffer:
         del self._items[index]
         return trace
 
-    def sample(self, n: int, rng: random.Random, recent: int | None = None) -> list[SequenceTrace]:
-        """n traces drawn uniformly with replacement (from the `recent` newest only, if given); [] if empty."""
+    def sample(self, n: int, rng: random.Random, recent: int | None = None, by_domain: bool = False) -> list[SequenceTrace]:
+        """n traces drawn with replacement (from the `recent` newest only, if given); [] if empty. Uniformly
+        over traces, or with `by_domain` a domain uniformly and then one of its traces, so a domain served
+        long ago (few traces left, or few against a long new block) is replayed as often as the current one."""
         with self._lock:
             items = list(self._items)[-recent:] if recent else list(self._items)
-        return [rng.choice(items) for _ in range(n)] if items else []
+        if not items:
+            return []
+        if not by_domain:
+            return [rng.choice(items) for _ in range(n)]
+        groups: dict[str, list[SequenceTrace]] = {}
+        for t in items:
+            groups.setdefault(t.domain, []).append(t)
+        names = sorted(groups)
+        return [rng.choice(groups[rng.choice(names)]) for _ in range(n)]
 
     def __len__(self) -> int:
         return len(self._items)

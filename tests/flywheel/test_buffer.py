@@ -85,3 +85,17 @@ def test_corrupt_shard_is_a_clear_error(tmp_path):
         load_traces(tmp_path)
     with pytest.raises(TandemError, match="no trace shards"):
         load_traces(tmp_path / "empty")
+
+
+def test_balanced_sampling_draws_each_domain_equally(traces):
+    """by_domain: a domain uniformly, then one of its traces: 10 sql traces among 100 get half the draws."""
+    import dataclasses
+
+    buffer = TraceBuffer(capacity_bytes=1 << 30)
+    for i in range(100):
+        buffer.put(dataclasses.replace(traces[i % len(traces)], request_id=f"r{i}", domain="sql" if i % 10 == 0 else "code"))
+    uniform = [t.domain for t in buffer.sample(4000, random.Random(0))]
+    balanced = [t.domain for t in buffer.sample(4000, random.Random(0), by_domain=True)]
+    assert 0.08 < uniform.count("sql") / 4000 < 0.12 and 0.47 < balanced.count("sql") / 4000 < 0.53
+    assert buffer.sample(3, random.Random(0), recent=5, by_domain=True) != []
+    assert TraceBuffer(capacity_bytes=10).sample(3, random.Random(0), by_domain=True) == []
