@@ -62,10 +62,12 @@ def unusable_reason() -> str | None:
 
 
 def build_directory() -> Path:
-    """One directory per source text, torch version and flags: a change rebuilds, nothing stale is loaded."""
+    """One directory per source text, torch version, flags and checkout: a change rebuilds, nothing stale is loaded, and
+    two checkouts never rebuild each other's copy (the build files name the sources' paths)."""
     from tandem.models.zoo import tandem_home
 
-    key = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES + HEADERS) + torch.__version__.encode() + " ".join(FLAGS).encode()).hexdigest()[:12]
+    where = str(SOURCES[0].resolve().parent).encode()
+    key = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES + HEADERS) + torch.__version__.encode() + " ".join(FLAGS).encode() + where).hexdigest()[:12]
     return tandem_home() / "build" / f"small_gemm-{key}"
 
 

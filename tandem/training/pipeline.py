@@ -60,14 +60,14 @@ def write_heldout(recipe: Recipe, out: Path, target, tokenizer) -> Path:
     return _write_answers(out / "features" / "heldout", prompts, target, tokenizer)
 
 
-def validation_prompts(recipe: Recipe) -> list:
+def validation_prompts(recipe: Recipe, source: str = "builtin") -> list:
     """The next `heldout_per_domain` test-split prompts of each of the recipe's domains after the held-out
     ones (same shuffle): the checkpoint is chosen on these, so the reported held-out score is not the one
     that picked it."""
     from tandem.data.prompts import load_prompts
 
     n = recipe.heldout_per_domain
-    prompts = load_prompts("builtin", domains=recipe.domains, per_domain=2 * n, split="test", seed=recipe.seed)
+    prompts = load_prompts(source, domains=recipe.domains, per_domain=2 * n, split="test", seed=recipe.seed)
     return [p for d in recipe.domains for p in [q for q in prompts if q.domain == d][n : 2 * n]]
 
 
