@@ -28,6 +28,6 @@ def test_small_demo_run_on_smollm2(tmp_path, capsys):
     report = demo.run_demo("smollm2-135m", requests=6, block=2, max_tokens=8, out_dir=str(tmp_path), domains=("code", "summary", "sql"))
     out = capsys.readouterr().out
     assert report["identical_outputs"] == {"static": 6, "flywheel": 6} and "SPEEDUP over plain decoding" in out
-    assert report["speedup"] == round(report["tokens_per_s"]["flywheel"] / report["tokens_per_s"]["plain"], 4)
+    assert report["speedup"] == pytest.approx(report["tokens_per_s"]["flywheel"] / report["tokens_per_s"]["plain"], rel=2e-3)
     assert set(report["summary"]) == {"plain", "static", "flywheel"} and (tmp_path / "demo_flywheel.png").exists()
     assert "flywheel over static" in out and "on summary (no recipe trains on it)" in out
