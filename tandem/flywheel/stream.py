@@ -49,8 +49,8 @@ def keyed_ids(prompts: list[Prompt], tokenizer, max_len: int) -> dict[str, list[
 
 def build_stream(spec: StreamSpec, tokenizer) -> tuple[list[Prompt], dict[str, list[int]], dict[str, list[int]]]:
     """(stream prompts, their token ids by key, static-head training ids by key). The static head's prompts
-    (first domain, train split) never appear in the stream; with builtin prompts and a static head, the first
-    domain's stream prompts come from the test split only."""
+    (first domain, train split) never appear in the stream; with builtin prompts the first domain's stream
+    prompts come from the test split only (as `bench shift` always drew them)."""
     first = spec.domains[0]
     builtin = spec.prompts == "builtin"
     static_ids: dict[str, list[int]] = {}
@@ -61,7 +61,7 @@ def build_stream(spec: StreamSpec, tokenizer) -> tuple[list[Prompt], dict[str, l
     if builtin and spec.top_up:
         pool += top_up(pool, spec)
     pool = [p for p in pool if prompt_key(p) not in static_ids]
-    if builtin and spec.static_prompts:
+    if builtin:  # the first domain's stream prompts come from the test split (a static head may train on its train split)
         pool = [p for p in pool if p.domain != first or prompt_split(p) == "test"]
     ids = keyed_ids(pool, tokenizer, spec.max_prompt_tokens)
     pool = [p for p in pool if prompt_key(p) in ids]
