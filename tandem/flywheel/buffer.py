@@ -12,6 +12,7 @@ would implement too.
 """
 from __future__ import annotations
 
+import os
 import queue
 import random
 import threading
@@ -142,9 +143,9 @@ def write_shard(path: Path, traces: list[SequenceTrace]) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    tmp = path.with_suffix(".tmp")
+    tmp = path.with_name(f"{path.stem}.{os.getpid()}.{threading.get_ident()}.tmp")  # two writers of one name never share a temporary
     pq.write_table(pa.Table.from_pylist([_trace_row(t) for t in traces]), tmp)
-    tmp.rename(path)  # readers never see half a shard
+    os.replace(tmp, path)  # readers never see half a shard
 
 
 def load_traces(directory: str | Path, limit: int | None = None, newest: bool = False) -> list[SequenceTrace]:
