@@ -84,6 +84,12 @@ def variant_config(name: str, cfg: AuroraConfig) -> tuple[str, ShiftConfig]:
     return "online", chosen
 
 
+def recovery_window(cfg: AuroraConfig) -> int:
+    """The rolling window of the within-block recovery measure: at most a tenth of a block, so recovering
+    within 10 % of the block is measurable at all (a 20-request window on a 10-request block never is)."""
+    return max(1, min(cfg.window, cfg.block // 10))
+
+
 def run_aurora(cfg: AuroraConfig, log=print) -> dict:
     from tandem.flywheel.replay import target_traces, trace_cache_dir
     from tandem.flywheel.setups import scratch_head, serving_copy
@@ -117,7 +123,7 @@ def run_aurora(cfg: AuroraConfig, log=print) -> dict:
     for name in cfg.variants:
         summary[name] |= extras[name] | {"settings": settings[name], "per_block": [b["acceptance_length"] for b in per_block(results[name], cfg.block)],
                                          "after_first_block": after_first_block(results[name], cfg.block),
-                                         "recovery_within_block": recovery_within_block(results[name], cfg.block, cfg.window)}
+                                         "recovery_within_block": recovery_within_block(results[name], cfg.block, recovery_window(cfg))}
     counts = {}
     for p in stream:
         counts[prompt_key(p)] = counts.get(prompt_key(p), 0) + 1

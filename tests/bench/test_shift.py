@@ -83,3 +83,19 @@ def test_recovery_within_a_block_against_its_own_final_level():
     values = [2.0] * 10 + [1.0, 1.0] + [2.0] * 8
     (shift,) = recovery_within_block(rows(values, 10), block=10, window=2)
     assert shift == {"at": 10, "domain": "sql", "final_level": 2.0, "requests": 4, "fraction": 0.4}
+
+
+def test_aurora_ladder_adds_one_change_per_rung_and_the_recovery_window_fits_the_block():
+    from tandem.bench.aurora import AuroraConfig, recovery_window, variant_config
+
+    cfg = AuroraConfig(general_head="h", requests=100, block=10, steps=2.0, lr=3e-4, anchor=10.0)
+    got = {name: variant_config(name, cfg) for name in ("online_base", "+steps", "+balance", "+detector", "+lr", "online_scratch")}
+    settings = {n: (m, c.train_steps_per_request, c.sample, c.shift_detect, c.finetune_lr, c.anchor) for n, (m, c) in got.items()}
+    assert settings == {
+        "online_base": ("online", 0.5, "uniform", False, 1e-4, 100.0), "+steps": ("online", 2.0, "uniform", False, 1e-4, 100.0),
+        "+balance": ("online", 2.0, "domains", False, 1e-4, 100.0), "+detector": ("online", 2.0, "domains", True, 1e-4, 100.0),
+        "+lr": ("online", 2.0, "domains", True, 3e-4, 10.0), "online_scratch": ("online_scratch", 2.0, "domains", True, 3e-4, 10.0)}
+    assert got["online_scratch"][1].lr == 1e-3  # a day-0 head trains at the scratch lr (anchor off for scratch in FlywheelSetup.loss)
+    assert recovery_window(cfg) == 1 and recovery_window(AuroraConfig(general_head="h", requests=3000, block=300)) == 20
+    with pytest.raises(InvalidParameterError):
+        AuroraConfig(general_head="h", requests=50, block=10)  # each of 5 domains must come back
