@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast setup assets head bench bench-forward clean
+.PHONY: demo test test-fast setup assets head head-general bench bench-forward clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -23,23 +23,53 @@ assets: setup
 demo: assets
 	$(PY) -m tandem.cli demo
 
-# The strong static EAGLE head, in the stages the shipped head was made with (docs/BENCHMARKS.md 3.1):
+# The strong static EAGLE head, in the seven stages the shipped head was made with (its card,
+# tandem/heads/eagle-smollm2/recipe.json; docs/BENCHMARKS.md 3.1):
 # 1. reference + regenerated features and training side by side (HEAD_HOURS), 2. one more hour of batched
 # regeneration (the target's own answers), 3. training on regenerated answers only (REGEN_TRAIN_HOURS), 4. the
 # rest of the regeneration prompts (more math variants, the last code) beside more training on them
-# (MORE_HOURS); the best head is exported to tandem/heads/eagle-smollm2 (fp16, sha256 card). Every stage
-# resumes; ~6.4 h on the slower box.
+# (MORE_HOURS): the step-2,880 head; 5-7. three fine-tunes from the previous stage's best (`--init`, at the
+# recipe's init_lr), each in its own run directory sharing stage 1-4's features (a checkpoint in DIR would be
+# resumed instead of --init): 0.5 h on the regenerated answers (FT1_HOURS), then 2 h and 1.75 h with
+# regeneration beside the trainer (FT2_HOURS, FT3_HOURS). The best head is exported to tandem/heads/eagle-smollm2
+# (fp16, sha256 card). Every stage resumes; ~10.6 h on the slower box.
+# What a rebuild does NOT repeat exactly (so it is the same recipe, not the same bits): stages 1-4 of the shipped
+# head trained with step_weight 1.0 (the mean over unroll steps; the recipe now weighs step s by 0.5**s, which
+# the three fine-tunes already used); stage 5 read a 1,280-document regenerated set of an ablation run, not
+# stage 4's; the shipped head's checkpoints were picked on the held-out split its card reports, while a rebuild
+# picks them on a separate validation split (tandem.training.pipeline.validation_prompts); shard order and the
+# wall-clock schedules depend on the machine.
 HEAD_HOURS ?= 2.5
 REGEN_HOURS ?= 1.05
 REGEN_TRAIN_HOURS ?= 1.6
 MORE_HOURS ?= 1.2
+FT1_HOURS ?= 0.5
+FT2_HOURS ?= 2
+FT3_HOURS ?= 1.75
 HEAD_RUN = $${TANDEM_HOME:-$$HOME/.cache/tandem}/runs/eagle-smollm2
 head: assets
 	$(PY) -m tandem.cli train --recipe eagle-smollm2 --hours $(HEAD_HOURS) --threads 1 --out $(HEAD_RUN)
 	$(PY) -m tandem.cli train --recipe eagle-smollm2 --hours $(REGEN_HOURS) --threads 1 --out $(HEAD_RUN) --phase features --kinds regenerated
 	$(PY) -m tandem.cli train --recipe eagle-smollm2 --hours $(REGEN_TRAIN_HOURS) --threads 1 --out $(HEAD_RUN) --phase train --kinds regenerated
-	$(PY) -m tandem.cli train --recipe eagle-smollm2 --hours $(MORE_HOURS) --threads 1 --out $(HEAD_RUN) --phase all --kinds regenerated \
+	$(PY) -m tandem.cli train --recipe eagle-smollm2 --hours $(MORE_HOURS) --threads 1 --out $(HEAD_RUN) --phase all --kinds regenerated
+	for s in ft1 ft2 ft3; do mkdir -p $(HEAD_RUN)-$$s && ln -sfn $(HEAD_RUN)/features $(HEAD_RUN)-$$s/features; done
+	$(PY) -m tandem.cli train --recipe eagle-smollm2 --hours $(FT1_HOURS) --threads 1 --out $(HEAD_RUN)-ft1 --phase train --kinds regenerated --init $(HEAD_RUN)/best
+	$(PY) -m tandem.cli train --recipe eagle-smollm2 --hours $(FT2_HOURS) --threads 1 --out $(HEAD_RUN)-ft2 --phase all --kinds regenerated --init $(HEAD_RUN)-ft1/best
+	$(PY) -m tandem.cli train --recipe eagle-smollm2 --hours $(FT3_HOURS) --threads 1 --out $(HEAD_RUN)-ft3 --phase all --kinds regenerated --init $(HEAD_RUN)-ft2/best \
 		--export tandem/heads/eagle-smollm2
+
+# Aurora's static drafter: the same four stages on general chat / instruction data only (recipe
+# eagle-smollm2-general: alpaca outputs, chatterbot-corpus conversations, the target's own answers to the
+# English chat prompts; no code, SQL, math or translation), at the shipped head's hours. Every stage resumes
+# (features by document key, training from DIR/ckpt/LATEST); the best checkpoint is picked on a chat
+# validation split (tandem.training.pipeline.validation_prompts) and reported on every domain's held-out set.
+GENERAL_RUN = $${TANDEM_HOME:-$$HOME/.cache/tandem}/runs/eagle-smollm2-general
+head-general: assets
+	$(PY) -m tandem.cli train --recipe eagle-smollm2-general --hours $(HEAD_HOURS) --threads 1 --out $(GENERAL_RUN)
+	$(PY) -m tandem.cli train --recipe eagle-smollm2-general --hours $(REGEN_HOURS) --threads 1 --out $(GENERAL_RUN) --phase features --kinds regenerated
+	$(PY) -m tandem.cli train --recipe eagle-smollm2-general --hours $(REGEN_TRAIN_HOURS) --threads 1 --out $(GENERAL_RUN) --phase train --kinds regenerated
+	$(PY) -m tandem.cli train --recipe eagle-smollm2-general --hours $(MORE_HOURS) --threads 1 --out $(GENERAL_RUN) --phase all --kinds regenerated \
+		--export tandem/heads/eagle-smollm2-general
 
 test: assets
 	TANDEM_SLOW=1 $(PY) -m pytest -q

@@ -132,6 +132,7 @@ def _bench_commands(sub) -> None:
     fwd.set_defaults(func=_bench_forward)
     _bench_decode_command(bench)
     _bench_shift_command(bench)
+    _bench_aurora_command(bench)
     from tandem.bench.serve import add_bench_serve_command
 
     add_bench_serve_command(bench)
@@ -277,6 +278,50 @@ def _bench_shift(args) -> int:
     return 0
 
 
+def _bench_aurora_command(bench) -> None:
+    from tandem.bench.aurora import VARIANTS, AuroraConfig
+    from tandem.flywheel.stream import SPECIALISED
+
+    d = AuroraConfig.__dataclass_fields__
+    p = bench.add_parser("aurora", help="Aurora's experiment in replay: a general static head vs the flywheel on specialised traffic, with an ablation ladder")
+    p.add_argument("--general-head", required=True, help="exported head of recipe eagle-smollm2-general (or a run's best/)")
+    p.add_argument("--requests", type=int, default=d["requests"].default)
+    p.add_argument("--block", type=int, default=d["block"].default)
+    p.add_argument("--domains", default=",".join(SPECIALISED))
+    p.add_argument("--prompts", default="builtin", help="builtin or a JSONL file of {domain, prompt} (a held-out stream)")
+    p.add_argument("--max-tokens", type=int, default=d["max_tokens"].default)
+    p.add_argument("--steps", type=float, default=d["steps"].default, help="trainer steps per request from rung +steps on")
+    p.add_argument("--lr", type=float, default=d["lr"].default, help="rung +lr: fine-tuning lr from the general head")
+    p.add_argument("--anchor", type=float, default=d["anchor"].default, help="rung +lr: anchor toward the general head")
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--json", dest="json_out", default=None)
+    p.add_argument("--plot", default=None)
+    p.set_defaults(func=_bench_aurora)
+
+
+def _bench_aurora(args) -> int:
+    import torch
+
+    from tandem.bench.aurora import AuroraConfig, run_aurora, table
+
+    torch.set_num_threads(args.threads)
+    cfg = AuroraConfig(general_head=args.general_head, requests=args.requests, block=args.block, domains=tuple(x for x in args.domains.split(",") if x),
+                       prompts=args.prompts, max_tokens=args.max_tokens, steps=args.steps, lr=args.lr, anchor=args.anchor,
+                       variants=tuple(x for x in args.variants.split(",") if x))
+    report = run_aurora(cfg)
+    if args.json_out:
+        Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json_out).write_text(json.dumps(report, indent=1) + "\n")
+    if args.plot:
+        from tandem.flywheel.stream_plot import plot_shift
+
+        plot_shift(report["requests"], cfg.shift_config(), args.plot)
+    print(table(report))
+    print(json.dumps({"stream": report["stream"], "seconds": report["seconds"]}))
+    return 0
+
+
 TRAINER_PLACES = {"auto": None, "process": True, "thread": False}  # --trainer -> trainer_process
 
 
@@ -334,9 +379,12 @@ def _train(args) -> int:
 
 
 def _demo_command(sub) -> None:
-    p = sub.add_parser("demo", help="the main job: plain decoding vs the flywheel on a domain-shifting stream")
+    from tandem.demo import DEMO_DOMAINS
+
+    p = sub.add_parser("demo", help="the main job: plain decoding, the static head and the flywheel on a domain-shifting stream")
     p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--requests", type=int, default=30)
+    p.add_argument("--requests", type=int, default=36)
+    p.add_argument("--domains", default=",".join(DEMO_DOMAINS), help="block order (cycled; a domain may come back)")
     p.add_argument("--block", type=int, default=6, help="requests per domain block")
     p.add_argument("--max-tokens", type=int, default=40)
     p.add_argument("--batch", type=int, default=1, help="requests in flight")
@@ -348,7 +396,8 @@ def _demo_command(sub) -> None:
 def _demo(args) -> int:
     from tandem.demo import run_demo
 
-    run_demo(args.model, args.requests, args.block, args.max_tokens, args.out, args.batch, trainer_process=TRAINER_PLACES[args.trainer])
+    run_demo(args.model, args.requests, args.block, args.max_tokens, args.out, args.batch, trainer_process=TRAINER_PLACES[args.trainer],
+             domains=tuple(x for x in args.domains.split(",") if x))
     return 0
 
 

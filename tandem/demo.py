@@ -1,109 +1,143 @@
-"""`make demo`: plain decoding vs the flywheel on a domain-shifting stream, measured in the same run.
+"""`make demo`: plain decoding, the static head and the flywheel side by side on a domain-shifting stream.
 
-SmolLM2-135M serves one stream of chat-rendered prompts in blocks per domain (code -> sql -> math ->
-chat -> translation), greedy, `batch` requests in flight, 1 torch thread for the engine. Block by block,
-plain decoding (no drafter) serves the block, then the flywheel serves the same block, so machine load
-drifting over the run hits both alike:
+SmolLM2-135M serves one stream of chat-rendered prompts in blocks per domain (code -> summary -> sql ->
+summary -> math -> summary by default: summary is the domain no recipe trains on, so it comes back while
+the flywheel learns it), greedy, `batch` requests in flight, 1 torch thread for the engine. Block by
+block, the three serve the same block in turn, so machine load drifting over the run hits all alike:
 
 - plain decoding: the reference tokens/s; the trainer rests meanwhile;
-- the flywheel: the EAGLE head starts from the strong static head shipped in tandem/heads/ (or, if none is
-  shipped yet, from an untrained day-0 head, with a warning) and drafts with a prompt-lookup branch grafted
-  on (tandem.drafters.hybrid); the engine records traces, the trainer (1 more thread; in a child process on
-  >= 2 cores, so it does not share the engine's interpreter lock) learns from them, and new head versions
-  are hot-swapped between steps (rollback on an acceptance collapse).
+- static: the EAGLE head shipped in tandem/heads/ (the general head of recipe eagle-smollm2-general when
+  it is shipped, Aurora's set-up; else the head of recipe eagle-smollm2), frozen, same drafter settings;
+- the flywheel: the same head at the start, drafting with a prompt-lookup branch grafted on
+  (tandem.drafters.hybrid) like static; the engine records traces, the trainer (1 more thread; in a child
+  process on >= 2 cores, so it does not share the engine's interpreter lock) learns from them, and new head
+  versions are hot-swapped between steps (rollback on an acceptance collapse). The trainer rests while
+  plain and static serve.
 
-A row per finished request shows domain, acceptance length, tokens/s and the drafter version; the end
-prints per-block means for both, the speedup over plain decoding (stream tokens / serving time, same
-prompts and the same greedy outputs), and writes the plot.
+A row per finished flywheel request shows domain, acceptance length, tokens/s and the drafter version; the
+end prints per-block tokens/s of all three, the speedups over plain decoding and over static (stream
+tokens / serving time, same prompts, the same greedy outputs), and writes the plot with all three.
 """
 from __future__ import annotations
 
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import tandem
 
-STRONG_HEAD = Path(tandem.__file__).resolve().parent / "heads" / "eagle-smollm2"
+HEADS = Path(tandem.__file__).resolve().parent / "heads"
+GENERAL_HEAD = HEADS / "eagle-smollm2-general"  # recipe eagle-smollm2-general: chat data only (Aurora's static drafter)
+STRONG_HEAD = HEADS / "eagle-smollm2"  # recipe eagle-smollm2: every built-in domain but summary
+DEMO_DOMAINS = ("code", "summary", "sql", "summary", "math", "summary")
 HEADER = f"{'req':>4} {'domain':<12} {'accept':>6} {'tok/s':>6} {'version':>7} {'swaps':>5} {'rollbk':>6} {'train':>6} {'loss':>7}"
+MODES = ("plain", "static", "flywheel")
+
+
+@dataclass(frozen=True)
+class DemoConfig:
+    """What the stream statistics and the plot read (tandem.flywheel.stream_stats / stream_plot)."""
+
+    model: str
+    block: int
+    window: int
+    domains: tuple[str, ...]
+    replay: bool = False
 
 
 def demo_heads(target, draft_vocab: int = 8192, seed: int = 0) -> tuple[dict, str, float]:
-    """{"static": the head the flywheel starts from}, a label saying which one it is, and its confidence cut
-    (a trained head's chains end where it is unsure; an untrained head drafts full chains)."""
+    """{"static": the head static serves and the flywheel starts from}, a label saying which one it is, and
+    its confidence cut (a trained head's chains end where it is unsure; an untrained head drafts full chains)."""
     from tandem.drafters.eagle import TRAINED_MIN_CONFIDENCE
     from tandem.flywheel.setups import scratch_head
     from tandem.models.eagle import load_eagle
 
-    if STRONG_HEAD.is_dir():  # load_eagle refuses a damaged or mismatched head with a clear error
-        return {"static": load_eagle(STRONG_HEAD, target)}, f"strong static EAGLE head ({STRONG_HEAD})", TRAINED_MIN_CONFIDENCE
+    for path, what in ((GENERAL_HEAD, "general static EAGLE head"), (STRONG_HEAD, "strong static EAGLE head")):
+        if path.is_dir():  # load_eagle refuses a damaged or mismatched head with a clear error
+            return {"static": load_eagle(path, target)}, f"{what} ({path})", TRAINED_MIN_CONFIDENCE
     print(f"WARNING: no trained head at {STRONG_HEAD}; starting from an UNTRAINED day-0 head instead.\n"
           "         Expect acceptance near 1.0 and no speedup until the flywheel has learned (this is not the shipped demo).\n")
     return {"static": scratch_head(target, draft_vocab, seed)}, "untrained day-0 EAGLE head (fallback: no shipped head yet)", 0.0
 
 
-def run_demo(model: str, requests: int = 30, block: int = 6, max_tokens: int = 40, out_dir: str = "out", batch: int = 1, trainer_process: bool | None = None) -> dict:
+def run_demo(model: str, requests: int = 36, block: int = 6, max_tokens: int = 40, out_dir: str = "out", batch: int = 1,
+             trainer_process: bool | None = None, domains: tuple[str, ...] = DEMO_DOMAINS) -> dict:
     """trainer_process: train in a child process (True) or a thread of this one (False); None: a process when
     the machine has >= 2 cores (one for the engine, one for the trainer)."""
     import torch
 
-    from tandem.bench.shift import ShiftConfig, build_stream, prompt_key
-    from tandem.bench.shift_plot import plot_shift
-    from tandem.bench.shift_stats import summarize
     from tandem.config import SamplingParams
-    from tandem.flywheel.setups import live_engine, serve_stream
+    from tandem.flywheel.setups import FlywheelSetup, live_engine, serve_stream, trainer_process_pays
+    from tandem.flywheel.stream import StreamSpec, build_stream, prompt_key
+    from tandem.flywheel.stream_plot import plot_shift
+    from tandem.flywheel.stream_stats import summarize
     from tandem.llm import load_tokenizer
     from tandem.models.loader import load_transformer
     from tandem.models.zoo import resolve_model
 
     start = time.perf_counter()
-    cfg = ShiftConfig(model=model, requests=requests, block=block, max_tokens=max_tokens, modes=("plain", "online"), replay=False,
-                      static_prompts=0, window=max(2, block // 2), publish_every=5, live_batch=batch,
-                      trainer_process=trainer_process)
+    cfg = DemoConfig(model=model, block=block, window=max(2, block // 2), domains=tuple(dict.fromkeys(domains)))
     model_dir = Path(resolve_model(model))
     target = load_transformer(model_dir)
     target.pack()
-    heads, label, cut = demo_heads(target, cfg.draft_vocab, cfg.seed)
-    stream, stream_ids, _ = build_stream(cfg, load_tokenizer(model_dir))
+    heads, label, cut = demo_heads(target)
+    stream, stream_ids, _ = build_stream(StreamSpec(requests=requests, block=block, domains=domains), load_tokenizer(model_dir))
     pairs = [(stream_ids[prompt_key(p)], p.domain) for p in stream]
     longest = max(len(ids) for ids, _ in pairs) + max_tokens + 1
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     torch.set_num_threads(1)
-    print(f"tandem demo: {model}, {len(stream)} requests in blocks of {block} ({' -> '.join(cfg.domains)}), greedy, "
+    setup = FlywheelSetup(publish_every=5, prompt_lookup=True, min_confidence=cut,
+                          trainer_process=trainer_process_pays() if trainer_process is None else trainer_process)
+    print(f"tandem demo: {model}, {len(stream)} requests in blocks of {block} ({' -> '.join(domains)}), greedy, "
           f"{batch} in flight, {max_tokens} new tokens each\n")
-
-    where = "a child process" if cfg.setup.trainer_process else "a background thread"
-    print(f"plain decoding and the flywheel (starting from the {label}; trainer in {where}) take turns, block by block,\n"
-          "so both see the same machine; the trainer rests while plain decoding runs\n")
+    where = "a child process" if setup.trainer_process else "a background thread"
+    print(f"plain decoding, the static head and the flywheel (both starting from the {label}; trainer in {where})\n"
+          "take turns, block by block, so all three see the same machine; the trainer rests while the others run\n")
     print(HEADER)
-    setup = replace(cfg.setup, prompt_lookup=True, min_confidence=cut)  # the head's draft plus a prompt-lookup branch (tandem.drafters.hybrid)
     plain_engine, _ = live_engine("plain", target, heads, setup, batch, longest)
+    static_engine, static_fly = live_engine("static", target, heads, setup, batch, longest)
     engine, flywheel = live_engine("online", target, heads, setup, batch, longest)
-    plain, online = [], []
+    parts = {mode: [] for mode in MODES}
     for first in range(0, len(pairs), block):
         part = pairs[first : first + block]
         if flywheel.trainer is not None:
             flywheel.trainer.stop()
-        plain.append(_offset(serve_stream(plain_engine, None, part, params, batch, prefix=f"plain-{first}"), first))
+        parts["plain"].append(_offset(serve_stream(plain_engine, None, part, params, batch, prefix=f"plain-{first}"), first))
+        parts["static"].append(_offset(serve_stream(static_engine, static_fly, part, params, batch, prefix=f"static-{first}"), first))
         flywheel.start()
-        online.append(_offset(serve_stream(engine, flywheel, part, params, batch, on_finish=lambda row, f=first: _show(row, flywheel, f), prefix=f"online-{first}"), first))
+        parts["flywheel"].append(_offset(serve_stream(engine, flywheel, part, params, batch, on_finish=lambda row, f=first: _show(row, flywheel, f), prefix=f"online-{first}"), first))
     flywheel.close()
+    static_fly.close()
     metrics = flywheel.metrics()
-    plain, online = _joined(plain), _joined(online)
-
-    results = {"plain": plain.rows, "flywheel": online.rows}
+    joined = {mode: _joined(parts[mode]) for mode in MODES}
+    results = {mode: joined[mode].rows for mode in MODES}
     summary = summarize(results, cfg)
     plot = plot_shift(results, cfg, Path(out_dir) / "demo_flywheel.png")
-    speedup = online.tokens_per_s / plain.tokens_per_s if plain.tokens_per_s else 0.0
-    _report(results, plain, online, block, metrics)
-    same = sum(a == b for a, b in zip(plain.outputs, online.outputs))
-    print(f"\ngreedy outputs identical to plain decoding: {same}/{len(stream)} requests")
-    print(f"SPEEDUP over plain decoding: {speedup:.2f}x  (flywheel {online.tokens_per_s:.1f} tok/s vs plain {plain.tokens_per_s:.1f} tok/s, "
-          f"same stream, measured in this run; machine load affects both)")
+    speed = {mode: joined[mode].tokens_per_s for mode in MODES}
+    _report(results, block, metrics)
+    same = {mode: sum(a == b for a, b in zip(joined["plain"].outputs, joined[mode].outputs)) for mode in ("static", "flywheel")}
+    print(f"\ngreedy outputs identical to plain decoding: static {same['static']}/{len(stream)}, flywheel {same['flywheel']}/{len(stream)} requests")
+    print("\n            tok/s   vs plain   vs static   mean accept")
+    for mode in MODES:
+        accept = summary[mode]["mean_acceptance_length"]
+        print(f"  {mode:<9} {speed[mode]:>6.1f} {_ratio(speed[mode], speed['plain']):>9.2f}x {_ratio(speed[mode], speed['static']):>10.2f}x {accept:>12.3f}")
+    unseen = [d for d in cfg.domains if d == "summary"]
+    for d in unseen:
+        mine = {m: [r for r in results[m] if r["domain"] == d] for m in MODES}
+        tps = {m: sum(r["tokens_per_s"] for r in mine[m]) / max(1, len(mine[m])) for m in MODES}
+        print(f"  on {d} (no recipe trains on it): flywheel {tps['flywheel']:.1f} tok/s vs static {tps['static']:.1f} "
+              f"({_ratio(tps['flywheel'], tps['static']):.2f}x), acceptance {summary['flywheel']['per_domain'][d]:.3f} vs {summary['static']['per_domain'][d]:.3f}")
+    print(f"SPEEDUP over plain decoding: flywheel {_ratio(speed['flywheel'], speed['plain']):.2f}x, static {_ratio(speed['static'], speed['plain']):.2f}x; "
+          f"flywheel over static {_ratio(speed['flywheel'], speed['static']):.2f}x  (same stream, measured in this run; machine load affects all three)")
     print(f"plot: {plot}   ({time.perf_counter() - start:.0f} s in all)")
-    return {"head": label, "speedup": round(speedup, 4), "plain_tokens_per_s": round(plain.tokens_per_s, 3),
-            "online_tokens_per_s": round(online.tokens_per_s, 3), "identical_outputs": same, "summary": summary, "metrics": metrics, "plot": str(plot),
-            "trainer_process": flywheel.options.trainer_process}
+    return {"head": label, "speedup": round(_ratio(speed["flywheel"], speed["plain"]), 4), "static_speedup": round(_ratio(speed["static"], speed["plain"]), 4),
+            "flywheel_over_static": round(_ratio(speed["flywheel"], speed["static"]), 4),
+            "tokens_per_s": {m: round(v, 3) for m, v in speed.items()}, "identical_outputs": same,
+            "summary": summary, "metrics": metrics, "plot": str(plot), "trainer_process": flywheel.options.trainer_process}
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if b else 0.0
 
 
 def _offset(result, first: int):
@@ -128,16 +162,13 @@ def _show(row: dict, flywheel, first: int = 0) -> None:
           f"{swaps.swaps:>5} {swaps.rollbacks:>6} {trainer.steps:>6} {loss:>7}", flush=True)
 
 
-def _report(results: dict, plain, online, block: int, metrics: dict) -> None:
+def _report(results: dict, block: int, metrics: dict) -> None:
     mean = lambda rows, key: sum(r[key] for r in rows) / len(rows)  # noqa: E731
-    print("\nper block          plain tok/s   flywheel tok/s   flywheel accept   versions")
-    for b in range(0, len(online.rows), block):
-        p, o = results["plain"][b : b + block], results["flywheel"][b : b + block]
-        print(f"  {o[0]['domain']:<14} {mean(p, 'tokens_per_s'):>11.1f} {mean(o, 'tokens_per_s'):>16.1f} {mean(o, 'acceptance_length'):>17.3f}"
-              f"   v{o[0]['version']}..v{o[-1]['version']}")
-    values = [r["acceptance_length"] for r in online.rows]
-    n = min(block, len(values))
-    print(f"\nflywheel acceptance length: first {n} requests {sum(values[:n]) / n:.3f} -> last {n} {sum(values[-n:]) / n:.3f}")
+    print("\nper block          plain tok/s  static tok/s  flywheel tok/s  static accept  flywheel accept  versions")
+    for b in range(0, len(results["flywheel"]), block):
+        p, s, o = (results[m][b : b + block] for m in MODES)
+        print(f"  {o[0]['domain']:<14} {mean(p, 'tokens_per_s'):>11.1f} {mean(s, 'tokens_per_s'):>13.1f} {mean(o, 'tokens_per_s'):>15.1f}"
+              f" {mean(s, 'acceptance_length'):>14.3f} {mean(o, 'acceptance_length'):>16.3f}   v{o[0]['version']}..v{o[-1]['version']}")
     print(f"swaps {metrics['swaps']['swaps']}, rollbacks {metrics['swaps']['rollbacks']}, refused {metrics['swaps']['refused']}, "
           f"trainer steps {metrics['trainer']['steps']}, max swap copy {metrics['swaps']['max_swap_ms']} ms, max swap step {metrics['max_swap_step_s']} s (slowest step {metrics['max_step_s']} s)")
     print(f"buffer: {metrics['buffer']['traces']} traces, {metrics['buffer']['bytes'] / 2**20:.1f} MiB, dropped {metrics['buffer']['dropped']}")

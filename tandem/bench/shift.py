@@ -26,7 +26,6 @@ ratio to static, per-domain means, and the recovery after each shift: requests u
 """
 from __future__ import annotations
 
-import hashlib
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -35,8 +34,10 @@ import torch
 from tqdm import tqdm
 
 from tandem.bench.machine import machine_info
-from tandem.data.prompts import DOMAINS, Prompt, domain_stream, load_prompts, prompt_split, render_chat
-from tandem.bench.shift_stats import summarize
+from tandem.data.prompts import DOMAINS, Prompt
+from tandem.flywheel.stream import StreamSpec, prompt_key
+from tandem.flywheel.stream import build_stream as stream_build
+from tandem.flywheel.stream_stats import summarize
 from tandem.config import SamplingParams
 from tandem.errors import InvalidParameterError
 from tandem.flywheel.replay import target_traces, trace_cache_dir
@@ -59,6 +60,7 @@ class ShiftConfig:
     num_draft_tokens: int = 4
     max_prompt_tokens: int = 448  # longer prompts are left out of the stream
     draft_vocab: int = 8192
+    top_up: bool = False  # more math variants / extra SQL prompts where a domain's pool is shorter than the stream needs
     static_prompts: int = 200  # first-domain train-split prompts the static head learns from
     static_steps: int = 300
     static_head: str | None = None  # use this head as `static` instead of training one
@@ -72,14 +74,27 @@ class ShiftConfig:
     branch_weight: float = FlywheelSetup.branch_weight
     window: int = 20  # rolling window (requests) of the recovery measure
     collapse_ratio: float = FlywheelSetup.collapse_ratio
+    sample: str = FlywheelSetup.sample  # the trainer's replay draw: uniform | domains
+    shift_detect: bool = FlywheelSetup.shift_detect  # replay: boost steps / warm lr after a detected acceptance drop
+    boost_steps_per_request: float = FlywheelSetup.boost_steps_per_request
+    boost_requests: int = FlywheelSetup.boost_requests
+    boost_lr: float = FlywheelSetup.boost_lr
+    shift_drop: float = FlywheelSetup.shift_drop
     seed: int = 0
     live_batch: int = 4  # live mode: concurrent requests
     trainer_process: bool | None = None  # live mode: train in a child process (True) or a thread (False); None: a process when there are >= 2 cores
 
     @property
+    def stream(self) -> StreamSpec:
+        return StreamSpec(prompts=self.prompts, requests=self.requests, block=self.block, domains=self.domains, max_prompt_tokens=self.max_prompt_tokens,
+                          static_prompts=self.static_prompts, top_up=self.top_up, seed=self.seed)
+
+    @property
     def setup(self) -> FlywheelSetup:
         return FlywheelSetup(num_draft_tokens=self.num_draft_tokens, batch_size=self.batch_size, lr=self.lr, finetune_lr=self.finetune_lr, anchor=self.anchor, publish_every=self.publish_every,
                              discard_weight=self.discard_weight, branch_weight=self.branch_weight, collapse_ratio=self.collapse_ratio, seed=self.seed,
+                             sample=self.sample, shift_detect=self.shift_detect, boost_steps_per_request=self.boost_steps_per_request,
+                             boost_requests=self.boost_requests, boost_lr=self.boost_lr, shift_drop=self.shift_drop,
                              trainer_process=trainer_process_pays() if self.trainer_process is None else self.trainer_process)
 
     def __post_init__(self) -> None:
@@ -92,31 +107,9 @@ class ShiftConfig:
             raise InvalidParameterError("requests, block, window >= 1 and max_tokens >= 2 are required")
 
 
-# ---- the stream ---------------------------------------------------------------------------------------------------
-def build_stream(cfg: ShiftConfig, tokenizer) -> tuple[list[Prompt], dict[str, list[int]], dict[str, list[int]]]:
-    """(stream prompts, their token ids by key, static-head training ids by key). The static head's
-    prompts (first domain, train split) never appear in the stream."""
-    first = cfg.domains[0]
-    static_ids: dict[str, list[int]] = {}
-    if cfg.static_prompts:
-        static_pool = load_prompts(cfg.prompts, domains=[first], split="train" if cfg.prompts == "builtin" else "all", seed=cfg.seed)
-        static_ids = dict(list(_keyed_ids(static_pool[: 2 * cfg.static_prompts], tokenizer, cfg.max_prompt_tokens).items())[: cfg.static_prompts])
-    pool = [p for p in load_prompts(cfg.prompts, domains=cfg.domains, seed=cfg.seed) if prompt_key(p) not in static_ids]
-    if cfg.prompts == "builtin":
-        pool = [p for p in pool if p.domain != first or prompt_split(p) == "test"]
-    ids = _keyed_ids(pool, tokenizer, cfg.max_prompt_tokens)
-    pool = [p for p in pool if prompt_key(p) in ids]
-    stream = domain_stream(pool, cfg.requests, cfg.block, cfg.domains, cfg.seed)
-    return stream, {prompt_key(p): ids[prompt_key(p)] for p in stream}, static_ids
-
-
-def prompt_key(prompt: Prompt) -> str:
-    return f"{prompt.domain}:{prompt.id or hashlib.sha256(prompt.prompt.encode()).hexdigest()[:16]}"
-
-
-def _keyed_ids(prompts: list[Prompt], tokenizer, max_len: int) -> dict[str, list[int]]:
-    rendered = render_chat(prompts, tokenizer)
-    return {prompt_key(p): ids for p, ids in zip(prompts, rendered) if len(ids) <= max_len}
+# ---- the stream (tandem.flywheel.stream) ---------------------------------------------------------------------------
+def build_stream(cfg: ShiftConfig, tokenizer):
+    return stream_build(cfg.stream, tokenizer)
 
 
 # ---- heads ---------------------------------------------------------------------------------------------------------
@@ -232,7 +225,7 @@ def run_shift_bench(cfg: ShiftConfig, plot: str | None = None) -> dict:
         "summary": summary, "seconds": round(time.perf_counter() - started, 1), "requests": results,
     }
     if plot:
-        from tandem.bench.shift_plot import plot_shift
+        from tandem.flywheel.stream_plot import plot_shift
 
         report["plot"] = str(plot_shift(results, cfg, plot))
     return report

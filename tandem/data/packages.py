@@ -46,6 +46,9 @@ PACKAGES = {
     "llamafactory": Package(
         "llamafactory==0.9.5", "1702c0bfb864e80577a59521d2edcacd2aab05ec6aee06188fcba335a589681f", sdist=True
     ),
+    "chatterbot-corpus": Package(
+        "chatterbot-corpus==1.3.3", "86de5300afb9a80826386339d3bec79c0a72eb0358abb8327e2ecef5ae0ce154"
+    ),
 }
 
 def download(package: Package, dest: Path) -> Path:

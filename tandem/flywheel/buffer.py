@@ -14,6 +14,7 @@ would implement too.
 """
 from __future__ import annotations
 
+import os
 import queue
 import random
 import threading
@@ -90,11 +91,21 @@ class TraceBuffer:
         del self._items[index]
         return trace
 
-    def sample(self, n: int, rng: random.Random, recent: int | None = None) -> list[SequenceTrace]:
-        """n traces drawn uniformly with replacement (from the `recent` newest only, if given); [] if empty."""
+    def sample(self, n: int, rng: random.Random, recent: int | None = None, by_domain: bool = False) -> list[SequenceTrace]:
+        """n traces drawn with replacement (from the `recent` newest only, if given); [] if empty. Uniformly
+        over traces, or with `by_domain` a domain uniformly and then one of its traces, so a domain served
+        long ago (few traces left, or few against a long new block) is replayed as often as the current one."""
         with self._lock:
             items = list(self._items)[-recent:] if recent else list(self._items)
-        return [rng.choice(items) for _ in range(n)] if items else []
+        if not items:
+            return []
+        if not by_domain:
+            return [rng.choice(items) for _ in range(n)]
+        groups: dict[str, list[SequenceTrace]] = {}
+        for t in items:
+            groups.setdefault(t.domain, []).append(t)
+        names = sorted(groups)
+        return [rng.choice(groups[rng.choice(names)]) for _ in range(n)]
 
     def __len__(self) -> int:
         return len(self._items)
@@ -136,9 +147,9 @@ def write_shard(path: Path, traces: list[SequenceTrace]) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    tmp = path.with_suffix(".tmp")
+    tmp = path.with_name(f"{path.stem}.{os.getpid()}.{threading.get_ident()}.tmp")  # two writers of one name never share a temporary
     pq.write_table(pa.Table.from_pylist([_trace_row(t) for t in traces]), tmp)
-    tmp.rename(path)  # readers never see half a shard
+    os.replace(tmp, path)  # readers never see half a shard
 
 
 def load_traces(directory: str | Path, limit: int | None = None, newest: bool = False) -> list[SequenceTrace]:

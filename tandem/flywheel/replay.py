@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -111,7 +113,8 @@ def target_traces(
         fresh = _generate_traces(target, {key: prompts[key] for key in missing}, max_tokens, taps, batch_size)
         if cache is not None:
             cache.mkdir(parents=True, exist_ok=True)
-            write_shard(cache / f"traces-{len(list(cache.glob('traces-*.parquet'))):06d}.parquet", list(fresh.values()))
+            # a unique name: two runs filling one cache at once (e.g. benchmark variants side by side) must not collide
+            write_shard(cache / f"traces-{len(list(cache.glob('traces-*.parquet'))):06d}-{os.getpid()}-{time.time_ns()}.parquet", list(fresh.values()))
         found.update(fresh)
     return found
 

@@ -32,6 +32,7 @@ from tandem.errors import InvalidParameterError
 from tandem.flywheel.buffer import TraceBuffer
 from tandem.flywheel.loop import Flywheel, FlywheelOptions
 from tandem.flywheel.replay import ReplayResult, replay_request, replay_trace
+from tandem.flywheel.schedule import ShiftDetector, ShiftDetectorConfig, StepSchedule, StepScheduleConfig
 from tandem.flywheel.traces import SequenceTrace
 from tandem.flywheel.trainer import FlywheelConfig, OnlineTrainer, target_lm_rows, trainer_copy
 from tandem.flywheel.weights import HotSwapper, WeightStore
@@ -71,11 +72,26 @@ class FlywheelSetup:
     adaptive_k: bool = False  # live: the speculation controller picks k (0 = plain) per step from measured acceptance
     prompt_lookup: bool = False  # live: graft a prompt-lookup branch onto the head's draft (tandem.drafters.hybrid)
     min_confidence: float = 0.0  # live, from a trained head: chains end below this path confidence (EagleDrafter); replay models full chains
+    sample: str = "uniform"  # the trainer's replay draw: "uniform" over traces or "domains" (balanced; FlywheelConfig.sample)
+    shift_detect: bool = False  # replay: a detected acceptance drop boosts the step rate and warms the lr (tandem.flywheel.schedule)
+    boost_steps_per_request: float = 4.0  # ... right after a shift, decaying to the steady rate over boost_requests
+    boost_requests: int = 64
+    boost_lr: float = 2.0
+    shift_drop: float = 0.15  # the detector fires when recent acceptance < (1 - shift_drop) x its baseline
     seed: int = 0
 
     def __post_init__(self) -> None:
         if self.num_draft_tokens < 1 or not 0 < self.collapse_ratio <= 1 or self.watch_window < 1 or not 0 < self.trainer_duty <= 1:
             raise InvalidParameterError("num_draft_tokens >= 1, collapse_ratio and trainer_duty in (0, 1] and watch_window >= 1 are required")
+
+    def schedule(self, steps_per_request: float) -> tuple[StepSchedule, ShiftDetector | None]:
+        """The replay trainer's step schedule at `steps_per_request`, and the shift detector that boosts it
+        (None without `shift_detect`: a flat rate)."""
+        if not self.shift_detect:
+            return StepSchedule(StepScheduleConfig(steps_per_request, steps_per_request, 1, 1.0)), None
+        boost = max(self.boost_steps_per_request, steps_per_request)
+        return (StepSchedule(StepScheduleConfig(steps_per_request, boost, self.boost_requests, self.boost_lr)),
+                ShiftDetector(ShiftDetectorConfig(drop=self.shift_drop)))
 
     def loss(self, switches: dict, init: str = "scratch") -> FlywheelConfig:
         """The trainer's settings for a mode whose head starts as `init` ("static": a trained head, fine-tuned
@@ -83,7 +99,7 @@ class FlywheelSetup:
         trained = init == "static"
         base = {"unroll": self.num_draft_tokens, "batch_size": self.batch_size, "lr": self.finetune_lr if trained else self.lr,
                 "anchor": self.anchor if trained else 0.0, "publish_every": self.publish_every,
-                "discard_weight": self.discard_weight, "branch_weight": self.branch_weight, "seed": self.seed}
+                "discard_weight": self.discard_weight, "branch_weight": self.branch_weight, "sample": self.sample, "seed": self.seed}
         return FlywheelConfig(**(base | switches))
 
 
@@ -158,26 +174,31 @@ class ReplayFlywheel:
             self.trainer = OnlineTrainer(trainer_copy(heads[init]), target_lm_rows(target, heads[init]), self.buffer, self.store, setup.loss(switches, init))
             self.swapper = HotSwapper(self.drafter, self.store, collapse_ratio=setup.collapse_ratio, background=False)
             self.swapper.on_rollback = self.trainer.request_restore
-        self._credit = 0.0
+        self.schedule, self.detector = setup.schedule(train_steps_per_request)
 
     def serve(self, trace: SequenceTrace, max_tokens: int) -> tuple[ReplayResult, int]:
-        """Replay one request under the current version; returns the result and the version that served it."""
+        """Replay one request under the current version; returns the result and the version that served it.
+        With a trainer: the trace goes to the buffer, the detector sees its acceptance, and the schedule says
+        how many trainer steps to take now and at what learning-rate multiplier."""
         version = self.drafter.version
         result = replay_request(self.served, trace, self.setup.num_draft_tokens, max_tokens)
         if self.trainer is not None:
             self.buffer.put(replay_trace(trace, result, version))
             self.swapper.observe_lengths(version, [accepted + 1 for _, drafted, accepted in result.steps if drafted])
-            self._credit += self.steps_per_request
-            while self._credit >= 1.0:
+            if self.detector is not None and self.detector.observe(result.acceptance_length):
+                self.schedule.shift()
+            self.trainer.lr_scale = self.schedule.lr_scale()
+            for _ in range(self.schedule.after_request()):
                 self.trainer.train_step()
-                self._credit -= 1.0
             self.swapper()
         return result, version
 
     def metrics(self) -> dict:
         if self.trainer is None:
             return {}
-        return {"swaps": self.swapper.stats.as_dict(), "trainer_steps": self.trainer.steps, "buffer": asdict(self.buffer.stats())}
+        shifts = self.detector.shifts if self.detector is not None else []
+        return {"swaps": self.swapper.stats.as_dict(), "trainer_steps": self.trainer.steps, "buffer": asdict(self.buffer.stats()),
+                "detected_shifts": shifts}
 
 
 # ---- live --------------------------------------------------------------------------------------------------------

@@ -36,6 +36,9 @@ STATE_FILE = "trainer.json"
 LATEST_FILE = "LATEST"  # in a checkpoint directory: the name of the current checkpoint's subdirectory
 
 
+SAMPLERS = ("uniform", "domains")
+
+
 @dataclass(frozen=True)
 class FlywheelConfig:
     imitation: bool = True  # soft CE to the target on the committed sequence (TTT unroll)
@@ -51,11 +54,14 @@ class FlywheelConfig:
     min_traces: int = 2  # wait for this many traces before training
     recent: int = 0  # sample only the newest traces; 0 = the whole buffer (one domain must not erase another)
     anchor: float = 0.0  # decoupled pull toward the weights training started from (L2-SP); 0 = off
+    sample: str = "uniform"  # "uniform" over the buffer's traces, or "domains": a domain uniformly, then a trace of it
     seed: int = 0
 
     def __post_init__(self) -> None:
         if not (self.imitation or self.discard_weight > 0 or self.branch_weight > 0):
             raise InvalidParameterError("every loss term is off: enable imitation, discard_weight or branch_weight")
+        if self.sample not in SAMPLERS:
+            raise InvalidParameterError(f"sample must be one of {SAMPLERS}, got {self.sample!r}")
         if self.recent < 0:
             raise InvalidParameterError(f"recent must be >= 0, got {self.recent}")
         for name in ("unroll", "batch_size", "publish_every", "min_traces"):
@@ -82,6 +88,7 @@ class OnlineTrainer:
         self.generator = torch.Generator().manual_seed(cfg.seed)
         self.rng = random.Random(cfg.seed)
         self.steps = 0
+        self.lr_scale = 1.0  # set by the step schedule (tandem.flywheel.schedule): > 1 right after a domain shift
         self.resumed_from_step: int | None = None  # the checkpoint's step count, when resumed
         self.published: int | None = None  # last version published
         self.losses: deque[dict] = deque(maxlen=200)
@@ -114,11 +121,11 @@ class OnlineTrainer:
         """One optimiser step on a sampled batch; None when the buffer has too few traces."""
         if len(self.buffer) < self.cfg.min_traces:
             return None
-        batch = self.buffer.sample(self.cfg.batch_size, self.rng, self.cfg.recent or None)
+        batch = self.buffer.sample(self.cfg.batch_size, self.rng, self.cfg.recent or None, by_domain=self.cfg.sample == "domains")
         with self._lock:
             self._apply_restore()
             for group in self.optimizer.param_groups:
-                group["lr"] = self.cfg.lr * min(1.0, (self.steps + 1) / self.cfg.warmup)
+                group["lr"] = self.cfg.lr * min(1.0, (self.steps + 1) / self.cfg.warmup) * self.lr_scale
             loss, parts = flywheel_loss(self.head, self.target_rows, batch, self.cfg, self.generator)
             if not torch.isfinite(loss):
                 raise TandemError(f"non-finite flywheel loss at step {self.steps}: {parts}")

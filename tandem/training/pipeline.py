@@ -29,8 +29,10 @@ def run_features(recipe: Recipe, out: Path, hours: float | None, chunk_docs: int
     target, tokenizer = load_target(recipe)
     taps, tid = EagleConfig.for_target(target.cfg).taps, target_identity(target.cfg)
     write_heldout(recipe, out, target, tokenizer)
-    reference = sources.reference_documents(package_files())
-    regenerate = sources.regeneration_prompts(seed=recipe.seed, extra=recipe.extra_prompts)
+    if recipe.validation:
+        write_validation(recipe, out, target, tokenizer)
+    reference = sources.reference_documents(package_files(), recipe.domains, recipe.chatterbot)
+    regenerate = sources.regeneration_prompts(domains=recipe.domains, seed=recipe.seed, extra=recipe.extra_prompts)
     ref_writer = ShardWriter(out / "features" / "reference", tid, taps)
     regen_writer = ShardWriter(out / "features" / "regenerated", tid, taps, shard_tokens=8192)
     report = {"reference": [], "regenerated": []}
@@ -50,17 +52,37 @@ def run_features(recipe: Recipe, out: Path, hours: float | None, chunk_docs: int
 
 
 def write_heldout(recipe: Recipe, out: Path, target, tokenizer) -> Path:
-    """Target-regenerated answers to test-split prompts, `heldout_per_domain` per domain (written once)."""
+    """Target-regenerated answers to test-split prompts, `heldout_per_domain` per domain of every built-in
+    domain (written once): the reported score."""
+    from tandem.data.prompts import DOMAINS, load_prompts
+
+    prompts = load_prompts("builtin", domains=DOMAINS, per_domain=recipe.heldout_per_domain, split="test", seed=recipe.seed)
+    return _write_answers(out / "features" / "heldout", prompts, target, tokenizer)
+
+
+def validation_prompts(recipe: Recipe, source: str = "builtin") -> list:
+    """The next `heldout_per_domain` test-split prompts of each of the recipe's domains after the held-out
+    ones (same shuffle): the checkpoint is chosen on these, so the reported held-out score is not the one
+    that picked it."""
     from tandem.data.prompts import load_prompts
+
+    n = recipe.heldout_per_domain
+    prompts = load_prompts(source, domains=recipe.domains, per_domain=2 * n, split="test", seed=recipe.seed)
+    return [p for d in recipe.domains for p in [q for q in prompts if q.domain == d][n : 2 * n]]
+
+
+def write_validation(recipe: Recipe, out: Path, target, tokenizer) -> Path:
+    return _write_answers(out / "features" / "validation", validation_prompts(recipe), target, tokenizer)
+
+
+def _write_answers(directory: Path, prompts: list, target, tokenizer) -> Path:
     from tandem.models.eagle import EagleConfig, target_identity
     from tandem.training.features import ShardWriter, write_regenerated_features
     from tandem.training.sources import Document
 
-    directory = out / "features" / "heldout"
     writer = ShardWriter(directory, target_identity(target.cfg), EagleConfig.for_target(target.cfg).taps, shard_tokens=1 << 30)
     if writer.index["shards"]:
         return directory
-    prompts = load_prompts("builtin", per_domain=recipe.heldout_per_domain, split="test", seed=recipe.seed)
     docs = [Document(p.domain, p.source, p.id, p.prompt, None) for p in prompts]
     write_regenerated_features(writer, target, tokenizer, docs, 96, chunk=len(docs))
     return directory
@@ -136,8 +158,13 @@ def _train_then_finetune(recipe: Recipe, out: Path, hours: float, log, init: str
 
     from tandem.training.trainer import train_recipe
 
+    from tandem.training.trainer import has_shards
+
     main = train_recipe(recipe, out, hours * (1 - recipe.finetune_fraction), log=log, init=init)
     if recipe.finetune_fraction <= 0:
+        return main
+    if not has_shards(out / "features" / "regenerated"):  # a serial run whose features phase wrote none: nothing to fine-tune on
+        log("no regenerated features yet: the fine-tuning part is skipped (run the features phase, then train again)")
         return main
     tuned = train_recipe(replace(recipe, feature_kinds=("regenerated",)), out, hours * recipe.finetune_fraction, log=log)
     return {"main": main, "finetune": tuned}
@@ -150,6 +177,7 @@ def _one_thread_env() -> dict:
 
 
 HEAD_CARD = "recipe.json"
+MAKE_TARGETS = {"eagle-smollm2": "make head", "eagle-smollm2-general": "make head-general"}
 
 
 def export_head(best: Path, dest: Path, recipe_name: str) -> Path:
@@ -171,7 +199,7 @@ def export_head(best: Path, dest: Path, recipe_name: str) -> Path:
         "init": heldout.pop("init", None) if heldout else None,  # the exported head training started from, if any
         "sha256": hashlib.sha256((tmp / "model.safetensors").read_bytes()).hexdigest(),
         "heldout": heldout,
-        "rebuild": f"make head  (tandem train --recipe {recipe_name} --hours H --out DIR --export {dest})",
+        "rebuild": f"{MAKE_TARGETS.get(recipe_name, 'make head')}  (tandem train --recipe {recipe_name} --hours H --out DIR --export {dest})",
     }
     (tmp / HEAD_CARD).write_text(json.dumps(card, indent=1) + "\n")
     shutil.rmtree(dest, ignore_errors=True)

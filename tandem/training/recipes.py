@@ -33,17 +33,31 @@ class Recipe:
     feature_kinds: tuple[str, ...] = ("reference", "regenerated")  # feature directories the trainer streams
     finetune_fraction: float = 0.15  # last share of the time: regenerated features only (the target's own answers)
     extra_prompts: bool = True  # also regenerate the extra SQL / chat prompts (tandem.training.more_prompts)
+    domains: tuple[str, ...] = ("code", "sql", "math", "chat", "translation")  # what the head trains on (and is selected on)
+    chatterbot: bool = False  # also chatterbot-corpus conversations as chat reference answers
+    validation: bool = True  # select the best checkpoint on a validation split (test-split prompts disjoint from the reported held-out ones)
     seed: int = 0
 
     def __post_init__(self) -> None:
         for name in ("draft_vocab", "unroll", "rows", "row_len", "max_doc_tokens", "max_new_tokens", "regen_batch", "eval_every", "eval_depth"):
             if getattr(self, name) < 1:
                 raise InvalidParameterError(f"recipe {name} must be >= 1, got {getattr(self, name)}")
+        object.__setattr__(self, "domains", tuple(self.domains))
+        unknown = set(self.domains) - set(TRAIN_DOMAINS)
+        if not self.domains or unknown:
+            raise InvalidParameterError(f"recipe domains must be a non-empty subset of {TRAIN_DOMAINS}, got {self.domains}")
         if not 0.0 < self.step_weight <= 1.0:
             raise InvalidParameterError(f"recipe step_weight must be in (0, 1], got {self.step_weight}")
 
 
-RECIPES = {"eagle-smollm2": Recipe()}
+TRAIN_DOMAINS = ("code", "sql", "math", "chat", "translation")
+
+RECIPES = {
+    "eagle-smollm2": Recipe(),
+    # Aurora's static drafter: general chat / instruction data only (alpaca, chatterbot, the extra English chat
+    # prompts); no code, SQL, math or translation. Reported on every domain's held-out answers, selected on chat.
+    "eagle-smollm2-general": Recipe(domains=("chat",), chatterbot=True),
+}
 
 
 def get_recipe(name: str, **overrides) -> Recipe:

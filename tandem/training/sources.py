@@ -38,9 +38,12 @@ class Document:
         return "reference" if self.answer is not None else "regenerated"
 
 
-def reference_documents(archives: dict[str, Path]) -> list[Document]:
-    """Every prompt with a reference answer, train split only, in a fixed order."""
-    docs = [d for extract in (_code, _sql, _chat, _translation) for d in extract(archives) if _is_train(d)]
+def reference_documents(archives: dict[str, Path], domains: tuple[str, ...] | None = None, chatterbot: bool = False) -> list[Document]:
+    """Every prompt with a reference answer of `domains` (None: all), train split only, in a fixed order;
+    with `chatterbot`, chatterbot-corpus's English conversations join chat (the general recipe's data)."""
+    extractors = {"code": (_code,), "sql": (_sql,), "chat": (_chat, _chatterbot) if chatterbot else (_chat,), "translation": (_translation,)}
+    wanted = [e for domain, group in extractors.items() if domains is None or domain in domains for e in group]
+    docs = [d for extract in wanted for d in extract(archives) if _is_train(d)]
     return round_robin(docs)
 
 
@@ -127,6 +130,31 @@ def _chat(archives) -> Iterator[Document]:
         text = row["instruction"].strip() + (f"\n\n{row['input'].strip()}" if row["input"].strip() else "")
         if row.get("output", "").strip():
             yield Document("chat", "llamafactory/alpaca_en_demo", f"alpaca_en_demo/{i}", text, row["output"].strip())
+
+
+CHATTERBOT_DIR = "chatterbot_corpus/data/english/"
+CHATTERBOT_SKIP = ("coding.yml",)  # general chat only: the general head must not see code
+
+
+def chatterbot_files(archive: Path) -> list[str]:
+    import zipfile
+
+    with zipfile.ZipFile(archive) as zf:
+        names = sorted(n for n in zf.namelist() if n.startswith(CHATTERBOT_DIR) and n.endswith(".yml"))
+    return [n for n in names if n.rsplit("/", 1)[1] not in CHATTERBOT_SKIP]
+
+
+def _chatterbot(archives) -> Iterator[Document]:
+    """Each conversation's turns in pairs: a user line and the bot's reply (YAML read with safe_load)."""
+    import yaml
+
+    for name in chatterbot_files(archives["chatterbot-corpus"]):
+        rows = (yaml.safe_load(read_member(archives["chatterbot-corpus"], name)) or {}).get("conversations") or []
+        stem = name.rsplit("/", 1)[1].removesuffix(".yml")
+        for i, turns in enumerate(rows):
+            turns = [str(t).strip() for t in turns if isinstance(t, (str, int, float)) and str(t).strip()]
+            for j in range(0, len(turns) - 1, 2):
+                yield Document("chat", "chatterbot-corpus", f"chatterbot/{stem}/{i}.{j}", turns[j], turns[j + 1])
 
 
 def _translation(archives) -> Iterator[Document]:

@@ -130,6 +130,13 @@ def evaluate_heldout(head: EagleHead, heldout_dir: Path, steps: int, row_len: in
     return report
 
 
+def selection_score(entry: dict) -> float:
+    """What picks the best checkpoint: the validation split's mean acceptance length when the run has one
+    (test-split prompts disjoint from the held-out ones, so the reported held-out score did not choose the
+    checkpoint), else the held-out mean (runs made before the validation split existed)."""
+    return entry["validation"]["mean_acceptance_length"] if "validation" in entry else entry["heldout"]["mean_acceptance_length"]
+
+
 # ---- checkpoints -------------------------------------------------------------------------------------------
 def save_checkpoint(ckpt_root: Path, head: EagleHead, optimizer: torch.optim.Optimizer, state: TrainState, keep: int = 2) -> Path:
     from safetensors.torch import save_file
@@ -191,8 +198,8 @@ def wait_for_features(out: Path, log, kinds: tuple[str, ...] = ("reference", "re
     deadline = time.monotonic() + timeout_s
     announced = False
     while True:
-        ready = [out / "features" / k for k in kinds if _has_shards(out / "features" / k)]
-        if ready and _has_shards(out / "features" / "heldout"):
+        ready = [out / "features" / k for k in kinds if has_shards(out / "features" / k)]
+        if ready and has_shards(out / "features" / "heldout"):
             return ready
         if time.monotonic() > deadline:
             raise ModelLoadError(f"no feature shards appeared under {out / 'features'} within {timeout_s:.0f} s")
@@ -202,7 +209,7 @@ def wait_for_features(out: Path, log, kinds: tuple[str, ...] = ("reference", "re
         time.sleep(poll_s)
 
 
-def _has_shards(directory: Path) -> bool:
+def has_shards(directory: Path) -> bool:
     return (directory / "index.json").exists() and bool(read_index(directory)["shards"])
 
 
@@ -318,19 +325,24 @@ def vocab_source_counts(tokenizer, recipe: Recipe) -> dict[str, Counter]:
     from tandem.data.packages import package_files
     from tandem.training import sources
 
-    reference = sources.reference_documents(package_files())
-    math_prompts = sources.regeneration_prompts(domains=("math",), seed=recipe.seed)
+    reference = sources.reference_documents(package_files(), recipe.domains, recipe.chatterbot)
+    math_prompts = sources.regeneration_prompts(domains=("math",), seed=recipe.seed) if "math" in recipe.domains else []
     return document_token_counts(tokenizer, reference + math_prompts)
 
 
 def _checkpoint_and_eval(head, optimizer, state: TrainState, heldout: Path, ckpt_root: Path, out: Path, recipe: Recipe, loss: float, stats: dict, tokens_per_s: float) -> dict:
     head.eval()
     report = evaluate_heldout(head, heldout, recipe.eval_depth, recipe.row_len)
+    validation = heldout.parent / "validation"
+    checked = evaluate_heldout(head, validation, recipe.eval_depth, recipe.row_len) if has_shards(validation) else None
     head.train()
     entry = {"step": state.step, "tokens": state.tokens, "seconds": round(state.seconds, 1), "loss": round(loss, 4), "train_tokens_per_s": round(tokens_per_s, 1), "train_top1": [round(c / max(n, 1), 3) for c, n in zip(stats.get("correct", []), stats.get("counted", []))], "heldout": report}
+    if checked is not None:
+        entry["validation"] = checked
     state.history.append(entry)
-    if report["mean_acceptance_length"] > state.best_score:
-        state.best_score, state.best_step = report["mean_acceptance_length"], state.step
+    score = selection_score(entry)
+    if score > state.best_score:
+        state.best_score, state.best_step = score, state.step
         tmp = out / f".{BEST}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         save_eagle(head, tmp, dtype=torch.float16)

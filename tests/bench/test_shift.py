@@ -4,7 +4,7 @@ import json
 import pytest
 
 from tandem.bench.shift import ShiftConfig
-from tandem.bench.shift_stats import recovery, rolling, summarize
+from tandem.flywheel.stream_stats import recovery, rolling, summarize
 from tandem.errors import InvalidParameterError
 from tandem.flywheel.setups import MODES
 
@@ -38,7 +38,7 @@ def test_summary_ratios_against_static():
 
 
 def test_plot_is_written(tmp_path):
-    from tandem.bench.shift_plot import plot_shift
+    from tandem.flywheel.stream_plot import plot_shift
 
     cfg = ShiftConfig(requests=12, block=6, domains=("code", "sql"), window=2)
     path = plot_shift({"static": rows([1.0] * 12, 6), "online": rows([1.2] * 12, 6)}, cfg, tmp_path / "p.png")
@@ -65,3 +65,37 @@ def test_small_replay_run_on_smollm2(tmp_path):
     assert set(report["summary"]) == {"static", "online", "online_scratch"}
     assert len(report["requests"]["online"]) == 12 and report["summary"]["online"]["swaps"]["swaps"] >= 1
     assert (tmp_path / "shift.png").exists()
+
+
+def test_per_block_means_and_the_blocks_after_a_domains_first():
+    from tandem.flywheel.stream_stats import after_first_block, per_block
+
+    values = [1.0] * 2 + [2.0] * 2 + [1.5] * 2 + [3.0] * 2  # code, sql, code, sql in blocks of 2
+    blocks = per_block(rows(values, 2), 2)
+    assert [(b["domain"], b["repeat"], b["acceptance_length"]) for b in blocks] == [("code", False, 1.0), ("sql", False, 2.0), ("code", True, 1.5), ("sql", True, 3.0)]
+    assert after_first_block(rows(values, 2), 2) == {"code": 1.5, "sql": 3.0}
+
+
+def test_recovery_within_a_block_against_its_own_final_level():
+    from tandem.flywheel.stream_stats import recovery_within_block
+
+    # second block: 1.0, 1.0, then 2.0 x 8; final level (last 2) 2.0; rolling-2 reaches 0.9 * 2.0 at request 4 of 10
+    values = [2.0] * 10 + [1.0, 1.0] + [2.0] * 8
+    (shift,) = recovery_within_block(rows(values, 10), block=10, window=2)
+    assert shift == {"at": 10, "domain": "sql", "final_level": 2.0, "requests": 4, "fraction": 0.4}
+
+
+def test_aurora_ladder_adds_one_change_per_rung_and_the_recovery_window_fits_the_block():
+    from tandem.bench.aurora import AuroraConfig, recovery_window, variant_config
+
+    cfg = AuroraConfig(general_head="h", requests=100, block=10, steps=2.0, lr=3e-4, anchor=10.0)
+    got = {name: variant_config(name, cfg) for name in ("online_base", "+steps", "+balance", "+detector", "+lr", "online_scratch")}
+    settings = {n: (m, c.train_steps_per_request, c.sample, c.shift_detect, c.finetune_lr, c.anchor) for n, (m, c) in got.items()}
+    assert settings == {
+        "online_base": ("online", 0.5, "uniform", False, 1e-4, 100.0), "+steps": ("online", 2.0, "uniform", False, 1e-4, 100.0),
+        "+balance": ("online", 2.0, "domains", False, 1e-4, 100.0), "+detector": ("online", 2.0, "domains", True, 1e-4, 100.0),
+        "+lr": ("online", 2.0, "domains", True, 3e-4, 10.0), "online_scratch": ("online_scratch", 2.0, "domains", True, 3e-4, 10.0)}
+    assert got["online_scratch"][1].lr == 1e-3  # a day-0 head trains at the scratch lr (anchor off for scratch in FlywheelSetup.loss)
+    assert recovery_window(cfg) == 1 and recovery_window(AuroraConfig(general_head="h", requests=3000, block=300)) == 20
+    with pytest.raises(InvalidParameterError):
+        AuroraConfig(general_head="h", requests=50, block=10)  # each of 5 domains must come back

@@ -109,3 +109,40 @@ def test_spill_retention_by_age_and_bytes(traces, tmp_path):
 def test_spill_retention_settings_are_checked(tmp_path):
     with pytest.raises(InvalidParameterError, match="retention"):
         TraceBuffer(spill_dir=tmp_path, spill_max_age_s=0)
+
+
+def test_balanced_sampling_draws_each_domain_equally(traces):
+    """by_domain: a domain uniformly, then one of its traces: 10 sql traces among 100 get half the draws."""
+    import dataclasses
+
+    buffer = TraceBuffer(capacity_bytes=1 << 30)
+    for i in range(100):
+        buffer.put(dataclasses.replace(traces[i % len(traces)], request_id=f"r{i}", domain="sql" if i % 10 == 0 else "code"))
+    uniform = [t.domain for t in buffer.sample(4000, random.Random(0))]
+    balanced = [t.domain for t in buffer.sample(4000, random.Random(0), by_domain=True)]
+    assert 0.08 < uniform.count("sql") / 4000 < 0.12 and 0.47 < balanced.count("sql") / 4000 < 0.53
+    assert buffer.sample(3, random.Random(0), recent=5, by_domain=True) != []
+    assert TraceBuffer(capacity_bytes=10).sample(3, random.Random(0), by_domain=True) == []
+
+
+def test_two_writers_of_one_shard_name_do_not_collide(traces, tmp_path):
+    """Each writer has its own temporary file (the replay cache is filled by benchmark runs side by side)."""
+    import threading
+
+    from tandem.flywheel.buffer import write_shard
+
+    errors = []
+
+    def write():
+        try:
+            write_shard(tmp_path / "traces-000001.parquet", traces)
+        except Exception as e:  # noqa: BLE001 - the test reports any failure
+            errors.append(e)
+
+    threads = [threading.Thread(target=write) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == [] and [p.name for p in tmp_path.iterdir()] == ["traces-000001.parquet"]
+    assert [t.request_id for t in load_traces(tmp_path)] == [t.request_id for t in traces]

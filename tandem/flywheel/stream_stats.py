@@ -58,3 +58,40 @@ def summarize(results: dict[str, list[dict]], cfg) -> dict:
 def _mean(values) -> float:
     values = list(values)
     return sum(values) / len(values) if values else 0.0
+
+
+def per_block(rows: list[dict], block: int) -> list[dict]:
+    """Mean acceptance length of each block of the stream, with its domain and whether the domain was seen
+    in an earlier block."""
+    out, seen = [], set()
+    for start in range(0, len(rows), block):
+        part = rows[start : start + block]
+        domain = part[0]["domain"]
+        out.append({"at": start, "domain": domain, "repeat": domain in seen, "acceptance_length": round(_mean([r["acceptance_length"] for r in part]), 4)})
+        seen.add(domain)
+    return out
+
+
+def after_first_block(rows: list[dict], block: int) -> dict[str, float]:
+    """Per domain: mean acceptance length over its blocks after its first one (domains served once are left out)."""
+    by_domain: dict[str, list[float]] = {}
+    for b in per_block(rows, block):
+        if b["repeat"]:
+            part = rows[b["at"] : b["at"] + block]
+            by_domain.setdefault(b["domain"], []).extend(r["acceptance_length"] for r in part)
+    return {d: round(_mean(v), 4) for d, v in by_domain.items()}
+
+
+def recovery_within_block(rows: list[dict], block: int, window: int, level: float = 0.9) -> list[dict]:
+    """The issue's recovery measure: after each shift, requests until the rolling mean (over the new block
+    only) reaches `level` x the mean of the block's own last `window` requests (its final level); the
+    fraction of the block that took (None: never)."""
+    out = []
+    for start in range(block, len(rows), block):
+        values = [r["acceptance_length"] for r in rows[start : start + block]]
+        final = _mean(values[-window:])
+        roll = rolling(values, window)
+        hit = next((j + 1 for j, v in enumerate(roll) if j + 1 >= min(window, len(values)) and v >= level * final), None)
+        out.append({"at": start, "domain": rows[start]["domain"], "final_level": round(final, 4), "requests": hit,
+                    "fraction": round(hit / len(values), 4) if hit is not None else None})
+    return out

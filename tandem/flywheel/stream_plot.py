@@ -1,9 +1,9 @@
-"""The PNG of `tandem bench shift`: rolling acceptance length and tokens/s per mode, domain shifts marked."""
+"""The PNG of a domain-shifting stream (`tandem bench shift`, `tandem demo`): rolling acceptance length and tokens/s per mode, domain shifts marked."""
 from __future__ import annotations
 
 from pathlib import Path
 
-from tandem.bench.shift_stats import rolling
+from tandem.flywheel.stream_stats import rolling
 
 
 def plot_shift(results: dict[str, list[dict]], cfg, path: str | Path) -> Path:
