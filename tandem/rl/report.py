@@ -95,9 +95,10 @@ def batch_sweep(engines, prompts: list[list[int]], sizes: list[int], max_tokens:
             batch = engine.generate_rollouts(prompts[:size], 1, params)
             row[engine.name] = {"wall_s": round(batch.wall_s, 4), "acceptance_length": round(batch.acceptance_length(), 3),
                                 "tokens": sum(len(r.completion_ids) for r in batch.rollouts), "decisions": batch.decisions()}
-        base = row.get("ar")
-        for name, r in row.items():
+        for r in row.values():
             r["tokens_per_s"] = round(r["tokens"] / r["wall_s"], 2)
+        base = row.get("ar")  # not necessarily the first engine
+        for r in row.values():
             r["speedup"] = round(r["tokens_per_s"] / base["tokens_per_s"], 3) if base else None  # token rates: lengths differ
         out[str(size)] = row
     return out

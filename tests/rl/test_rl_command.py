@@ -6,6 +6,16 @@ import pytest
 from tandem.cli import main
 
 
+def test_sweep_speedups_when_plain_is_not_the_first_engine(tiny_llama, tmp_path):
+    out = tmp_path / "rl.json"
+    assert main(["rl", "--model", tiny_llama, "--steps", "1", "--drafters", "suffix,ar", "--compare", "--prompts-per-step", "2",
+                 "--group-size", "2", "--max-tokens", "6", "--eval-problems", "0", "--sweep", "1,4", "--json", str(out),
+                 "--task", "basic_arithmetic,chain_sum", "--no-demonstration"]) == 0
+    sweep = json.loads(out.read_text())["sweep"]
+    assert all(row["ar"]["speedup"] == 1.0 for row in sweep.values())
+    assert all(row["suffix"]["speedup"] == pytest.approx(row["suffix"]["tokens_per_s"] / row["ar"]["tokens_per_s"], rel=0.01) for row in sweep.values())
+
+
 def test_rl_compare_writes_summary_sweep_plot_and_checkpoint(tiny_llama, tmp_path, capsys):
     out, png, ckpt = tmp_path / "rl.json", tmp_path / "rl.png", tmp_path / "ckpt"
     args = ["rl", "--model", tiny_llama, "--steps", "2", "--drafters", "ar,ngram,self_draft,eagle", "--compare", "--prompts-per-step", "2",
