@@ -56,20 +56,21 @@ def add_rl_command(subparsers) -> argparse.ArgumentParser:
     return p
 
 
-def env_config(args):
+def env_config(task: str = "", task_kwargs: str = "", demonstration: bool = True):
+    """The EnvConfig of `--task`, `--task-kwargs` and `--no-demonstration`."""
     from tandem.rl.envs import EnvConfig
 
-    tasks = [t for t in args.task.split(",") if t]
+    tasks = [t for t in task.split(",") if t]
     cfg = EnvConfig.for_tasks(tasks) if tasks else EnvConfig()
-    if args.task_kwargs:
+    if task_kwargs:
         try:
-            extra = json.loads(args.task_kwargs)
+            extra = json.loads(task_kwargs)
         except json.JSONDecodeError as e:
             raise InvalidParameterError(f"--task-kwargs is not JSON: {e}") from e
         if not isinstance(extra, dict) or not all(isinstance(v, dict) for v in extra.values()):
             raise InvalidParameterError('--task-kwargs takes {"task": {"setting": value}}')
         cfg = EnvConfig(cfg.tasks, {t: cfg.task_kwargs.get(t, {}) | extra.get(t, {}) for t in set(cfg.task_kwargs) | set(extra)})
-    if args.no_demonstration:
+    if not demonstration:
         cfg = dataclasses.replace(cfg, demonstration=False)
     return cfg
 
@@ -83,7 +84,7 @@ def grpo_config(args):
         clip_low=args.clip_low, clip_high=args.clip_high, loss_agg=args.loss_agg, scale_adv_by_std=not args.no_std_norm,
         kl_coef=args.kl_coef, ppo_epochs=args.ppo_epochs, mini_batches=args.mini_batches, micro_batch=args.micro_batch,
         skip_zero_advantage=not args.no_skip_zero_advantage, eval_problems=args.eval_problems, eval_every=args.eval_every,
-        async_mode=args.async_mode, seed=args.seed, env=env_config(args),
+        async_mode=args.async_mode, seed=args.seed, env=env_config(args.task, args.task_kwargs, not args.no_demonstration),
     )
 
 

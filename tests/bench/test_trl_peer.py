@@ -18,7 +18,7 @@ from tandem.bench.trl_peer import (
     trl_venv,
 )
 from tandem.errors import InvalidParameterError
-from tandem.rl.envs import INSTRUCTION, content_key
+from tandem.rl.envs import DEMONSTRATION, INSTRUCTION, content_key
 
 
 def test_export_holds_the_trainers_problems_in_step_order_and_the_held_out_set():
@@ -27,12 +27,14 @@ def test_export_holds_the_trainers_problems_in_step_order_and_the_held_out_set()
     meta, train = records[0], [r for r in records if r["kind"] == "train"]
     held = [r for r in records if r["kind"] == "held_out"]
     assert meta["kind"] == "meta" and meta["train_seed_base"] == 0 and meta["size"] == 1 << 24 and meta["steps"] == 3
-    assert meta["env"]["tasks"] == ["basic_arithmetic", "chain_sum"]
+    assert meta["env"]["tasks"] == ["basic_arithmetic", "chain_sum", "gsm_symbolic"]
     assert [(r["step"], r["slot"]) for r in train] == [(0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (2, 1)]
     assert len(held) == 8 and [r["slot"] for r in held] == list(range(8))
     # seed 0's first held-out problem (generator seed 2^24, index 0) and the prompt the engine and TRL both render
     assert held[0]["entry"]["question"] == "Calculate 6 - 2." and held[0]["answer"] == "4" and held[0]["task"] == "basic_arithmetic"
-    assert held[0]["messages"] == [{"role": "user", "content": f"Calculate 6 - 2.\n\n{INSTRUCTION}"}]
+    assert held[0]["messages"] == [{"role": "user", "content": f"{DEMONSTRATION[0]}\n\n{INSTRUCTION}"},
+                                   {"role": "assistant", "content": DEMONSTRATION[1]},
+                                   {"role": "user", "content": f"Calculate 6 - 2.\n\n{INSTRUCTION}"}]
     assert [r["index"] for r in train[:2]] == [0, 4]  # slot k tries indices 4k.. (GRPOTrainer.step_problems), the first not held out
     held_keys = {content_key(r["task"], r["entry"]["question"]) for r in held}
     assert not held_keys & {content_key(r["task"], r["entry"]["question"]) for r in train}
@@ -105,7 +107,8 @@ def test_both_sides_end_to_end_on_the_tiny_model(tiny_llama, tmp_path):
         pytest.skip(f"TRL's venv is not set up at {trl_venv()} (`tandem bench rl-trl` makes it on first use)")
     ensure_trl_venv()  # present: only checks trl and reasoning_gym import
     cfg = TrlCompareConfig(model=tiny_llama, steps=2, prompts_per_step=2, group_size=2, max_tokens=8, micro_batch=2, eval_problems=4,
-                           drafter="ngram", trl_python=str(python), lr=1e-4)
+                           drafter="ngram", trl_python=str(python), lr=1e-4, task="basic_arithmetic,chain_sum",
+                           demonstration=False)  # short questions: the tiny model's byte tokens fit its 512 positions
     report = run_rl_trl_bench(cfg, tmp_path)
     assert report["versions"]["trl_side"]["trl"] == "1.16.0" and report["versions"]["trl_side"]["torch"].startswith("2.13.0")
     assert report["prompt_ids_match"] == [8, 8]  # 2 steps x 2 prompts + 4 held-out, tokenized identically on both sides
