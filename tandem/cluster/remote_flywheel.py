@@ -61,7 +61,9 @@ class RemoteTraceSink:
         return True
 
     def reap(self, timeout: float = 0.0) -> None:
-        """Collect the outcome of finished sends (all of them, waiting up to `timeout`)."""
+        """Collect the outcome of finished sends (all of them, waiting up to `timeout`). The engine's thread (put) and
+        the metrics thread (stats) both reap: a finished send is taken out of `_pending` under the lock by exactly one
+        of them, so each is counted once."""
         import ray
 
         with self._lock:
@@ -69,7 +71,11 @@ class RemoteTraceSink:
         if not refs:
             return
         done, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout)
-        for ref in done:
+        with self._lock:
+            mine = [ref for ref in done if ref in self._pending]
+            for ref in mine:
+                self._pending.remove(ref)
+        for ref in mine:
             try:
                 stored = ray.get(ref)
             except Exception:  # noqa: BLE001 - RayActorError & co: the trainer is gone with the trace
@@ -77,7 +83,6 @@ class RemoteTraceSink:
             else:
                 outcome = "acked" if stored else "refused"
             with self._lock:
-                self._pending.remove(ref)
                 setattr(self.counts, outcome, getattr(self.counts, outcome) + 1)
 
     def stats(self) -> BufferStats:  # the replica holds no traces: what it sent, and what never arrived
