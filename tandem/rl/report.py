@@ -61,7 +61,7 @@ def tail_profile(history: list[dict]) -> dict:
     """Per engine and live-batch range, over all steps: decode steps, seconds, share of the rollout time,
     tokens-per-step-weighted mean draft length and the share of requests the controller let speculate."""
     out = {}
-    for name in history[0]["decisions"] if history else []:
+    for name in history[0].get("decisions", {}) if history else []:  # records without decisions (hand-made) have no profile
         rows, total = {}, 0.0
         for low, high in TAIL_BUCKETS:
             steps = seconds = k_sum = on = n = 0.0

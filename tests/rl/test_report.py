@@ -27,3 +27,16 @@ def test_token_rate_speedup_when_rollout_lengths_differ():
     assert d["rollout_tokens_per_s"] == pytest.approx(80 / 3, abs=0.01)
     assert d["rollout_rate_speedup"] == pytest.approx((80 / 3) / (100 / 6), abs=1e-3)  # 1.6: less work was done
     assert "rollout_rate_speedup" not in summarize([step(0)])["per_drafter"]["self_draft"]
+
+
+def test_tail_profile_buckets_the_controllers_decisions():
+    from tandem.rl.report import tail_profile
+
+    history = [{"decisions": {"spec": {1: {"steps": 4, "mean_k": 3.0, "spec_share": 1.0, "seconds": 1.0},
+                                       8: {"steps": 2, "mean_k": 0.5, "spec_share": 0.25, "seconds": 3.0}}}},
+               {"decisions": {"spec": {"20": {"steps": 1, "mean_k": 0.0, "spec_share": 0.0, "seconds": 4.0}}}}]
+    rows = tail_profile(history)["spec"]
+    assert rows["1"] == {"steps": 4, "seconds": 1.0, "mean_k": 3.0, "spec_share": 1.0, "time_share": 0.125}
+    assert rows["2-4"]["steps"] == 0 and rows["2-4"]["time_share"] == 0.0
+    assert rows["5-15"] == {"steps": 2, "seconds": 3.0, "mean_k": 0.5, "spec_share": 0.25, "time_share": 0.375}
+    assert rows[">=16"] == {"steps": 1, "seconds": 4.0, "mean_k": 0.0, "spec_share": 0.0, "time_share": 0.5}
