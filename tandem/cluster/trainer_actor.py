@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from collections import deque
 from dataclasses import asdict
 from pathlib import Path
@@ -36,14 +37,16 @@ class TraceLedger:
     def __init__(self, state_dir: str):
         self.path = Path(state_dir) / "trace_ledger.json"
         self.lost_total = self.accepted_count = 0
+        self._lock = threading.Lock()  # the actor serves several put_trace calls at once (max_concurrency)
         if self.path.is_file():
             previous = json.loads(self.path.read_text())
             self.lost_total = int(previous["lost_total"]) + max(0, int(previous["accepted"]) - int(previous["spilled"]))
         self._write(0)
 
     def accepted(self, spilled: int) -> None:
-        self.accepted_count += 1
-        self._write(spilled)
+        with self._lock:  # two writers of one temporary file: the second replace found it gone and its trace counted lost
+            self.accepted_count += 1
+            self._write(spilled)
 
     def _write(self, spilled: int) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)

@@ -112,3 +112,16 @@ def test_the_namespace_has_only_loopback_and_the_host_has_more():
     done = run_in_netns([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
     assert done.stdout.strip() == "True [(1, 'lo')]", done.stderr
     assert in_private_netns() is False  # this test process: the host's network
+
+
+def test_the_trace_ledger_counts_concurrent_accepts_exactly(tmp_path):
+    """The trainer actor serves put_trace calls concurrently; each accept rewrites the ledger."""
+    import json
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tandem.cluster.trainer_actor import TraceLedger
+
+    ledger = TraceLedger(str(tmp_path))
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda _: ledger.accepted(0), range(400)))  # a raise here is what counted a stored trace as lost
+    assert ledger.accepted_count == 400 and json.loads((tmp_path / "trace_ledger.json").read_text())["accepted"] == 400
