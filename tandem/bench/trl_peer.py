@@ -22,7 +22,6 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from types import SimpleNamespace
 
 from tandem.bench.peers import peer_cache
 from tandem.errors import InvalidParameterError
@@ -85,7 +84,6 @@ class TrlCompareConfig:
 def export_records(cfg, tokenizer=None) -> list[dict]:
     """A meta line, then every training problem in step order (as GRPOTrainer draws them), then the held-out set."""
     from tandem.rl.envs import SEED_SPAN, ReasoningEnv
-    from tandem.rl.grpo import GRPOTrainer
 
     env = ReasoningEnv(cfg.env, seed=cfg.seed, held_out_size=cfg.eval_problems)
     records = [{"kind": "meta", "env": cfg.env.as_dict(), "seed": cfg.seed, "train_seed_base": 2 * cfg.seed * SEED_SPAN, "size": SEED_SPAN,
@@ -96,9 +94,8 @@ def export_records(cfg, tokenizer=None) -> list[dict]:
                "messages": env.messages(problem), "entry": problem.entry}
         return out | ({"prompt_ids": env.render(problem, tokenizer)} if tokenizer is not None else {})
 
-    holder = SimpleNamespace(env=env, cfg=cfg)  # GRPOTrainer.step_problems needs only these: the trainer's own draw
-    for step in range(cfg.steps):
-        records += [record("train", step, k, p) for k, p in enumerate(GRPOTrainer.step_problems(holder, step))]
+    for step in range(cfg.steps):  # the trainer's own draw (GRPOTrainer.step_problems calls the same)
+        records += [record("train", step, k, p) for k, p in enumerate(env.step_problems(step, cfg.prompts_per_step))]
     records += [record("held_out", None, j, p) for j, p in enumerate(env.held_out)]
     return records
 

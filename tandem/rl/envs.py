@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from tandem.errors import InvalidParameterError
 
 SEED_SPAN = 1 << 24  # generator seeds of one split: base + index, index < SEED_SPAN
+CANDIDATES_PER_SLOT = 4  # training problem slot k of a step tries indices k*4 .. k*4+3 (skipping held-out twins)
 INSTRUCTION = ("Think step by step, then give the final answer as <answer>...</answer>, "
                "with only the answer inside the tags.")
 # One worked exchange before the question (a one-shot chat): small models follow the answer format from an
@@ -142,6 +143,18 @@ class ReasoningEnv:
             elif i - start > 100 * n + 100:
                 raise InvalidParameterError("almost every training problem is held out: the task mix is too small")
         return out, i
+
+    def step_problems(self, step: int, prompts_per_step: int) -> list[Problem]:
+        """A GRPO step's problems: slot k takes the first of its CANDIDATES_PER_SLOT indices that is not held out
+        (stateless, so a resumed or async run, and an exported one, draws the same problems)."""
+        out = []
+        for k in range(step * prompts_per_step, (step + 1) * prompts_per_step):
+            candidates = (self.training_problem(k * CANDIDATES_PER_SLOT + c) for c in range(CANDIDATES_PER_SLOT))
+            problem = next((p for p in candidates if p is not None), None)
+            if problem is None:
+                raise InvalidParameterError("the task mix's training problems are all held-out twins: raise its size")
+            out.append(problem)
+        return out
 
     def messages(self, problem: Problem) -> list[dict]:
         shot = []

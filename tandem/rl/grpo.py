@@ -33,7 +33,6 @@ from tandem.rl.rewards import reasoning_gym_reward
 from tandem.rl.rollout import RolloutBatch, RolloutEngine, update_policy
 
 TRAIN_STREAM, EVAL_STREAM = 1, 2
-CANDIDATES_PER_SLOT = 4  # training problem slot k of a step tries indices k*4 .. k*4+3 (skipping held-out twins)
 
 
 def sample_seed(seed: int, stream: int, *indices: int) -> int:
@@ -104,15 +103,7 @@ class GRPOTrainer:
 
     # ---- phases -----------------------------------------------------------------------------------------
     def step_problems(self, step: int) -> list[Problem]:
-        """The step's problems: slot k takes the first of its CANDIDATES_PER_SLOT indices that is not held out."""
-        out = []
-        for k in range(step * self.cfg.prompts_per_step, (step + 1) * self.cfg.prompts_per_step):
-            candidates = (self.env.training_problem(k * CANDIDATES_PER_SLOT + c) for c in range(CANDIDATES_PER_SLOT))
-            problem = next((p for p in candidates if p is not None), None)
-            if problem is None:
-                raise InvalidParameterError("the task mix's training problems are all held-out twins: raise its size")
-            out.append(problem)
-        return out
+        return self.env.step_problems(step, self.cfg.prompts_per_step)
 
     def rollouts(self, step: int) -> tuple[list[Problem], dict[str, RolloutBatch]]:
         """Every engine decodes the same prompts with the same seeds; order rotates per step."""
