@@ -18,6 +18,7 @@ from typing import Callable
 import torch
 
 from tandem.config import WEIGHTS, EngineConfig, SamplingParams
+from tandem.engine.admission import first_of_each_prompt, prefill_groups, take_waiting
 from tandem.engine.request import FinishReason, Request
 from tandem.engine.stats import EngineStats, add_position_counts
 from tandem.engine.policy_update import copy_named_, validate_named_tensors
@@ -30,28 +31,6 @@ from tandem.ops.sampling import draw_uniform, sampling_probs, token_logprobs
 from tandem.ops.verify import verify_greedy, verify_tree
 from tandem.engine.records import build_abort_record, build_prefill_record, build_step_record
 from tandem.types import DraftTree, StepRecord
-
-
-def _prefill_groups(requests: list[Request], budget: int) -> list[list[Request]]:
-    """Consecutive groups of at most `budget` prompt tokens in all (a lone request may exceed it)."""
-    groups: list[list[Request]] = []
-    for request in requests:
-        group = groups[-1] if groups else None
-        if group and sum(len(r.prompt_ids) for r in group) + len(request.prompt_ids) <= budget:
-            group.append(request)
-        else:
-            groups.append([request])
-    return groups
-
-
-def _first_of_each_prompt(requests: list[Request]) -> tuple[list[Request], list[Request]]:
-    """(the first request of each distinct prompt, the rest): the rest reuse the first's prefill."""
-    seen, first, rest = set(), [], []
-    for request in requests:
-        key = tuple(request.prompt_ids)
-        (rest if key in seen else first).append(request)
-        seen.add(key)
-    return first, rest
 
 
 def _sampling_tensors(requests: list[Request]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -164,47 +143,67 @@ class Engine:
         return outputs
 
     def _admit(self) -> list[StepOutput]:
-        if self.config.prefill_chunk_tokens:
-            return self._admit_chunked(self.config.prefill_chunk_tokens)
-        admitted = []
-        while self.waiting and len(self.running) + len(admitted) < self.config.max_batch_size:
-            admitted.append(self.waiting.popleft())
+        """Waiting requests into free batch rows, prefilled. Unchunked: every one that fits in the batch, whole.
+        Chunked (prefill_chunk_tokens > 0): at most that many prompt tokens this step, first come first served:
+        the prompt being read continues; the whole prompts that fit in the rest of the budget are prefilled
+        together (packed, as unchunked); the next prompt, which does not fit, starts to be read (in row
+        len(running), outside the decode batch), so running requests keep decoding every step while a long
+        prompt is read. A prefill that raises there ends its own request alone (an output with the error)."""
+        chunk = self.config.prefill_chunk_tokens
+        if not chunk:
+            return self._prefill_whole(take_waiting(self.waiting, self._free_rows(), None)[0], isolate=False)
+        outputs: list[StepOutput] = []
+        if self.prefilling is not None:
+            chunk = self._read_chunk(chunk, outputs)
+            if self.prefilling is not None:
+                return outputs
+        admitted, chunk = take_waiting(self.waiting, self._free_rows(), chunk)
+        outputs += self._prefill_whole(admitted, isolate=True)
+        if chunk and self.waiting and self._free_rows():
+            self._start_prefill(self.waiting.popleft())
+            self._read_chunk(chunk, outputs)
+        return outputs
+
+    def _free_rows(self) -> int:
+        return self.config.max_batch_size - len(self.running) - (self.prefilling is not None)
+
+    def _prefill_whole(self, admitted: list[Request], isolate: bool) -> list[StepOutput]:
         copies: list[Request] = []
         if self.config.share_prompt_prefill:  # a repeated prompt (a GRPO group) is forwarded once, then copied
-            admitted, copies = _first_of_each_prompt(admitted)
+            admitted, copies = first_of_each_prompt(admitted)
         batched = self.config.prefill_batch_tokens and len(admitted) > 1
         for request in admitted + copies:
             request.row = len(self.running)  # admitted requests take consecutive rows (the prompts forwarded first)
             self.running.append(request)
         done: dict[tuple[int, ...], tuple[int, ForwardOutput, float]] = {}  # prompt -> (row, prefill output, start)
-        outputs = self._prefill_batched(admitted, done) if batched else [self._prefill(request, done) for request in admitted]
-        return outputs + [self._reuse_prefill(request, *done[tuple(request.prompt_ids)]) for request in copies]
+        failed: dict[str, str] | None = {} if isolate else None  # request id -> why its prefill raised
+        outputs = self._prefill_batched(admitted, done, failed) if batched else [o for r in admitted for o in self._prefill_one(r, done, failed)]
+        for request in copies:
+            if tuple(request.prompt_ids) in done:
+                outputs.append(self._reuse_prefill(request, *done[tuple(request.prompt_ids)]))
+            else:
+                failed[request.request_id] = "the prefill of its prompt failed"
+        for request_id in failed or ():  # after every prefill of the step, so no row moves under one
+            self.abort(request_id)
+        return outputs + [StepOutput(i, [], True, FinishReason.ABORT, error=f"prefill failed: {why}") for i, why in (failed or {}).items()]
 
     @torch.inference_mode()
-    def _admit_chunked(self, budget: int) -> list[StepOutput]:
-        """Prefill at most `budget` prompt tokens this step, first-come first-served: a prompt longer than what
-        is left continues next step (in row len(running), outside the decode batch), so running requests keep
-        decoding every step while a long prompt is read. A finished prefill joins the decode batch."""
-        outputs = []
-        while budget > 0:
-            if self.prefilling is None:
-                if not self.waiting or len(self.running) >= self.config.max_batch_size:
-                    break
-                self._start_prefill(self.waiting.popleft())
-            request = self.prefilling
-            done = int(self.cache.lengths[request.row])
-            take = min(budget, len(request.prompt_ids) - done)
-            ids = torch.tensor([request.prompt_ids[done : done + take]], device=self.cache.k.device)
-            rows = slice(request.row, request.row + 1)
-            try:
-                self._prefill_parts.append(self.model(ids, cache=self.cache, rows=rows, last_only=True, taps=self.taps))
-                budget -= take
-                if done + take == len(request.prompt_ids):
-                    outputs.append(self._finish_prefill())
-            except Exception as e:  # noqa: BLE001 - one request's prefill: it alone ends (with the error), the step goes on
-                self.abort(request.request_id)
-                outputs.append(StepOutput(request.request_id, [], True, FinishReason.ABORT, error=f"prefill failed: {type(e).__name__}: {e}"))
-        return outputs
+    def _read_chunk(self, budget: int, outputs: list[StepOutput]) -> int:
+        """Read up to `budget` more tokens of the prompt being prefilled (finishing it if they are its last);
+        returns the budget left."""
+        request = self.prefilling
+        done = int(self.cache.lengths[request.row])
+        take = min(budget, len(request.prompt_ids) - done)
+        ids = torch.tensor([request.prompt_ids[done : done + take]], device=self.cache.k.device)
+        try:
+            self._prefill_parts.append(self.model(ids, cache=self.cache, rows=slice(request.row, request.row + 1), last_only=True, taps=self.taps))
+        except Exception as e:  # noqa: BLE001 - one request's prefill: it alone ends (with the error), the step goes on
+            self.abort(request.request_id)
+            outputs.append(StepOutput(request.request_id, [], True, FinishReason.ABORT, error=f"prefill failed: {type(e).__name__}: {e}"))
+            return budget - take
+        if done + take == len(request.prompt_ids):
+            outputs.append(self._finish_prefill())
+        return budget - take
 
     def _start_prefill(self, request: Request) -> None:
         request.row = len(self.running)
@@ -229,18 +228,35 @@ class Engine:
         done[tuple(request.prompt_ids)] = (request.row, out, start)
         return self._first_token(request, out, start)
 
+    def _prefill_one(self, request: Request, done: dict, failed: dict | None) -> list[StepOutput]:
+        """`failed` None: a prefill that raises raises; else it is noted there (the caller ends the request)."""
+        if failed is None:
+            return [self._prefill(request, done)]
+        try:
+            return [self._prefill(request, done)]
+        except Exception as e:  # noqa: BLE001 - this request alone ends (with the error)
+            failed[request.request_id] = f"{type(e).__name__}: {e}"
+            return []
+
     @torch.inference_mode()
-    def _prefill_batched(self, requests: list[Request], done: dict) -> list[StepOutput]:
+    def _prefill_batched(self, requests: list[Request], done: dict, failed: dict | None = None) -> list[StepOutput]:
         """Packable prompts (transformer.packable: prefill-shaped) packed into forwards of <= prefill_batch_tokens tokens
         (Transformer.forward_packed: no padding, each prompt attends within itself); the others one forward each.
-        Every request sees exactly its own prefill's output (recorded in `done`, as `_prefill` does)."""
+        Every request sees exactly its own prefill's output (recorded in `done`, as `_prefill` does). With `failed`, a
+        packed forward that raises is redone one prompt at a time, so only a prompt that fails alone is noted there."""
         packs = [packable(len(r.prompt_ids)) for r in requests]
-        outputs = [self._prefill(request, done) for request, packed in zip(requests, packs) if not packed]
-        for group in _prefill_groups([r for r, packed in zip(requests, packs) if packed], self.config.prefill_batch_tokens):
+        outputs = [o for request, packed in zip(requests, packs) if not packed for o in self._prefill_one(request, done, failed)]
+        for group in prefill_groups([r for r, packed in zip(requests, packs) if packed], self.config.prefill_batch_tokens):
             start = time.perf_counter()
             for request in group:
                 self.cache.reset(request.row)
-            outs = self.model.forward_packed([r.prompt_ids for r in group], self.cache, [r.row for r in group], self.taps)
+            try:
+                outs = self.model.forward_packed([r.prompt_ids for r in group], self.cache, [r.row for r in group], self.taps)
+            except Exception:
+                if failed is None:
+                    raise
+                outputs += [o for request in group for o in self._prefill_one(request, done, failed)]
+                continue
             for request, own in zip(group, outs):
                 done[tuple(request.prompt_ids)] = (request.row, own, start)
                 outputs.append(self._first_token(request, own, start))

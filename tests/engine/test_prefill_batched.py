@@ -6,7 +6,8 @@ import torch
 
 from tandem.config import EngineConfig, SamplingParams
 from tandem.drafters import build_drafter
-from tandem.engine.engine import Engine, _prefill_groups
+from tandem.engine.admission import prefill_groups as _prefill_groups
+from tandem.engine.engine import Engine
 from tandem.engine.request import Request
 from tandem.errors import InvalidParameterError
 from tandem.models.loader import load_transformer

@@ -134,3 +134,70 @@ def test_a_prefill_that_raises_ends_its_request_alone(tiny_dirs):
     assert "injected prefill fault" in outputs[bad][0].error and engine.prefilling is None
     assert [t for o in outputs[a] for t in o.new_token_ids] == want[0].output_ids
     assert [t for o in outputs[c] for t in o.new_token_ids] == want[1].output_ids
+
+
+class CountingPacked:
+    """The target; records the prompts of every packed forward and raises in one that holds BAD (token 7 twice
+    in a row), or in a lone prefill of such a prompt."""
+
+    def __init__(self, model):
+        self.model, self.packed_calls = model, []
+
+    def forward_packed(self, prompts, *args, **kwargs):
+        self.packed_calls.append(len(prompts))
+        if any(_bad(p) for p in prompts):
+            raise RuntimeError("injected packed prefill fault")
+        return self.model.forward_packed(prompts, *args, **kwargs)
+
+    def __call__(self, ids, *args, **kwargs):
+        if kwargs.get("last_only") and _bad(ids.tolist()[0]):
+            raise RuntimeError("injected prefill fault")
+        return self.model(ids, *args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+
+def _bad(prompt):
+    return any(a == b == 7 for a, b in zip(prompt, prompt[1:]))
+
+
+def _long_prompts():
+    return [[10 + i] * 20 + list(range(20, 40)) for i in range(4)]  # 40 tokens each: prefill-shaped (packable)
+
+
+def test_whole_prompts_that_fit_the_budget_prefill_packed_in_one_step(tiny_dirs):
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    want = engine_for(tiny_dirs["llama"], 0, batch=4).run(_long_prompts(), [params] * 4)
+    engine = engine_for(tiny_dirs["llama"], 130, batch=4)  # 3 whole prompts (120 tokens) + 10 tokens of the 4th
+    engine.model = CountingPacked(engine.model)
+    ids = [engine.add_request(p, params) for p in _long_prompts()]
+    got = {i: [] for i in ids}
+    for o in engine.step():
+        got[o.request_id] += o.new_token_ids
+    assert engine.model.packed_calls == [3] and len(engine.running) == 3 and engine.prefilling.request_id == ids[3]
+    assert [len(got[i]) for i in ids] == [2, 2, 2, 0]  # the first token from the prefill, the second from this step's decode
+    while engine.has_unfinished():
+        for o in engine.step():
+            got[o.request_id] += o.new_token_ids
+    assert [got[i] for i in ids] == [w.output_ids for w in want]
+
+
+def test_a_failing_prompt_of_a_packed_prefill_ends_alone(tiny_dirs):
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    good = _long_prompts()[:3]
+    want = engine_for(tiny_dirs["llama"], 0, batch=4).run(good, [params] * 3)
+    engine = engine_for(tiny_dirs["llama"], 400, batch=4)
+    engine.model = CountingPacked(engine.model)
+    bad_prompt = [7, 7] + good[0][2:]
+    a, bad, b, c = (engine.add_request(p, params) for p in (good[0], bad_prompt, good[1], good[2]))
+    got: dict[str, list] = {}
+    for o in engine.step():
+        got.setdefault(o.request_id, []).append(o)
+    assert engine.model.packed_calls == [4]  # the packed forward raised; the prompts were redone one by one
+    assert [(o.finished, o.finish_reason.value, o.new_token_ids) for o in got[bad]] == [(True, "abort", [])]
+    assert "injected prefill fault" in got[bad][0].error and len(engine.running) == 3
+    while engine.has_unfinished():
+        for o in engine.step():
+            got.setdefault(o.request_id, []).append(o)
+    assert [[t for o in got[i] for t in o.new_token_ids] for i in (a, b, c)] == [w.output_ids for w in want]
