@@ -224,6 +224,8 @@ class GRPOTrainer:
             "drafter_versions": {e.name: (e.drafter.version if e.drafter is not None else 0) for e in self.engines},
             "tokens": sum(len(r.completion_ids) for r in primary.rollouts),
             "rollout_tokens": {n: sum(len(r.completion_ids) for r in b.rollouts) for n, b in batches.items()},
+            "completion_lengths": {n: [len(r.completion_ids) for r in b.rollouts] for n, b in batches.items()},  # `tandem simulate --rollout`
+            "prompt_tokens_mean": float(np.mean([len(r.prompt_ids) for r in primary.rollouts])),
         } | stats
         if self.online is not None:
             record["eagle_staleness"] = self.online.staleness(self.learner.version)

@@ -23,6 +23,8 @@ def add_simulate_command(sub) -> argparse.ArgumentParser:
     p.add_argument("--draft-fraction", type=float, default=d.draft_fraction, help="one draft depth / a batch-1 target forward")
     p.add_argument("--generation-share", type=float, default=d.generation_share)
     p.add_argument("--calibration", default=None, help="a `tandem calibrate` JSON: use its fitted machine (cpu)")
+    p.add_argument("--rollout", default=None, help="a `tandem rl --json` run: its rollouts replayed through the simulator, predicted vs "
+                   "measured speedup per engine (with --calibration: this machine; without: --hardware/--model/--precision)")
     p.add_argument("--json", dest="json_out", default=None)
     p.set_defaults(func=run_simulate)
     return p
@@ -35,6 +37,8 @@ def run_simulate(args) -> int:
     if args.paper:
         result = reproduce()
         text = json.dumps(result, indent=2)
+    elif args.rollout:
+        result, text = _rollout(args)
     else:
         acceptance = tuple(float(x) for x in args.acceptance.split(",") if x)
         config = SimulateConfig(
@@ -53,3 +57,31 @@ def run_simulate(args) -> int:
         Path(args.json_out).write_text(json.dumps(result, indent=2) + "\n")
     print(text)
     return 0
+
+
+def _rollout(args) -> tuple[dict, str]:
+    """--rollout: the run's measured lengths and acceptance through the rollout simulator."""
+    from tandem.sim.report import model_work, MODEL_DIMS
+    from tandem.sim.hardware import preset
+    from tandem.sim.parallel import replica_machine
+    from tandem.sim.roofline import forward_seconds
+    from tandem.sim.rollout_compare import format_comparison, predicted_vs_measured
+    from tandem.sim.speculative import DraftCost
+
+    run = json.loads(Path(args.rollout).read_text())
+    max_k = int(run.get("config", {}).get("num_draft_tokens", 4))
+    if args.calibration:
+        from tandem.sim.calibration import load_calibration
+
+        cal = load_calibration(args.calibration)
+        work, machine, drafts, where = cal.work, cal.machine, dict(cal.drafters), f"calibration of {cal.model} on {cal.fingerprint.get('cpu', '?')}"
+    else:
+        work, where = model_work(args.model, args.precision), f"{args.model} {args.precision} on {args.hardware} (tp {args.tp})"
+        machine = replica_machine(preset(args.hardware), args.precision, args.tp, *MODEL_DIMS[args.model])
+        drafts = None
+    forward = lambda b, t, c: forward_seconds(work, machine, b, t, c)  # noqa: E731
+    if drafts is None:  # a preset: each draft depth costs a fraction of a batch-1 target forward (as the batch table)
+        drafts = {name.partition("@")[0]: DraftCost(per_depth_s=args.draft_fraction * forward(1, 1, 512)) for name in run["history"][0]["rollout_s"]}
+    result = predicted_vs_measured(run, forward, drafts, max_k)
+    result["cost_model"] = where
+    return result, f"cost model: {where}\n" + format_comparison(result)

@@ -26,6 +26,7 @@ def model_work(name: str, precision: str) -> ModelWork:
         raise InvalidParameterError(f"unknown precision {precision!r}")
     shapes = {
         "smollm2-135m": lambda: _dense(name, 30, 576, 1536, 9, 3, 64, 49_152, bpp),
+        "qwen2.5-1.5b": lambda: _dense(name, 28, 1536, 8960, 12, 2, 128, 151_936, bpp),
         "qwen3-8b": lambda: _dense(name, 36, 4096, 12_288, 32, 8, 128, 151_936, bpp),
         "qwen3-235b-a22b": lambda: _with_bpp(qwen3_235b_a22b(), bpp),
     }
@@ -34,7 +35,7 @@ def model_work(name: str, precision: str) -> ModelWork:
     return shapes[name]()
 
 
-MODEL_DIMS = {"smollm2-135m": (30, 576), "qwen3-8b": (36, 4096), "qwen3-235b-a22b": (94, 4096)}  # layers, hidden
+MODEL_DIMS = {"smollm2-135m": (30, 576), "qwen2.5-1.5b": (28, 1536), "qwen3-8b": (36, 4096), "qwen3-235b-a22b": (94, 4096)}  # layers, hidden
 
 
 def _with_bpp(work: ModelWork, bpp: float) -> ModelWork:

@@ -141,6 +141,8 @@ def test_grpo_options_run_and_report(tiny_llama, overrides):
     record = history[0]
     steps = overrides.get("ppo_epochs", 1) * overrides.get("mini_batches", 1)
     assert record["optimizer_steps"] == steps and trainer.learner.version == 1
+    lengths = record["completion_lengths"]["ar"]  # what `tandem simulate --rollout` replays
+    assert len(lengths) == trainer.cfg.prompts_per_step * trainer.cfg.group_size and sum(lengths) == record["rollout_tokens"]["ar"]
     assert 0 < record["entropy"] < 6.3  # nats; the tiny vocab's uniform distribution is the most there can be
     if "kl_coef" in overrides:  # the reference is the initial policy, and step 0 is on-policy: KL 0 up to rounding
         assert trainer.learner.reference is not None and record["skipped_samples"] == 0 and record["kl"] == pytest.approx(0.0, abs=1e-6)
