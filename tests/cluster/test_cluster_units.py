@@ -151,3 +151,17 @@ def test_latency_percentiles_are_nearest_rank():
     values = [float(v) for v in range(60, 0, -1)]
     assert (percentile(values, 50), percentile(values, 99), percentile(values, 100), percentile([7.0], 50)) == (30.0, 60.0, 60.0, 7.0)
     assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.0 and percentile([1.0, 2.0, 3.0, 4.0], 51) == 3.0
+
+
+def test_the_scaling_summary_takes_medians_per_arm_and_ratios_to_embedded_and_one_replica():
+    from tandem.cluster.overhead import summarize
+
+    def r(tok_s, p50):
+        return {"tok_s": tok_s, "p50_s": p50}
+
+    rounds = {"embedded": [r(200.0, 8.0), r(220.0, 9.0), r(210.0, 7.0)], "ray1": [r(190.0, 8.4), r(189.0, 8.4), r(300.0, 1.0)],
+              "ray2": [r(150.0, 10.0), r(160.0, 11.0), r(155.0, 12.0)]}
+    out = summarize(rounds)
+    assert out["median"] == {"embedded": {"tok_s": 210.0, "p50_s": 8.0}, "ray1": {"tok_s": 190.0, "p50_s": 8.4}, "ray2": {"tok_s": 155.0, "p50_s": 11.0}}
+    assert out["over_embedded"] == {"ray1": {"tok_s": round(190 / 210, 4), "p50": 1.05}, "ray2": {"tok_s": round(155 / 210, 4), "p50": 1.375}}
+    assert out["over_ray1_tok_s"] == {"ray2": round(155 / 190, 4)}
