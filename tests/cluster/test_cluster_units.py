@@ -165,3 +165,16 @@ def test_the_scaling_summary_takes_medians_per_arm_and_ratios_to_embedded_and_on
     assert out["median"] == {"embedded": {"tok_s": 210.0, "p50_s": 8.0}, "ray1": {"tok_s": 190.0, "p50_s": 8.4}, "ray2": {"tok_s": 155.0, "p50_s": 11.0}}
     assert out["over_embedded"] == {"ray1": {"tok_s": round(190 / 210, 4), "p50": 1.05}, "ray2": {"tok_s": round(155 / 210, 4), "p50": 1.375}}
     assert out["over_ray1_tok_s"] == {"ray2": round(155 / 190, 4)}
+
+
+def test_replica_capacity_takes_the_runtimes_largest_defaults_where_sizes_are_unset():
+    from tandem.cluster.flywheel_cluster import FlywheelCluster
+    from tandem.cluster.replica import replica_capacity
+    from tandem.server.runtime import ServerConfig
+
+    assert replica_capacity(ServerConfig(model="m")) == 64 + 4 * 64  # `tandem serve --ray` without --max-batch-size/--max-queue
+    assert replica_capacity(ServerConfig(model="m", max_batch_size=4)) == 4 + 16
+    assert replica_capacity(ServerConfig(model="m", max_batch_size=4, max_queue=0)) == 4
+    cluster = FlywheelCluster(ServerConfig(model="m"), replicas=2)  # was a TypeError (None + None) before any actor started
+    assert cluster._pool._max_workers == 2 * 320
+    cluster.close()
