@@ -2,8 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import json
-from pathlib import Path
 
 from tandem.errors import InvalidParameterError
 
@@ -61,42 +59,37 @@ def add_ray_rl_options(p: argparse.ArgumentParser) -> None:
 
 
 def rl_ray(args) -> int:
-    """`tandem rl --ray`: GRPO with the first drafter's rollouts on Ray workers (no --compare, --sweep, --plot,
-    --resume/--checkpoint yet: tandem.rl.command has no hook for another trainer builder)."""
-    from tandem.cluster.ray_env import connect, shutdown
+    """`tandem rl --ray`: tandem.rl.command.run_rl with the first drafter's rollouts on Ray workers; the learner,
+    its checkpoints (`--checkpoint`, `--resume`: the embedded format, a resumed run continues to `--steps` in
+    all), evaluation and the report stay in this process."""
+    from tandem.cluster.ray_env import connect, require_ray, shutdown
     from tandem.cluster.rl import build_ray_trainer
     from tandem.cluster.specs import Placement
-    from tandem.rl.command import grpo_config
-    from tandem.rl.report import summarize
-    from tandem.rl.rewards import load_reward
+    from tandem.rl.command import run_rl
 
-    unsupported = [flag for flag, on in (("--compare", args.compare), ("--sweep", args.sweep), ("--plot", args.plot), ("--checkpoint", args.checkpoint),
-                                         ("--resume", args.resume)) if on]
-    if unsupported:
-        raise InvalidParameterError(f"--ray does not support {', '.join(unsupported)} yet")
-    if args.threads:
-        import torch
+    refuse_ray_rl_options(args)
+    placement = Placement(num_cpus=args.worker_cpus)
 
-        torch.set_num_threads(args.threads)
-    drafter = next((d for d in args.drafters.split(",") if d), None)
-    if drafter is None:
-        raise InvalidParameterError("--drafters is empty")
-    cfg = grpo_config(args)
-    reward_fn = load_reward(args.reward)
+    def build(model, drafters, cfg, num_draft_tokens, adaptive_k, max_batch=None, reward_fn=None):
+        return build_ray_trainer(model, drafters[0], cfg, args.rollout_workers, num_draft_tokens, adaptive_k, max_batch=max_batch,
+                                 reward_fn=reward_fn, placement=placement)
+
+    started_here = not require_ray().is_initialized()
     connect(args.address)
     try:
-        trainer = build_ray_trainer(args.model, drafter, cfg, args.rollout_workers, args.num_draft_tokens, not args.no_adaptive_k,
-                                    placement=Placement(num_cpus=args.worker_cpus), reward_fn=reward_fn)
-
-        def on_step(record: dict) -> None:
-            print(json.dumps({k: record[k] for k in ("step", "reward_mean", "train_s", "sync_s", "step_wall_s")} | {"eval": record.get("eval")}), flush=True)
-
-        trainer.run(args.steps, on_step=on_step)
-        result = {"command": "tandem rl --ray", "rollout_workers": args.rollout_workers, "summary": summarize(trainer.history),
-                  "evals": trainer.evals, "history": trainer.history}
-        if args.json_out:
-            Path(args.json_out).write_text(json.dumps(result, indent=1) + "\n")
-        print(json.dumps({"summary": result["summary"], "evals": trainer.evals}, indent=1))
+        return run_rl(args, build)
     finally:
-        shutdown()
-    return 0
+        if started_here:  # a caller's own Ray session (tests, notebooks) stays up
+            shutdown()
+
+
+def refuse_ray_rl_options(args) -> None:
+    """Options the Ray path does not take, refused before Ray or a model starts."""
+    if args.compare:  # every drafter decoding every step is a timing comparison on one machine's cores
+        raise InvalidParameterError("--ray does not take --compare: comparing drafters times each one's rollouts on the same cores, while on "
+                                    "Ray each drafter would need rollout workers of its own (idle while the others decode, placed wherever "
+                                    "Ray finds room): compare drafters without --ray")
+    if args.sweep:
+        raise InvalidParameterError("--ray does not take --sweep (a batch-size sweep of local engines): run it without --ray")
+    if args.rollout_workers < 1:
+        raise InvalidParameterError(f"--rollout-workers must be >= 1, got {args.rollout_workers}")

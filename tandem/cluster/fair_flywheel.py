@@ -55,6 +55,7 @@ def run_arm(name: str, config, stream: list[list[int]], params: SamplingParams, 
 
 def main(argv=None) -> int:
     from tandem.cluster.ray_env import connect, shutdown
+    from tandem.cluster.results import write_result
     from tandem.cluster.specs import Placement, TrainerSpec
     from tandem.data.prompts import DOMAINS, domain_stream, load_prompts, render_chat
     from tandem.flywheel.trainer import FlywheelConfig
@@ -82,7 +83,7 @@ def main(argv=None) -> int:
     base = dict(model=args.model, drafter="eagle", drafter_path=args.drafter_path, max_batch_size=args.concurrency, threads=1)
     spec = TrainerSpec(model=args.model, drafter_path=args.drafter_path, loss=FlywheelConfig(publish_every=args.publish_every),
                        state_dir=f"{args.state_dir}/{time.time_ns()}", placement=Placement(num_cpus=1, cores=(args.train_core,)))
-    connect(num_cpus=2)
+    connect(num_cpus=2, worker_niceness=0)
     results = []
     try:
         for arm in args.arms.split(","):
@@ -93,13 +94,10 @@ def main(argv=None) -> int:
     finally:
         shutdown()
     by = {r["arm"]: r for r in results}
-    out = {"command": "python -m tandem.cluster.fair_flywheel", "args": vars(args), "arms": results,
-           "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    figures = {"arms": results}
     if "static" in by and "online" in by:
-        out["online_over_static_tok_s"] = round(by["online"]["tok_s"] / by["static"]["tok_s"], 4)
-    print(json.dumps(out, indent=1))
-    if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
+        figures["online_over_static_tok_s"] = round(by["online"]["tok_s"] / by["static"]["tok_s"], 4)
+    write_result("python -m tandem.cluster.fair_flywheel", args, figures)
     return 0
 
 

@@ -18,7 +18,7 @@ import itertools
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from tandem.cluster.replica import GENERATE_TIMEOUT_S, replica_actor
+from tandem.cluster.replica import GENERATE_TIMEOUT_S, replica_actor, replica_capacity
 from tandem.cluster.specs import Placement, TrainerSpec
 from tandem.cluster.trainer_actor import trainer_actor
 from tandem.config import SamplingParams
@@ -46,7 +46,7 @@ class FlywheelCluster:
         self.trainer = None
         self.replicas: list = []
         self._next = itertools.count()
-        self._pool = ThreadPoolExecutor(max(4, replicas * (config.max_batch_size + config.max_queue)), thread_name_prefix="tandem-cluster")
+        self._pool = ThreadPoolExecutor(max(4, replicas * replica_capacity(config)), thread_name_prefix="tandem-cluster")
 
     def start(self) -> "FlywheelCluster":
         import ray

@@ -19,9 +19,17 @@ from tandem.cluster.ray_env import pin_to_cores
 from tandem.config import SamplingParams
 from tandem.errors import InvalidParameterError
 from tandem.server.engine_loop import Event, Submission
-from tandem.server.runtime import Runtime, ServerConfig
+from tandem.server.runtime import MAX_AUTO_BATCH, Runtime, ServerConfig
 
 GENERATE_TIMEOUT_S = 600.0
+
+
+def replica_capacity(config: ServerConfig) -> int:
+    """Requests one replica holds at once (running + queued), for sizing the calls Ray lets in: unset sizes take the
+    Runtime's defaults (the batch sized from the KV budget, at most MAX_AUTO_BATCH; a queue of 4 x the batch) at their
+    largest, since the replica sizes its batch only once it has loaded the model."""
+    batch = config.max_batch_size or MAX_AUTO_BATCH
+    return batch + (4 * batch if config.max_queue is None else config.max_queue)
 
 
 class RayRuntime(Runtime):
@@ -105,5 +113,5 @@ def replica_actor(config: ServerConfig, trainer=None, placement=None, poll_s: fl
     from tandem.cluster.specs import Placement
 
     placement = placement or Placement()
-    options = placement.options(max_concurrency=config.max_batch_size + config.max_queue + 4, max_task_retries=0, **({"name": name} if name else {}))
+    options = placement.options(max_concurrency=replica_capacity(config) + 4, max_task_retries=0, **({"name": name} if name else {}))
     return ray.remote(EngineReplica).options(**options).remote(config, trainer, placement.cores, poll_s)

@@ -15,7 +15,7 @@ import threading
 import time
 
 from tandem.cluster.ray_env import connect, shutdown
-from tandem.cluster.replica import RayRuntime
+from tandem.cluster.replica import RayRuntime, replica_capacity
 from tandem.server.runtime import ServerConfig
 
 PUSH_S = 1.0
@@ -148,7 +148,7 @@ def start(config: ServerConfig, replicas: int, trainer_spec=None, replica_cpus: 
     trainer = trainer_actor(trainer_spec, name="tandem-trainer") if config.online else None
     hub = ray.remote(MetricsHub).options(num_cpus=0, name="tandem-metrics-hub", get_if_exists=True, max_restarts=-1).remote()
     serve.start(http_options={"host": config.host, "port": config.port})
-    app = deployment(replicas, replica_cpus, config.max_batch_size + config.max_queue).bind(config, trainer, hub)
+    app = deployment(replicas, replica_cpus, replica_capacity(config)).bind(config, trainer, hub)
     serve.run(app, name=APP_NAME, route_prefix="/")
     return trainer, hub
 

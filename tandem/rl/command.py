@@ -88,7 +88,9 @@ def grpo_config(args):
     )
 
 
-def run_rl(args) -> int:
+def run_rl(args, build=None) -> int:
+    """`build`: the trainer builder, tandem.rl.setup.build_trainer's signature (`tandem rl --ray` passes the one whose
+    rollouts run on Ray workers); checkpoint, resume, evaluation and the report are the same for every builder."""
     import torch
 
     from tandem.rl.checkpoint import load_checkpoint, save_checkpoint
@@ -106,8 +108,8 @@ def run_rl(args) -> int:
     cfg = grpo_config(args)
     reward_fn = load_reward(args.reward)
     max_batch = max([cfg.prompts_per_step * cfg.group_size, cfg.eval_problems] + sizes)
-    trainer = build_trainer(args.model, drafters, cfg, args.num_draft_tokens, not args.no_adaptive_k, max_batch=min(max_batch, 128),
-                            reward_fn=reward_fn)
+    trainer = (build or build_trainer)(args.model, drafters, cfg, args.num_draft_tokens, not args.no_adaptive_k, max_batch=min(max_batch, 128),
+                                       reward_fn=reward_fn)
     if args.resume:
         load_checkpoint(trainer, args.resume)
     started = timestamp()

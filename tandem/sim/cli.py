@@ -22,6 +22,10 @@ def add_simulate_command(sub) -> argparse.ArgumentParser:
     p.add_argument("--acceptance", default=",".join(map(str, d.acceptance)), help="conditional acceptance per draft position")
     p.add_argument("--draft-fraction", type=float, default=d.draft_fraction, help="one draft depth / a batch-1 target forward")
     p.add_argument("--generation-share", type=float, default=d.generation_share)
+    p.add_argument("--replicas", default="", help="project N engine replicas instead, e.g. 1,2,4,8: aggregate tok/s and latency for --load")
+    p.add_argument("--load", type=int, default=256, help="--replicas: concurrent requests split over the replicas")
+    p.add_argument("--output-tokens", type=int, default=256, help="--replicas: tokens per request")
+    p.add_argument("--routing-ms", type=float, default=0.0, help="--replicas: per-request cost of reaching a replica (tandem.cluster.overhead measures Ray's)")
     p.add_argument("--calibration", default=None, help="a `tandem calibrate` JSON: use its fitted machine (cpu)")
     p.add_argument("--rollout", default=None, help="a `tandem rl --json` run: its rollouts replayed through the simulator, predicted vs "
                    "measured speedup per engine (with --calibration: this machine; without: --hardware/--model/--precision)")
@@ -51,8 +55,15 @@ def run_simulate(args) -> int:
             from tandem.sim.calibration import load_calibration
 
             machine = load_calibration(args.calibration).machine
-        result = simulate_batches(config, machine)
-        text = format_table(result)
+        if args.replicas:
+            from tandem.sim.replicas import format_replica_table, replica_table
+
+            counts = [int(x) for x in args.replicas.split(",") if x]
+            result = replica_table(config, counts, args.load, args.output_tokens, args.routing_ms / 1000, machine)
+            text = format_replica_table(result)
+        else:
+            result = simulate_batches(config, machine)
+            text = format_table(result)
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(result, indent=2) + "\n")
     print(text)

@@ -58,13 +58,34 @@ class SimulateConfig:
     generation_share: float = 0.7
 
 
-def simulate_batches(config: SimulateConfig, machine: Machine | None = None) -> list[dict]:
+@dataclass(frozen=True)
+class CostModel:
+    """One replica's forward and draft costs for a SimulateConfig (what every table here is computed from)."""
+
+    work: ModelWork
+    machine: Machine
+    draft: DraftCost
+
+    def forward(self, batch: int, tokens: int, context: int) -> float:
+        return forward_seconds(self.work, self.machine, batch, tokens, context)
+
+    def memory_bound(self, batch: int, context: int) -> bool:
+        return is_memory_bound(self.work, self.machine, batch, 1, context)
+
+
+def cost_model(config: SimulateConfig, machine: Machine | None = None) -> CostModel:
+    """The model's work on one replica (`machine`, else the hardware preset at config.tp), drafting at
+    config.draft_fraction of a batch-1 forward per depth."""
     work = model_work(config.model, config.precision)
-    hw = preset(config.hardware)
     layers, hidden = MODEL_DIMS[config.model]
-    machine = machine or replica_machine(hw, config.precision, config.tp, layers, hidden)
-    forward = lambda b, t, c: forward_seconds(work, machine, b, t, c)  # noqa: E731
-    draft = DraftCost(per_depth_s=config.draft_fraction * forward(1, 1, config.context))
+    machine = machine or replica_machine(preset(config.hardware), config.precision, config.tp, layers, hidden)
+    draft = DraftCost(per_depth_s=config.draft_fraction * forward_seconds(work, machine, 1, 1, config.context))
+    return CostModel(work, machine, draft)
+
+
+def simulate_batches(config: SimulateConfig, machine: Machine | None = None) -> list[dict]:
+    model = cost_model(config, machine)
+    forward, draft, work, machine = model.forward, model.draft, model.work, model.machine
     rows = []
     for b in config.batch_sizes:
         k, speedup = best_chain(forward, b, config.context, list(config.acceptance), config.max_k, draft)

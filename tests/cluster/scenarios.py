@@ -169,6 +169,40 @@ def rl(model: str, work: Path) -> dict:
     return out
 
 
+def rl_resume(model: str, work: Path) -> dict:
+    """`tandem rl --ray --checkpoint`: 2 steps at once; 1 step, then --resume to --steps 2; and the embedded run."""
+    from tandem.cli import main as cli
+
+    common = ["rl", "--model", model, "--drafters", "ngram", "--no-adaptive-k", "--num-draft-tokens", "3", "--prompts-per-step", "3",
+              "--group-size", "3", "--max-tokens", "8", "--lr", "1e-3", "--micro-batch", "4", "--eval-problems", "4", "--eval-every", "1",
+              "--seed", "1", "--task", "basic_arithmetic,chain_sum", "--no-demonstration", "--reward", "scenarios:parity_reward"]
+    on_ray = common + ["--ray", "--rollout-workers", "2", "--worker-cpus", "0.5"]
+    runs = {"whole": on_ray + ["--steps", "2", "--checkpoint", str(work / "whole")],
+            "first": on_ray + ["--steps", "1", "--checkpoint", str(work / "split")],
+            "resumed": on_ray + ["--steps", "2", "--resume", str(work / "split"), "--checkpoint", str(work / "split")],
+            "embedded": common + ["--steps", "2", "--checkpoint", str(work / "embedded")]}
+    out: dict = {}
+    for name, argv in runs.items():
+        t0 = time.monotonic()
+        rc = cli(argv + ["--json", str(work / f"{name}.json")])
+        result = json.loads((work / f"{name}.json").read_text())
+        out[name] = {"rc": rc, "seconds": round(time.monotonic() - t0, 2), "command": result["command"], "ray": result["config"]["ray"],
+                     "history": [{k: h[k] for k in ("step", "policy_version", "reward_mean", "tokens", "rollout_tokens", "step_wall_s")} for h in result["history"]],
+                     "evals": [{k: e[k] for k in ("step", "policy_version", "greedy", "sampled", "greedy_tokens_mean", "sampled_tokens_mean")}
+                               for e in result["evals"]]}
+    out["policy_max_abs_diff"] = {name: _policy_diff(work / "whole", work / other) for name, other in (("resumed", "split"), ("embedded", "embedded"))}
+    out["checkpoint_step"] = {name: json.loads((work / name / "state.json").read_text())["step"] for name in ("whole", "split", "embedded")}
+    return out
+
+
+def _policy_diff(a: Path, b: Path) -> float:
+    from safetensors.torch import load_file
+
+    x, y = load_file(str(a / "policy.safetensors")), load_file(str(b / "policy.safetensors"))
+    assert set(x) == set(y)
+    return max(float((x[k] - y[k]).abs().max()) for k in x)
+
+
 def _rollout_view(r) -> dict:
     return {"prompt_index": r.prompt_index, "sample_index": r.sample_index, "seed": r.seed, "completion_ids": r.completion_ids,
             "logprobs": list(r.logprobs), "policy_version": r.policy_version}
@@ -238,7 +272,7 @@ def serve_scenario(model: str, work: Path) -> dict:
     return out
 
 
-SCENARIOS = {"flywheel": flywheel, "rl": rl, "serve": serve_scenario}
+SCENARIOS = {"flywheel": flywheel, "rl": rl, "rl_resume": rl_resume, "serve": serve_scenario}
 
 
 def main() -> int:

@@ -95,7 +95,11 @@ def test_the_ray_cli_paths_fail_clearly_before_starting_anything(capsys):
     assert main(["serve", "--ray", "--admin-key", "admin-0123456789"]) == 1
     assert "--admin-key with --ray is not supported yet" in capsys.readouterr().err
     assert main(["rl", "--ray", "--compare"]) == 1
-    assert "--ray does not support --compare yet" in capsys.readouterr().err
+    assert "--ray does not take --compare: comparing drafters times each one's rollouts on the same cores" in capsys.readouterr().err
+    assert main(["rl", "--ray", "--sweep", "1,4"]) == 1
+    assert "--ray does not take --sweep" in capsys.readouterr().err
+    assert main(["rl", "--ray", "--rollout-workers", "0"]) == 1
+    assert "--rollout-workers must be >= 1, got 0" in capsys.readouterr().err
     assert main(["serve", "--ray", "--replicas", "0"]) == 1
     assert "--replicas must be >= 1" in capsys.readouterr().err
 
@@ -125,3 +129,52 @@ def test_the_trace_ledger_counts_concurrent_accepts_exactly(tmp_path):
     with ThreadPoolExecutor(8) as pool:
         list(pool.map(lambda _: ledger.accepted(0), range(400)))  # a raise here is what counted a stored trace as lost
     assert ledger.accepted_count == 400 and json.loads((tmp_path / "trace_ledger.json").read_text())["accepted"] == 400
+
+
+def test_a_benchmark_result_is_printed_and_written_with_its_arguments_time_and_load(tmp_path, capsys):
+    import argparse
+    import json
+
+    from tandem.cluster.results import write_result
+
+    args = argparse.Namespace(prompts=60, json=str(tmp_path / "out.json"), func=print)
+    out = write_result("python -m tandem.cluster.overhead", args, {"median": {"ray1": 12.5}})
+    assert json.loads((tmp_path / "out.json").read_text()) == out == json.loads(capsys.readouterr().out)
+    assert list(out) == ["command", "args", "median", "when", "load_average"]
+    assert out["args"] == {"prompts": 60, "json": str(tmp_path / "out.json")} and out["median"] == {"ray1": 12.5}
+    assert len(out["load_average"]) == 3 and out["when"].endswith("Z")
+
+
+def test_latency_percentiles_are_nearest_rank():
+    from tandem.cluster.overhead import percentile
+
+    values = [float(v) for v in range(60, 0, -1)]
+    assert (percentile(values, 50), percentile(values, 99), percentile(values, 100), percentile([7.0], 50)) == (30.0, 60.0, 60.0, 7.0)
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.0 and percentile([1.0, 2.0, 3.0, 4.0], 51) == 3.0
+
+
+def test_the_scaling_summary_takes_medians_per_arm_and_ratios_to_embedded_and_one_replica():
+    from tandem.cluster.overhead import summarize
+
+    def r(tok_s, p50):
+        return {"tok_s": tok_s, "p50_s": p50}
+
+    rounds = {"embedded": [r(200.0, 8.0), r(220.0, 9.0), r(210.0, 7.0)], "ray1": [r(190.0, 8.4), r(189.0, 8.4), r(300.0, 1.0)],
+              "ray2": [r(150.0, 10.0), r(160.0, 11.0), r(155.0, 12.0)]}
+    out = summarize(rounds)
+    assert out["median"] == {"embedded": {"tok_s": 210.0, "p50_s": 8.0}, "ray1": {"tok_s": 190.0, "p50_s": 8.4}, "ray2": {"tok_s": 155.0, "p50_s": 11.0}}
+    assert out["over_embedded"] == {"ray1": {"tok_s": round(190 / 210, 4), "p50": 1.05}, "ray2": {"tok_s": round(155 / 210, 4), "p50": 1.375}}
+    assert out["over_ray1_tok_s"] == {"ray2": round(155 / 190, 4)}
+
+
+def test_replica_capacity_takes_the_runtimes_largest_defaults_where_sizes_are_unset():
+    from tandem.cluster.flywheel_cluster import FlywheelCluster
+    from tandem.cluster.replica import replica_capacity
+    from tandem.server.runtime import ServerConfig
+
+    assert replica_capacity(ServerConfig(model="m")) == 64 + 4 * 64  # `tandem serve --ray` without --max-batch-size/--max-queue
+    assert replica_capacity(ServerConfig(model="m", max_batch_size=4)) == 4 + 16
+    assert replica_capacity(ServerConfig(model="m", max_batch_size=4, max_queue=0)) == 4
+    cluster = FlywheelCluster(ServerConfig(model="m"), replicas=2)  # was a TypeError (None + None) before any actor started
+    assert cluster._pool._max_workers == 2 * 320
+    cluster.close()

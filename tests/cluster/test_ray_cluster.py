@@ -2,7 +2,7 @@
 
 One Ray session serves every scenario (Ray's start-up is most of the cost): a 2-replica + trainer flywheel
 with a swap reaching both replicas, a killed replica and a killed trainer; one GRPO step on 2 rollout workers
-against the embedded engine; `tandem serve --ray` (Ray Serve, 2 replicas) answering the openai client.
+against the embedded engine; `tandem rl --ray --checkpoint` resumed against an uninterrupted run; `tandem serve --ray` (Ray Serve, 2 replicas) answering the openai client.
 """
 import json
 import os
@@ -95,6 +95,24 @@ def test_one_rl_step_on_two_rollout_workers_equals_the_embedded_engine(observed)
         for a, b in zip(ray[when], embedded[when]):  # a worker's batch is a slice of the embedded one: float noise only
             assert a["logprobs"] == pytest.approx(b["logprobs"], abs=1e-3)
     assert ray["policy_version"] == embedded["policy_version"] == embedded["after"][0]["policy_version"] > embedded["rollouts"][0]["policy_version"]
+
+
+def test_rl_on_ray_resumed_from_its_checkpoint_equals_the_uninterrupted_run_and_the_embedded_one(observed):
+    r = _scenario(observed, "rl_resume")
+    whole, first, resumed, embedded = r["whole"], r["first"], r["resumed"], r["embedded"]
+    assert [run["rc"] for run in (whole, first, resumed, embedded)] == [0, 0, 0, 0]
+    assert (whole["ray"], resumed["ray"], embedded["ray"]) == (True, True, False)
+    assert [h["step"] for h in first["history"]] == [0] and [h["step"] for h in resumed["history"]] == [0, 1]  # --steps is the total
+    assert resumed["history"][0]["step_wall_s"] == first["history"][0]["step_wall_s"]  # step 0 restored from the checkpoint, not re-run
+    assert resumed["history"][0]["step_wall_s"] != whole["history"][0]["step_wall_s"]
+    timeless = [[{k: v for k, v in h.items() if k != "step_wall_s"} for h in run["history"]] for run in (whole, resumed, embedded)]
+    assert timeless[0] == timeless[1] == timeless[2]
+    assert [h["policy_version"] for h in whole["history"]] == [1, 2] and [h["tokens"] for h in whole["history"]] == [72, 72]
+    assert [h["reward_mean"] for h in whole["history"]] == pytest.approx([3 / 9, 5 / 9])  # parity reward over 9 rollouts a step
+    assert whole["evals"] == resumed["evals"] == embedded["evals"] and [e["step"] for e in whole["evals"]] == [0, 1, 2]
+    assert r["checkpoint_step"] == {"whole": 2, "split": 2, "embedded": 2}
+    assert r["policy_max_abs_diff"]["resumed"] == 0.0  # the same workers' rollouts, the learner restored bit for bit
+    assert r["policy_max_abs_diff"]["embedded"] < 1e-4  # a worker's batch is a slice of the embedded one: float noise only
 
 
 def _exact(rollout: dict) -> dict:
