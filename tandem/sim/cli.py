@@ -72,27 +72,24 @@ def run_simulate(args) -> int:
 
 def _rollout(args) -> tuple[dict, str]:
     """--rollout: the run's measured lengths and acceptance through the rollout simulator."""
-    from tandem.sim.report import model_work, MODEL_DIMS
-    from tandem.sim.hardware import preset
-    from tandem.sim.parallel import replica_machine
+    from tandem.sim.report import SimulateConfig, cost_model
     from tandem.sim.roofline import forward_seconds
     from tandem.sim.rollout_compare import format_comparison, predicted_vs_measured
-    from tandem.sim.speculative import DraftCost
 
     run = json.loads(Path(args.rollout).read_text())
     max_k = int(run.get("config", {}).get("num_draft_tokens", 4))
+    engines = run.get("history", [{}])[0].get("rollout_s", {})
     if args.calibration:
         from tandem.sim.calibration import load_calibration
 
         cal = load_calibration(args.calibration)
-        work, machine, drafts, where = cal.work, cal.machine, dict(cal.drafters), f"calibration of {cal.model} on {cal.fingerprint.get('cpu', '?')}"
-    else:
-        work, where = model_work(args.model, args.precision), f"{args.model} {args.precision} on {args.hardware} (tp {args.tp})"
-        machine = replica_machine(preset(args.hardware), args.precision, args.tp, *MODEL_DIMS[args.model])
-        drafts = None
-    forward = lambda b, t, c: forward_seconds(work, machine, b, t, c)  # noqa: E731
-    if drafts is None:  # a preset: each draft depth costs a fraction of a batch-1 target forward (as the batch table)
-        drafts = {name.partition("@")[0]: DraftCost(per_depth_s=args.draft_fraction * forward(1, 1, 512)) for name in run["history"][0]["rollout_s"]}
+        forward = lambda b, t, c: forward_seconds(cal.work, cal.machine, b, t, c)  # noqa: E731
+        drafts, where = dict(cal.drafters), f"calibration of {cal.model} on {cal.fingerprint.get('cpu', '?')}"
+    else:  # a preset: each draft depth costs --draft-fraction of a batch-1 target forward, as in the batch table
+        model = cost_model(SimulateConfig(model=args.model, hardware=args.hardware, precision=args.precision, tp=args.tp,
+                                          draft_fraction=args.draft_fraction))
+        forward, where = model.forward, f"{args.model} {args.precision} on {args.hardware} (tp {args.tp})"
+        drafts = {name.partition("@")[0]: model.draft for name in engines}
     result = predicted_vs_measured(run, forward, drafts, max_k)
     result["cost_model"] = where
-    return result, f"cost model: {where}\n" + format_comparison(result)
+    return result, f"cost model: {where}\n" + format_comparison(result, projection=not args.calibration)

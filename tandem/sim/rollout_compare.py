@@ -84,7 +84,15 @@ def _per_batch(history: list[dict], base: str, forward: ForwardCost) -> dict:
     return {b: {"steps": n, "measured_ms": round(1e3 * m / n, 2), "predicted_ms": round(1e3 * p / n, 2)} for b, (m, p, n) in sorted(sums.items())}
 
 
-def format_comparison(result: dict) -> str:
+def format_comparison(result: dict, projection: bool = False) -> str:
+    """`projection`: the cost model is another machine's (a GPU preset): the run's measured figures are this machine's,
+    so no error is computed against them."""
+    if projection:
+        lines = [f"plain rollout over {result['steps']} steps: predicted {result['plain_predicted_s']} s there "
+                 f"(measured here: {result['plain_measured_s']} s)",
+                 "| engine | policy | acceptance/position (from) | predicted speedup there | measured here |", "|---|---|---|---|---|"]
+        return "\n".join(lines + [f"| {r['engine']} | {r['policy']} | {r['acceptance_per_position']:.3f} ({r['acceptance_from']}) "
+                                   f"| {r['predicted_speedup']:.3f}x | {r['measured_speedup']:.3f}x |" for r in result["engines"]])
     lines = [f"plain rollout: measured {result['plain_measured_s']} s, predicted {result['plain_predicted_s']} s "
              f"(cost model error {100 * result['cost_model_error']:+.1f} %) over {result['steps']} steps",
              "| engine | policy | acceptance/position (from) | measured speedup | predicted | error |", "|---|---|---|---|---|---|"]
