@@ -55,12 +55,14 @@ def add_ray_rl_options(p: argparse.ArgumentParser) -> None:
     _common(p)
     p.add_argument("--rollout-workers", type=int, default=2, help="--ray: rollout-worker actors (each its own engine and drafter)")
     p.add_argument("--worker-cpus", type=float, default=1.0, help="--ray: CPUs Ray reserves per rollout worker")
+    p.add_argument("--learner-cpus", type=float, default=1.0, help="--ray: CPUs Ray reserves for the learner actor (also its threads)")
+    p.add_argument("--learner-gpus", type=float, default=0.0, help="--ray: GPUs Ray reserves for the learner actor (placement only: it trains on CPU)")
     _dispatch(p, rl_ray)
 
 
 def rl_ray(args) -> int:
-    """`tandem rl --ray`: tandem.rl.command.run_rl with the first drafter's rollouts on Ray workers; the learner,
-    its checkpoints (`--checkpoint`, `--resume`: the embedded format, a resumed run continues to `--steps` in
+    """`tandem rl --ray`: tandem.rl.command.run_rl with the first drafter's rollouts on Ray workers and the learner on
+    its own actor (tandem.cluster.learner); the loop, rewards, checkpoints (`--checkpoint`, `--resume`: the embedded format, a resumed run continues to `--steps` in
     all), evaluation and the report stay in this process."""
     from tandem.cluster.ray_env import connect, require_ray, shutdown
     from tandem.cluster.rl import build_ray_trainer
@@ -69,10 +71,11 @@ def rl_ray(args) -> int:
 
     refuse_ray_rl_options(args)
     placement = Placement(num_cpus=args.worker_cpus)
+    learner_placement = Placement(num_cpus=args.learner_cpus, num_gpus=args.learner_gpus)
 
     def build(model, drafters, cfg, num_draft_tokens, adaptive_k, max_batch=None, reward_fn=None):
         return build_ray_trainer(model, drafters[0], cfg, args.rollout_workers, num_draft_tokens, adaptive_k, max_batch=max_batch,
-                                 reward_fn=reward_fn, placement=placement)
+                                 reward_fn=reward_fn, placement=placement, learner_placement=learner_placement)
 
     started_here = not require_ray().is_initialized()
     connect(args.address)

@@ -1,4 +1,5 @@
-"""RL on Ray: rollout workers as actors, behind RolloutEngine's interface, and the GRPO trainer over them.
+"""RL on Ray: rollout workers as actors, behind RolloutEngine's interface, the learner as an actor
+(tandem.cluster.learner), and the GRPO trainer over them.
 
 `RolloutWorker` (an actor) owns a RolloutEngine: its own packed copy of the policy and its drafter.
 `RemoteRolloutEngine` is what GRPOTrainer sees: `name`, `generate_rollouts`, `policy_version`, `drafter`
@@ -18,6 +19,7 @@ import time
 
 import torch
 
+from tandem.cluster.learner import PolicyRef, RemoteLearner, learner_actor
 from tandem.cluster.ray_env import pin_to_cores
 from tandem.cluster.specs import Placement
 from tandem.cluster.wire import tensors_from_bytes, tensors_to_bytes
@@ -95,12 +97,13 @@ class RemoteRolloutEngine:
         profile = [StepProfile(**p) for part in parts for p in part["profile"]]
         return RolloutBatch(self.name, rollouts, time.perf_counter() - start, profile)
 
-    def update_policy(self, named_tensors: dict[str, torch.Tensor], version: int) -> dict[str, float]:
-        """The new policy into the object store once; every worker copies it in and re-syncs its drafter."""
+    def update_policy(self, named_tensors: "dict[str, torch.Tensor] | PolicyRef", version: int) -> dict[str, float]:
+        """The new policy into the object store once (a remote learner's is there already); every worker copies it in
+        and re-syncs its drafter."""
         import ray
 
         t0 = time.perf_counter()
-        ref = ray.put(tensors_to_bytes(named_tensors))
+        ref = named_tensors.ref if isinstance(named_tensors, PolicyRef) else ray.put(tensors_to_bytes(named_tensors))  # a remote learner's is there
         put_s = time.perf_counter() - t0
         timings = ray.get([w.update_policy.remote(ref, version) for w in self.workers])
         status = ray.get(self.workers[0].status.remote())
@@ -131,13 +134,13 @@ def rollout_workers(model: str, drafter: str, workers: int, max_batch: int, max_
 
 
 def build_ray_trainer(model: str, drafter: str, cfg, workers: int, num_draft_tokens: int = 4, adaptive_k: bool = True, max_batch: int | None = None,
-                      reward_fn=None, placement: Placement = Placement()):
-    """tandem.rl.setup.build_trainer with the rollouts on `workers` Ray actors (the learner stays here)."""
+                      reward_fn=None, placement: Placement = Placement(), learner_placement: Placement = Placement()):
+    """tandem.rl.setup.build_trainer with the rollouts on `workers` Ray actors and the learner on its own actor
+    (`learner_placement`); rewards, evaluation and the loop stay in this process."""
     from tandem.llm import load_tokenizer
-    from tandem.models.loader import load_transformer
+    from tandem.models.config import ModelConfig
     from tandem.models.zoo import resolve_model
     from tandem.rl.grpo import GRPOTrainer
-    from tandem.rl.learner import Learner
     from tandem.rl.setup import MAX_PROMPT_TOKENS
 
     if drafter in ("eagle", "eagle_tree"):
@@ -145,11 +148,10 @@ def build_ray_trainer(model: str, drafter: str, cfg, workers: int, num_draft_tok
     if workers < 1:
         raise InvalidParameterError(f"--rollout-workers must be >= 1, got {workers}")
     path = resolve_model(model)
-    learner_model = load_transformer(path)
-    max_len = min(MAX_PROMPT_TOKENS + cfg.max_tokens, learner_model.cfg.max_position)
+    max_len = min(MAX_PROMPT_TOKENS + cfg.max_tokens, ModelConfig.from_dir(path).max_position)
     batch = max_batch or min(cfg.prompts_per_step * cfg.group_size, 64)
+    learner = RemoteLearner(learner_actor(str(path), cfg, learner_placement, threads=max(1, int(learner_placement.num_cpus))))
     handles = rollout_workers(str(path), drafter, workers, batch, max_len, num_draft_tokens, adaptive_k, placement)
     engine = RemoteRolloutEngine(handles, drafter)
     kwargs = {"reward_fn": reward_fn} if reward_fn is not None else {}
-    reference = load_transformer(path) if cfg.kl_coef > 0 else None
-    return GRPOTrainer(Learner(learner_model, cfg, reference=reference), [engine], load_tokenizer(path), cfg, **kwargs)
+    return GRPOTrainer(learner, [engine], load_tokenizer(path), cfg, **kwargs)

@@ -51,12 +51,12 @@ def save_checkpoint(trainer, path: str | Path) -> Path:
     tmp = path.with_name(path.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    learner = trainer.learner
-    save_file({n: t.contiguous() for n, t in learner.named_tensors().items()}, str(tmp / "policy.safetensors"))
-    save_file(optimizer_tensors(learner.optimizer, _trainable(learner.model)), str(tmp / "optimizer.safetensors"))
+    policy, moments, learner_state, lr = trainer.learner.checkpoint()  # a local Learner or a remote one (tandem.cluster.learner)
+    save_file({n: t.contiguous() for n, t in policy.items()}, str(tmp / "policy.safetensors"))
+    save_file(moments, str(tmp / "optimizer.safetensors"))
     state = {
-        "schema_version": SCHEMA_VERSION, "step": trainer.step_index, "learner": learner.state(),
-        "lr": learner.optimizer.param_groups[0]["lr"], "config": trainer.cfg.as_dict(), "history": trainer.history, "evals": trainer.evals,
+        "schema_version": SCHEMA_VERSION, "step": trainer.step_index, "learner": learner_state,
+        "lr": lr, "config": trainer.cfg.as_dict(), "history": trainer.history, "evals": trainer.evals,
     }
     if trainer.online is not None:
         online = trainer.online
@@ -90,14 +90,10 @@ def load_checkpoint(trainer, path: str | Path) -> None:
         raise TandemError(f"{path / STATE_FILE} has schema version {state.get('schema_version')}, expected {SCHEMA_VERSION}")
     check_config(state.get("config", {}), json.loads(json.dumps(trainer.cfg.as_dict())), path)
     learner = trainer.learner
-    params = dict(learner.model.named_parameters())
-    if set(policy) != set(params):
-        raise TandemError(f"{path}: the checkpoint's parameters do not match the policy")
-    with torch.no_grad():
-        for name, tensor in policy.items():
-            params[name].copy_(tensor)
-    load_optimizer_tensors(learner.optimizer, _trainable(learner.model), moments)
-    learner.load_state(state["learner"])
+    try:
+        learner.restore(policy, moments, state["learner"])
+    except TandemError as e:
+        raise TandemError(f"{path}: {e}") from e
     trainer.step_index, trainer.history, trainer.evals = int(state["step"]), list(state["history"]), list(state["evals"])
     if trainer.online is not None and (path / "eagle").exists():
         online = trainer.online

@@ -16,6 +16,8 @@ import time
 import numpy as np
 import torch
 
+from tandem.errors import TandemError
+
 from tandem.ops.rl import aggregation_divisor, entropy_sum, policy_loss, token_weights
 
 
@@ -184,6 +186,27 @@ class Learner:
             return self.model.lm_head(final_hidden.detach()).argmax(-1)
 
     # ---- what a checkpoint keeps ------------------------------------------------------------------------
+    def checkpoint(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict, float]:
+        """(policy tensors, optimizer moments, loop state, current lr): all a checkpoint keeps of the learner."""
+        from tandem.rl.checkpoint import optimizer_tensors
+
+        return self.named_tensors(), optimizer_tensors(self.optimizer, self._trainable()), self.state(), self.optimizer.param_groups[0]["lr"]
+
+    def restore(self, policy: dict[str, torch.Tensor], moments: dict[str, torch.Tensor], state: dict) -> None:
+        from tandem.rl.checkpoint import load_optimizer_tensors
+
+        params = dict(self.model.named_parameters())
+        if set(policy) != set(params):
+            raise TandemError("the checkpoint's parameters do not match the policy")
+        with torch.no_grad():
+            for name, tensor in policy.items():
+                params[name].copy_(tensor)
+        load_optimizer_tensors(self.optimizer, self._trainable(), moments)
+        self.load_state(state)
+
+    def _trainable(self) -> dict[str, torch.nn.Parameter]:
+        return {n: p for n, p in self.model.named_parameters() if p.requires_grad}
+
     def state(self) -> dict:
         return {"policy_version": self.version, "optimizer_steps": self.optimizer_steps, "scheduler": self.scheduler.state_dict()}
 

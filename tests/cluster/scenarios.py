@@ -146,7 +146,9 @@ def parity_reward(text, problem, env):  # gives the tiny random model's groups r
 
 
 def rl(model: str, work: Path) -> dict:
-    """One GRPO step, embedded vs 2 rollout workers: the same rollouts before and after the policy update."""
+    """One GRPO step, embedded vs 2 rollout workers and a learner actor: the same rollouts before and after the update."""
+    import ray
+
     from tandem.cluster.rl import build_ray_trainer
     from tandem.rl.grpo import GRPOConfig
     from tandem.rl.setup import build_trainer
@@ -157,7 +159,7 @@ def rl(model: str, work: Path) -> dict:
     cfg = GRPOConfig(steps=1, prompts_per_step=3, group_size=3, max_tokens=8, lr=1e-3, micro_batch=4, eval_problems=0, seed=1, env=env)
     trainers = {"embedded": build_trainer(model, ["ngram"], cfg, num_draft_tokens=3, adaptive_k=False, reward_fn=parity_reward),
                 "ray": build_ray_trainer(model, "ngram", cfg, workers=2, num_draft_tokens=3, adaptive_k=False, reward_fn=parity_reward,
-                                         placement=Placement(num_cpus=0.5))}
+                                         placement=Placement(num_cpus=0.5), learner_placement=Placement(num_cpus=0.5))}
     out: dict = {}
     for name, trainer in trainers.items():
         problems, batches = trainer.rollouts(0)
@@ -165,7 +167,9 @@ def rl(model: str, work: Path) -> dict:
         sync = trainer.sync()
         _, after = trainer.rollouts(1)
         out[name] = {"rollouts": [_rollout_view(r) for r in batches["ngram"].rollouts], "after": [_rollout_view(r) for r in after["ngram"].rollouts],
-                     "policy_version": trainer.engines[0].policy_version, "sync": sync["sync"]}
+                     "policy_version": trainer.engines[0].policy_version, "sync": sync["sync"], "learner": type(trainer.learner).__name__,
+                     "learner_pid": ray.get(trainer.learner.actor.status.remote())["pid"] if name == "ray" else os.getpid(),
+                     "driver_pid": os.getpid(), "learner_version": trainer.learner.version}
     return out
 
 
@@ -176,7 +180,7 @@ def rl_resume(model: str, work: Path) -> dict:
     common = ["rl", "--model", model, "--drafters", "ngram", "--no-adaptive-k", "--num-draft-tokens", "3", "--prompts-per-step", "3",
               "--group-size", "3", "--max-tokens", "8", "--lr", "1e-3", "--micro-batch", "4", "--eval-problems", "4", "--eval-every", "1",
               "--seed", "1", "--task", "basic_arithmetic,chain_sum", "--no-demonstration", "--reward", "scenarios:parity_reward"]
-    on_ray = common + ["--ray", "--rollout-workers", "2", "--worker-cpus", "0.5"]
+    on_ray = common + ["--ray", "--rollout-workers", "2", "--worker-cpus", "0.5", "--learner-cpus", "0.5"]
     runs = {"whole": on_ray + ["--steps", "2", "--checkpoint", str(work / "whole")],
             "first": on_ray + ["--steps", "1", "--checkpoint", str(work / "split")],
             "resumed": on_ray + ["--steps", "2", "--resume", str(work / "split"), "--checkpoint", str(work / "split")],

@@ -2,7 +2,7 @@
 
 One Ray session serves every scenario (Ray's start-up is most of the cost): a 2-replica + trainer flywheel
 with a swap reaching both replicas, a killed replica and a killed trainer; one GRPO step on 2 rollout workers
-against the embedded engine; `tandem rl --ray --checkpoint` resumed against an uninterrupted run; `tandem serve --ray` (Ray Serve, 2 replicas) answering the openai client.
+and a learner actor against the embedded engine; `tandem rl --ray --checkpoint` resumed against an uninterrupted run; `tandem serve --ray` (Ray Serve, 2 replicas) answering the openai client.
 """
 import json
 import os
@@ -95,6 +95,8 @@ def test_one_rl_step_on_two_rollout_workers_equals_the_embedded_engine(observed)
         for a, b in zip(ray[when], embedded[when]):  # a worker's batch is a slice of the embedded one: float noise only
             assert a["logprobs"] == pytest.approx(b["logprobs"], abs=1e-3)
     assert ray["policy_version"] == embedded["policy_version"] == embedded["after"][0]["policy_version"] > embedded["rollouts"][0]["policy_version"]
+    assert (ray["learner"], embedded["learner"]) == ("RemoteLearner", "Learner") and ray["learner_version"] == embedded["learner_version"] == 1
+    assert ray["learner_pid"] != ray["driver_pid"]  # the update ran in the learner actor's process, not here
 
 
 def test_rl_on_ray_resumed_from_its_checkpoint_equals_the_uninterrupted_run_and_the_embedded_one(observed):
