@@ -30,6 +30,8 @@ def add_serve_command(sub) -> None:
     p.add_argument("--spill-max-age-hours", type=float, default=168.0, help="--online: spilled traces older than this are deleted")
     p.add_argument("--trainer-process", action="store_true", help="--online: train in a child process, not a thread of the server")
     p.add_argument("--log-format", choices=("text", "json"), default="text", help="json: one JSON object per line, with request ids")
+    p.add_argument("--prefill-tokens-per-step", type=int, default=None, help="prompt tokens prefilled per engine step (vLLM's "
+                   "max-num-batched-tokens, for prompts): more admits a burst sooner, fewer keeps running requests' steps short")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-body-bytes", type=int, default=1 << 20)
     p.add_argument("--threads", type=int, default=None)
@@ -60,4 +62,5 @@ def config_from_args(args: argparse.Namespace):
         request_timeout_s=args.request_timeout or None, queue_timeout_s=args.queue_timeout or None, drain_timeout_s=args.drain_timeout,
         spill_traces=not args.no_spill, spill_max_bytes=int(args.spill_max_gb * (1 << 30)), spill_max_age_s=args.spill_max_age_hours * 3600,
         trainer_process=args.trainer_process, json_logs=args.log_format == "json",
+        **({} if args.prefill_tokens_per_step is None else {"prefill_tokens_per_step": args.prefill_tokens_per_step}),
     )
