@@ -74,8 +74,8 @@ def _add_llm_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter-path", default=None, help="eagle/mtp: directory of a trained head")
     p.add_argument("--adaptive-k", action="store_true", help="choose the draft length per request from measured acceptance")
     p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--weights", default="fp32", choices=("fp32", "int8"),
-                   help="int8: serve weight-only int8 rows (faster, a slightly different model; speculation stays lossless w.r.t. it)")
+    p.add_argument("--weights", default="fp32", choices=("fp32", "bf16", "int8", "int4"),
+                   help="bf16 / int8 / int4: serve smaller weights (faster, a slightly different model; speculation stays lossless w.r.t. it)")
 
 
 def _llm_from_args(args):
@@ -167,7 +167,7 @@ def _bench_forward(args) -> int:
 def _bench_decode_command(bench) -> None:
     p = bench.add_parser("decode", help="speculative decoding per drafter and domain (optionally vs HF peers)")
     p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--drafters", default="ar,ngram,self_draft", help="comma list; ar = plain decoding; NAME@int8 runs on the weight-only int8 target (needs ar@int8)")
+    p.add_argument("--drafters", default="ar,ngram,self_draft", help="comma list; ar = plain decoding; NAME@W (W = bf16, int8, int4) runs on the target with W weights (needs ar@W)")
     p.add_argument("--prompts", default="builtin", help="builtin or a JSONL file of {domain, prompt}")
     p.add_argument("--per-domain", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=96)
