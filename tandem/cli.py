@@ -124,6 +124,7 @@ def _bench_commands(sub) -> None:
     fwd.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
     fwd.add_argument("--no-pack", action="store_true", help="plain F.linear instead of prepacked weights")
     fwd.add_argument("--threads", type=int, default=2)
+    fwd.add_argument("--weights", default="fp32", choices=("fp32", "bf16", "int8", "int4"), help="the served target weights (the roofline counts their bytes)")
     fwd.add_argument("--compile", action="store_true", help="also time the compiled forward (torch.compile) against eager, interleaved")
     fwd.add_argument("--gemm-ab", action="store_true", help="also time decoding with oneDNN's prepacked GEMMs against the small-M kernel, interleaved")
     fwd.add_argument("--glue-ab", action="store_true", help="also time decoding with the layers in one fused call, the fused glue per layer and the torch-op glue, interleaved")
@@ -142,6 +143,9 @@ def _bench_commands(sub) -> None:
     from tandem.bench.throughput import add_bench_throughput_command
 
     add_bench_throughput_command(bench)
+    from tandem.bench.quality import add_bench_quality_command
+
+    add_bench_quality_command(bench)
     from tandem.bench.vocab import add_bench_vocab_command
 
     add_bench_vocab_command(bench)
@@ -160,7 +164,7 @@ def _bench_forward(args) -> int:
 
     torch.set_num_threads(args.threads)
     result = run_forward_bench(args.model, args.max_tokens, with_hf=not args.no_hf, pack=not args.no_pack, compile=args.compile, gemm_ab=args.gemm_ab,
-                               glue_ab=args.glue_ab, profile=args.profile)
+                               glue_ab=args.glue_ab, profile=args.profile, weights=args.weights)
     return _emit(result, args.json_out)
 
 

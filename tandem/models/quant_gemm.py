@@ -47,20 +47,21 @@ def quantize_q4(weight: torch.Tensor, group_size: int = GROUP_SIZE) -> tuple[tor
 
 
 def pack_q4(weight: torch.Tensor, group_size: int = GROUP_SIZE) -> tuple[torch.Tensor, torch.Tensor]:
-    """quantize_q4 in small_gemm_q4's layout: (uint8 [ceil(N/4), ng, G/8, 4, 4], scale fp32 [N, ng])."""
+    """quantize_q4 in small_gemm_q4's layout: (uint8 [ceil(N/4), ng, G/8, 16], scale fp32 [N, ng]). In each chunk of 8
+    inputs of 4 rows, byte i holds row i // 8's weight i % 8 (+ 8) in its low nibble and row 2 + i // 8's in its high one."""
     q, scale = quantize_q4(weight, group_size)
     n, padded_k = q.shape
     n4, ng = -(-n // 4), scale.shape[1]
     nib = F.pad((q.to(torch.int16) + 8).to(torch.uint8), (0, 0, 0, 4 * n4 - n), value=8)  # padding rows: q = 0
     chunks = nib.view(n4, 4, ng, group_size // 8, 8).permute(0, 2, 3, 1, 4)  # [n4, ng, G/8, 4 rows, 8 k]
-    packed = chunks[..., :4] | (chunks[..., 4:] << 4)  # low nibbles k = 0..3, high k = 4..7
-    return packed.contiguous(), scale
+    packed = chunks[..., :2, :] | (chunks[..., 2:, :] << 4)  # rows 0-1 in the low nibbles, rows 2-3 in the high ones
+    return packed.reshape(n4, ng, group_size // 8, 16).contiguous(), scale
 
 
 def dequantize_q4(packed: torch.Tensor, scale: torch.Tensor, in_features: int) -> torch.Tensor:  # -> fp32 [N, K]
     """The fp32 weights small_gemm_q4 multiplies by: float(q) * scale, bit for bit."""
     n4, ng, chunks = packed.shape[:3]
-    nib = torch.cat([packed & 0x0F, packed >> 4], dim=-1)  # [n4, ng, G/8, 4, 8]
+    nib = torch.cat([packed & 0x0F, packed >> 4], dim=-1).view(n4, ng, chunks, 4, 8)  # [n4, ng, G/8, 4 rows, 8 k]
     q = nib.permute(0, 3, 1, 2, 4).reshape(4 * n4, ng * chunks * 8)[: scale.shape[0]].to(torch.int16) - 8
     group_size = 8 * chunks
     w = q.float().view(scale.shape[0], ng, group_size) * scale[..., None]

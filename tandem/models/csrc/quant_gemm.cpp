@@ -4,8 +4,8 @@
 // Layouts (cpu_gemm.pack_q4 / pack_bf16 build them): rows in groups of 4, and within a group the k axis in chunks of
 // 8, so that a pass over a group reads its weights as one sequential stream and feeds 4 independent FMA chains per row
 // of x (small_gemm_q8's layout, small_gemm.cpp):
-// - int4: packed uint8 [ceil(N/4), ng, G/8, 4, 4]: for quantization group j (G inputs) and chunk c of it, row r's 8
-//   weights k = 0..7 of the chunk are 4 bytes whose low nibbles are k = 0..3 and high nibbles k = 4..7, each the
+// - int4: packed uint8 [ceil(N/4), ng, G/8, 16]: for quantization group j (G inputs) and chunk c of it (8 inputs),
+//   byte i holds row i / 8's weight k = i % 8 in its low nibble and row 2 + i / 8's in its high nibble, each the
 //   signed weight q in [-8, 7] plus 8; scale fp32 [N, ng] (row n's scales are contiguous, so a group's 4 rows read
 //   4 ng sequential floats). The weight is q * scale[n, j]; K is zero-padded to ng G.
 // - bf16: packed bf16 [ceil(N/4), ceil(K/8), 4, 8] (the chunk of 4 rows x 8 k is one 64-byte line); scale fp32 [N]
@@ -33,54 +33,65 @@ constexpr int kRowsX = 3;  // AVX2: rows of x per pass (3 x 4 accumulators + 4 w
 constexpr int kRowsX512 = 12;  // AVX-512: 12 x 2 accumulators of 32
 
 // ---- int4 ------------------------------------------------------------------------------------------------------
+// A chunk is 16 bytes: byte i holds row i / 8's weight k = i % 8 in its low nibble and row 2 + i / 8's in its high
+// nibble, so a mask gives rows 0-1 and a shift rows 2-3, each 16 signed bytes in the AVX-512 pass's two-rows-per-register
+// order, without a shuffle.
 struct Q4 {
   const uint8_t* group;  // this group of rows: ng * G/8 chunks of 16 bytes
   const float* scale[kRows];  // each row's ng scales (zeros for rows past N)
   int shift;  // log2(G / 8): chunk c is in quantization group c >> shift
 
-  // The chunk's 4 rows as signed bytes: rows 0 and 1 in r01 (8 bytes each), rows 2 and 3 in r23.
+  int64_t span() const { return int64_t{1} << shift; }  // chunks per quantization group
+
   static void nibbles(const uint8_t* chunk, __m128i& r01, __m128i& r23) {
     const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(chunk));
     const __m128i mask = _mm_set1_epi8(0x0F), eight = _mm_set1_epi8(8);
-    const __m128i lo = _mm_and_si128(v, mask), hi = _mm_and_si128(_mm_srli_epi16(v, 4), mask);
-    r01 = _mm_sub_epi8(_mm_unpacklo_epi32(lo, hi), eight);
-    r23 = _mm_sub_epi8(_mm_unpackhi_epi32(lo, hi), eight);
+    r01 = _mm_sub_epi8(_mm_and_si128(v, mask), eight);
+    r23 = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(v, 4), mask), eight);
   }
 
-  void load(int64_t c, __m256 w[kRows]) const {
+  struct Scales { __m256 s[kRows]; };
+  Scales scales(int64_t j) const {
+    Scales v;
+    for (int r = 0; r < kRows; ++r) v.s[r] = _mm256_set1_ps(scale[r][j]);
+    return v;
+  }
+
+  void load(int64_t c, const Scales& s, __m256 w[kRows]) const {
     const uint8_t* chunk = group + c * 16;
-    _mm_prefetch(reinterpret_cast<const char*>(chunk) + kAhead, _MM_HINT_T0);
+    if ((c & 3) == 0) _mm_prefetch(reinterpret_cast<const char*>(chunk) + kAhead, _MM_HINT_T0);
     __m128i r01, r23;
     nibbles(chunk, r01, r23);
-    const int64_t j = c >> shift;
-    w[0] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(r01)), _mm256_set1_ps(scale[0][j]));
-    w[1] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(r01, r01))), _mm256_set1_ps(scale[1][j]));
-    w[2] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(r23)), _mm256_set1_ps(scale[2][j]));
-    w[3] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(r23, r23))), _mm256_set1_ps(scale[3][j]));
+    w[0] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(r01)), s.s[0]);
+    w[1] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(r01, r01))), s.s[1]);
+    w[2] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(r23)), s.s[2]);
+    w[3] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(r23, r23))), s.s[3]);
   }
 
-  __attribute__((target("avx512f,avx512dq"))) static __m512 pair_scale(float a, float b) {
-    return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_set1_ps(a)), _mm256_set1_ps(b), 1);
+  struct Scales512 { __m512 s[2]; };
+  __attribute__((target("avx512f,avx512dq"))) Scales512 scales512(int64_t j) const {
+    Scales512 v;
+    for (int h = 0; h < 2; ++h)
+      v.s[h] = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_set1_ps(scale[2 * h][j])), _mm256_set1_ps(scale[2 * h + 1][j]), 1);
+    return v;
   }
 
-  __attribute__((target("avx512f,avx512dq"))) void load512(int64_t c, __m512 w[2]) const {
+  __attribute__((target("avx512f,avx512dq"))) void load512(int64_t c, const Scales512& s, __m512 w[2]) const {
     const uint8_t* chunk = group + c * 16;
-    _mm_prefetch(reinterpret_cast<const char*>(chunk) + kAhead, _MM_HINT_T0);
+    if ((c & 3) == 0) _mm_prefetch(reinterpret_cast<const char*>(chunk) + kAhead, _MM_HINT_T0);
     __m128i r01, r23;
     nibbles(chunk, r01, r23);
-    const int64_t j = c >> shift;
-    w[0] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(r01)), pair_scale(scale[0][j], scale[1][j]));
-    w[1] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(r23)), pair_scale(scale[2][j], scale[3][j]));
+    w[0] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(r01)), s.s[0]);
+    w[1] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(r23)), s.s[1]);
   }
 
   float finish(float s, const float* x, int64_t k0, int64_t K, int r) const;
 };
 
 // s + the K % 8 tail of one int4 output (one compiled copy for both ISAs: neither can round it differently).
-__attribute__((noinline)) float q4_tail(float s, const float* x, const uint8_t* row_bytes, float scale, int64_t k0, int64_t K) {
+__attribute__((noinline)) float q4_tail(float s, const float* x, const uint8_t* bytes, int high, float scale, int64_t k0, int64_t K) {
   for (int64_t k = k0; k < K; ++k) {
-    const int j = static_cast<int>(k - k0);
-    const int nib = (row_bytes[j & 3] >> (j < 4 ? 0 : 4)) & 0x0F;
+    const int nib = (bytes[k - k0] >> (high ? 4 : 0)) & 0x0F;
     const float w = static_cast<float>(nib - 8) * scale;
     s += x[k] * w;
   }
@@ -90,18 +101,24 @@ __attribute__((noinline)) float q4_tail(float s, const float* x, const uint8_t* 
 float Q4::finish(float s, const float* x, int64_t k0, int64_t K, int r) const {
   if (k0 >= K) return s;
   const int64_t c = k0 / 8;
-  return q4_tail(s, x, group + c * 16 + 4 * r, scale[r][c >> shift], k0, K);
+  return q4_tail(s, x, group + c * 16 + 8 * (r % 2), r / 2, scale[r][c >> shift], k0, K);
 }
 
 // ---- bf16 ------------------------------------------------------------------------------------------------------
 struct Bf16 {
   const uint16_t* group;  // this group of rows: ceil(K/8) chunks of 4 x 8 bf16
+  int64_t chunks;  // K / 8
+
+  int64_t span() const { return std::max<int64_t>(chunks, 1); }  // no scales: one span
 
   static __m256 widen(const uint16_t* p) {  // 8 bf16 -> 8 fp32 (the upper 16 bits of each)
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
   }
 
-  void load(int64_t c, __m256 w[kRows]) const {
+  struct Scales {};
+  Scales scales(int64_t) const { return {}; }
+
+  void load(int64_t c, const Scales&, __m256 w[kRows]) const {
     const uint16_t* chunk = group + c * 32;
     _mm_prefetch(reinterpret_cast<const char*>(chunk) + kAhead, _MM_HINT_T0);
     for (int r = 0; r < kRows; ++r) w[r] = widen(chunk + 8 * r);
@@ -111,7 +128,10 @@ struct Bf16 {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
   }
 
-  __attribute__((target("avx512f,avx512dq"))) void load512(int64_t c, __m512 w[2]) const {
+  using Scales512 = Scales;
+  Scales512 scales512(int64_t) const { return {}; }
+
+  __attribute__((target("avx512f,avx512dq"))) void load512(int64_t c, const Scales512&, __m512 w[2]) const {
     const uint16_t* chunk = group + c * 32;
     _mm_prefetch(reinterpret_cast<const char*>(chunk) + kAhead, _MM_HINT_T0);
     w[0] = widen2(chunk);
@@ -148,70 +168,90 @@ __attribute__((noinline)) float end_output(float s, const Out& o, int64_t n) {
   return o.bias ? s + o.bias[n] : s;
 }
 
+// M rows of x (from row m0) against one group of 4 rows of w (rows n .. n + 3), 4 accumulators per row of x; the
+// scales of a quantization group are set up once for its chunks.
 template <class W, int M>
-void pass(const W& wd, const float* x, const Out& o, int64_t m0, int64_t n, int64_t K) {
-  const int64_t full = K / 8;
+void pass(const W* wd, const float* x, const Out& o, int64_t m0, int64_t n, int64_t K) {
+  const int64_t full = K / 8, span = wd->span();
   __m256 acc[M][kRows];
   for (int m = 0; m < M; ++m)
     for (int r = 0; r < kRows; ++r) acc[m][r] = _mm256_setzero_ps();
-  for (int64_t c = 0; c < full; ++c) {
-    __m256 wv[kRows];
-    wd.load(c, wv);
-    for (int m = 0; m < M; ++m) {
-      const __m256 xv = _mm256_loadu_ps(x + m * K + 8 * c);
-      for (int r = 0; r < kRows; ++r) acc[m][r] = _mm256_fmadd_ps(wv[r], xv, acc[m][r]);
+  for (int64_t c0 = 0; c0 < full; c0 += span) {
+    const typename W::Scales s = wd->scales(c0 / span);
+    const int64_t c1 = std::min(full, c0 + span);
+    for (int64_t c = c0; c < c1; ++c) {
+      __m256 wv[kRows];
+      wd->load(c, s, wv);
+      for (int m = 0; m < M; ++m) {
+        const __m256 xv = _mm256_loadu_ps(x + m * K + 8 * c);
+        for (int r = 0; r < kRows; ++r) acc[m][r] = _mm256_fmadd_ps(wv[r], xv, acc[m][r]);
+      }
     }
   }
   for (int m = 0; m < M; ++m)
     for (int r = 0; r < kRows && n + r < o.N; ++r)
-      o.y[(m0 + m) * o.N + n + r] = end_output(wd.finish(lane_sum(acc[m][r]), x + m * K, 8 * full, K, r), o, n + r);
+      o.y[(m0 + m) * o.N + n + r] = end_output(wd->finish(lane_sum(acc[m][r]), x + m * K, 8 * full, K, r), o, n + r);
 }
 
+// The AVX-512 pass: M rows of x against one group, two rows of w per register (row 2h in the low 8 lanes, 2h + 1 in the
+// high 8) against the 8 values of x broadcast to both halves: each lane does the AVX2 pass's FMA for its output in the
+// same k order, each half is reduced by the same lane_sum. (Passes over 2 or 4 groups at once, for more independent
+// FMA chains at one row of x, were slower here: each group is its own stream; BENCHMARKS 13.)
 template <class W, int M>
-__attribute__((target("avx512f,avx512dq"))) void pass512(const W& wd, const float* x, const Out& o, int64_t m0, int64_t n, int64_t K) {
-  const int64_t full = K / 8;
+__attribute__((target("avx512f,avx512dq"))) void pass512(const W* wd, const float* x, const Out& o, int64_t m0, int64_t n, int64_t K) {
+  const int64_t full = K / 8, span = wd->span();
   __m512 acc[M][2];
 #pragma GCC unroll 12
   for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
-  for (int64_t c = 0; c < full; ++c) {
-    __m512 wv[2];
-    wd.load512(c, wv);
+  for (int64_t c0 = 0; c0 < full; c0 += span) {
+    const typename W::Scales512 s = wd->scales512(c0 / span);
+    const int64_t c1 = std::min(full, c0 + span);
+    for (int64_t c = c0; c < c1; ++c) {
+      __m512 wv[2];
+      wd->load512(c, s, wv);
 #pragma GCC unroll 12
-    for (int m = 0; m < M; ++m) {
-      const __m512 xv = _mm512_broadcast_f32x8(_mm256_loadu_ps(x + m * K + 8 * c));
-      acc[m][0] = _mm512_fmadd_ps(wv[0], xv, acc[m][0]);
-      acc[m][1] = _mm512_fmadd_ps(wv[1], xv, acc[m][1]);
+      for (int m = 0; m < M; ++m) {
+        const __m512 xv = _mm512_broadcast_f32x8(_mm256_loadu_ps(x + m * K + 8 * c));
+        acc[m][0] = _mm512_fmadd_ps(wv[0], xv, acc[m][0]);
+        acc[m][1] = _mm512_fmadd_ps(wv[1], xv, acc[m][1]);
+      }
     }
   }
   for (int m = 0; m < M; ++m) {
     for (int r = 0; r < kRows && n + r < o.N; ++r) {
       const __m512 two = acc[m][r / 2];
       const float s = lane_sum(r % 2 ? _mm512_extractf32x8_ps(two, 1) : _mm512_castps512_ps256(two));
-      o.y[(m0 + m) * o.N + n + r] = end_output(wd.finish(s, x + m * K, 8 * full, K, r), o, n + r);
+      o.y[(m0 + m) * o.N + n + r] = end_output(wd->finish(s, x + m * K, 8 * full, K, r), o, n + r);
     }
   }
 }
 
-template <class W, int... Ms>
+template <class W>
+using PassFn = void (*)(const W*, const float*, const Out&, int64_t, int64_t, int64_t);
+
+template <class W>
 struct Table {
-  using Fn = void (*)(const W&, const float*, const Out&, int64_t, int64_t, int64_t);
-  static constexpr Fn avx2[] = {nullptr, pass<W, Ms>...};
-  static constexpr Fn avx512[] = {nullptr, pass512<W, Ms>...};
+  static constexpr PassFn<W> avx2[kRowsX + 1] = {nullptr, pass<W, 1>, pass<W, 2>, pass<W, 3>};
+  static constexpr PassFn<W> avx512[kRowsX512 + 1] = {nullptr, pass512<W, 1>, pass512<W, 2>, pass512<W, 3>, pass512<W, 4>, pass512<W, 5>,
+                                                      pass512<W, 6>, pass512<W, 7>, pass512<W, 8>, pass512<W, 9>, pass512<W, 10>,
+                                                      pass512<W, 11>, pass512<W, 12>};
 };
 
-// Every row of x against one group of 4 rows of w, in even passes of at most kRowsX (kRowsX512) rows: the group's
-// weights stay in L1 while the passes run.
-template <class W>
-void all_rows(const W& wd, const float* x, const Out& o, int64_t n, int64_t M, int64_t K) {
-  using T = Table<W, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12>;
+// Every row of x against groups [g0, g1) of w (make(g) gives group g's decoder), group by group in even passes of at
+// most kRowsX (kRowsX512) rows: a group's weights stay in L1 while its passes run.
+template <class W, class Make>
+void row_groups(const Make& make, const float* x, const Out& o, int64_t g0, int64_t g1, int64_t M, int64_t K) {
   const bool avx512 = tandem_kernels::use_avx512();
-  const auto* table = avx512 ? T::avx512 : T::avx2;
+  const PassFn<W>* table = avx512 ? Table<W>::avx512 : Table<W>::avx2;
   const int64_t most = avx512 ? kRowsX512 : kRowsX;
   const int64_t num_passes = (M + most - 1) / most;
-  for (int64_t i = 0, m0 = 0; i < num_passes; ++i) {
-    const int64_t rows = (M - m0) / (num_passes - i);
-    table[rows](wd, x + m0 * K, o, m0, n, K);
-    m0 += rows;
+  for (int64_t g = g0; g < g1; ++g) {
+    const W wd = make(g);
+    for (int64_t i = 0, m0 = 0; i < num_passes; ++i) {
+      const int64_t rows = (M - m0) / (num_passes - i);
+      table[rows](&wd, x + m0 * K, o, m0, 4 * g, K);
+      m0 += rows;
+    }
   }
 }
 
@@ -227,15 +267,15 @@ at::Tensor shaped(const at::Tensor& x, const at::Tensor& y, int64_t N) {
 
 namespace tandem_kernels {
 
-// Group-wise int4: packed uint8 [ceil(N/4), ng, G/8, 4, 4], scale fp32 [N, ng] (pack_q4); x [..., K] fp32.
+// Group-wise int4: packed uint8 [ceil(N/4), ng, G/8, 16], scale fp32 [N, ng] (pack_q4); x [..., K] fp32.
 at::Tensor small_gemm_q4(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.device().is_cpu() && packed.is_contiguous() && packed.dim() == 5,
-              "small_gemm_q4: weights must be pack_q4's contiguous uint8 [ceil(N/4), ng, G/8, 4, 4]");
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.device().is_cpu() && packed.is_contiguous() && packed.dim() == 4,
+              "small_gemm_q4: weights must be pack_q4's contiguous uint8 [ceil(N/4), ng, G/8, 16]");
   TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.dim() == 2, "small_gemm_q4: scale must be fp32 [N, ng]");
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.device().is_cpu() && x.dim() >= 1, "small_gemm_q4: x must be an fp32 CPU tensor");
   const int64_t N = scale.size(0), ng = scale.size(1), K = x.size(-1), chunks = packed.size(2), G = 8 * chunks;
   TORCH_CHECK(chunks > 0 && (chunks & (chunks - 1)) == 0, "small_gemm_q4: the group size must be 8 times a power of two, got ", G);
-  TORCH_CHECK(packed.size(0) == (N + 3) / 4 && packed.size(1) == ng && packed.size(3) == 4 && packed.size(4) == 4 && ng == (K + G - 1) / G,
+  TORCH_CHECK(packed.size(0) == (N + 3) / 4 && packed.size(1) == ng && packed.size(3) == 16 && ng == (K + G - 1) / G,
               "small_gemm_q4: weights [", packed.sizes(), "] and scale [", scale.sizes(), "] do not fit x's K = ", K);
   const at::Tensor b = checked_bias(bias, N, "small_gemm_q4");
   const at::Tensor x2 = x.reshape({-1, K}).contiguous();
@@ -246,14 +286,13 @@ at::Tensor small_gemm_q4(const at::Tensor& x, const at::Tensor& packed, const at
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   const std::vector<float> zeros(ng, 0.f);
   const int shift = __builtin_ctzll(chunks);
+  auto make = [&](int64_t g) {
+    Q4 wd{wp + g * ng * chunks * 16, {}, shift};
+    for (int r = 0; r < kRows; ++r) wd.scale[r] = 4 * g + r < N ? sp + (4 * g + r) * ng : zeros.data();
+    return wd;
+  };
   if (M > 0 && N > 0) {
-    at::parallel_for(0, packed.size(0), kGrain, [&](int64_t g0, int64_t g1) {
-      for (int64_t g = g0; g < g1; ++g) {
-        Q4 wd{wp + g * ng * chunks * 16, {}, shift};
-        for (int r = 0; r < kRows; ++r) wd.scale[r] = 4 * g + r < N ? sp + (4 * g + r) * ng : zeros.data();
-        all_rows(wd, xp, o, 4 * g, M, K);
-      }
-    });
+    at::parallel_for(0, packed.size(0), kGrain, [&](int64_t g0, int64_t g1) { row_groups<Q4>(make, xp, o, g0, g1, M, K); });
   }
   return shaped(x, y, N);
 }
@@ -275,10 +314,9 @@ at::Tensor small_gemm_bf16(const at::Tensor& x, const at::Tensor& packed, const 
   const float* xp = x2.data_ptr<float>();
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
   const int64_t group_elems = packed.size(1) * 32;
+  auto make = [&](int64_t g) { return Bf16{wp + g * group_elems, K / 8}; };
   if (M > 0 && N > 0) {
-    at::parallel_for(0, packed.size(0), kGrain, [&](int64_t g0, int64_t g1) {
-      for (int64_t g = g0; g < g1; ++g) all_rows(Bf16{wp + g * group_elems}, xp, o, 4 * g, M, K);
-    });
+    at::parallel_for(0, packed.size(0), kGrain, [&](int64_t g0, int64_t g1) { row_groups<Bf16>(make, xp, o, g0, g1, M, K); });
   }
   return shaped(x, y, N);
 }
