@@ -34,7 +34,7 @@ def weight_bytes_per_token(model: Transformer) -> int:
 def served_bytes(lin, element_size: int) -> int:
     """The bytes of one Linear's weight that its kernel reads: the packed int4 / bf16 / int8 copy and its scales, else the dense weight."""
     if lin.compact is not None:
-        return lin.compact.packed.numel() * lin.compact.packed.element_size() + lin.compact.scale.numel() * 4
+        return sum(t.numel() * t.element_size() for t in (lin.compact.packed, lin.compact.scale))
     if lin.int8 is not None:
         return lin.int8[0].numel() + lin.int8[1].numel() * 4
     return lin.in_features * lin.out_features * element_size

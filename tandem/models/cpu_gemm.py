@@ -36,7 +36,7 @@ HEADERS = (CSRC / "simd.h", CSRC / "gemm.h")
 ENV = "TANDEM_CPU_GEMM"  # "onednn": never use the kernel (A/B runs, a suspected kernel problem)
 MAX_ROWS = 512  # measured here up to 512 rows: the register-blocked path beats F.linear (MKL) 1.1-1.5x from 64 rows on
 # (BENCHMARKS 1.5); larger inputs (long prefills) go to F.linear, whose cache blocking should win there and on other CPUs
-FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]
+FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]  # F16C: every AVX2 CPU has it (int4 groups' fp16 scales)
 
 _loaded: bool | None = None
 

@@ -34,23 +34,29 @@ KERNELS = {"int4": (_q4, qg.small_gemm_q4), "bf16": (_bf16, qg.small_gemm_bf16)}
 @pytest.mark.parametrize("k,n,group_size", SHAPES)
 def test_int4_round_trip_is_within_half_a_step_of_each_group(k, n, group_size):
     _, w, _ = _data(1, k, n, seed=2)
-    q, scale = qg.quantize_q4(w, group_size)
-    assert q.abs().max().item() == qg.Q4_MAX  # each group's largest weight maps to +-7
-    step = scale.repeat_interleave(group_size, dim=1)[:, :k]  # [N, K]: each weight's group scale
+    q, scale_min = qg.quantize_q4(w, group_size)
+    assert q.max().item() == qg.Q4_LEVELS and q.min().item() == 0  # each group spans [min, min + 15 scale]
+    step = scale_min[..., 0].float().repeat_interleave(group_size, dim=1)[:, :k]  # [N, K]: each weight's group scale
     error = (qg.dequantize_q4(*qg.pack_q4(w, group_size), k) - w).abs()
-    assert torch.all(error <= step / 2 * (1 + 1e-6))
+    assert torch.all(error <= step / 2 * (1 + 1e-5) + 1e-6 * w.abs())  # half a step, plus the fma's own rounding
     assert error.max().item() > step.min().item() / 8  # rounding happened (a wrong scale of 2x or 0.5x breaks the line above)
 
 
 def test_int4_packing_is_exact_on_representable_weights():
-    """Weights already on the grid (q * s, |q| <= 7, each group's max at 7, s a power of two so that max / 7 is s again)
-    come back bit for bit, nibble order included."""
+    """Weights already on the grid (q * s + m, q in [0, 15] with both ends in every group, s and m powers of two so that
+    fp16 and (max - min) / 15 give them back) come back bit for bit, nibble order and rows included."""
     g = torch.Generator().manual_seed(4)
-    q = torch.randint(-7, 8, (10, 96), generator=g)
-    q[:, ::32] = 7
-    scale = 2.0 ** torch.randint(-3, 3, (10, 3), generator=g).float()
-    w = q.float() * scale.repeat_interleave(32, dim=1)
+    q = torch.randint(0, 16, (10, 96), generator=g)
+    q[:, ::32], q[:, 1::32] = 15, 0
+    scale = 2.0 ** torch.randint(-6, 0, (10, 3), generator=g).float()
+    low = -(2.0 ** torch.randint(-3, 1, (10, 3), generator=g).float())
+    w = q.float() * scale.repeat_interleave(32, dim=1) + low.repeat_interleave(32, dim=1)
     assert torch.equal(qg.dequantize_q4(*qg.pack_q4(w, 32), 96), w)
+
+
+def test_int4_refuses_weights_beyond_fp16_scales():
+    with pytest.raises(ValueError, match="fp16"):
+        qg.pack_q4(torch.full((4, 32), 1e5))
 
 
 def test_bf16_round_trip_is_torch_bf16():
@@ -116,8 +122,8 @@ def test_kernels_refuse_mismatched_operands_clearly():
     packed, scale = qg.pack_q4(w, 32)
     with pytest.raises(RuntimeError, match="do not fit"):
         qg.small_gemm_q4(torch.randn(2, 128), packed, scale)
-    with pytest.raises(RuntimeError, match="scale must be fp32"):
-        qg.small_gemm_q4(x, packed, scale.double())
+    with pytest.raises(RuntimeError, match="scale_min must be fp16"):
+        qg.small_gemm_q4(x, packed, scale.float())
     bpacked, factor = qg.pack_bf16(w)
     with pytest.raises(RuntimeError, match="bf16"):
         qg.small_gemm_bf16(x, bpacked.float(), factor)
