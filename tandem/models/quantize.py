@@ -9,8 +9,8 @@ stop 30; a drafted token cost ~0.7x a target step with it (docs/BENCHMARKS.md se
 shares the target's tensors (embedding, norms, the dense weights it quantizes); `resync_` refreshes it when the
 target's weights change (RL steps).
 
-int4 (`bits=4`): group-wise int4 (tandem.models.quant_gemm, groups of 64 with one scale each) on its own kernel, an
-eighth of the fp32 bytes; only where the kernels built (no fbgemm fallback: it raises a clear error elsewhere).
+int4 (`bits=4`): group-wise int4 (tandem.models.quant_gemm, groups of 32 with an fp16 scale and min) on its own kernel,
+5/32 of the fp32 bytes; only where the kernels built (no fbgemm fallback: it raises a clear error elsewhere).
 """
 from __future__ import annotations
 
