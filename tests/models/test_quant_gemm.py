@@ -150,3 +150,14 @@ def test_linear_serves_the_compact_weight_and_keeps_the_dense_one(kind):
     assert grad_y.requires_grad and (grad_y - y).abs().max().item() <= TOL
     lin.unpack()
     assert lin.compact is None and torch.equal(lin.weight, dense)
+
+
+@pytest.mark.parametrize("kind", ["int4", "bf16"])
+def test_without_the_kernels_int4_and_bf16_refuse_clearly(monkeypatch, kind):
+    """No dequantized fallback: where the kernels cannot run (TANDEM_CPU_GEMM=onednn, no AVX2) packing says why."""
+    monkeypatch.setattr(cpu_gemm, "_loaded", False)
+    monkeypatch.setenv(cpu_gemm.ENV, "onednn")
+    lin = Linear(32, 8)
+    with pytest.raises(ValueError, match=f"gemm '{kind}' needs the CPU kernels.*TANDEM_CPU_GEMM=onednn"):
+        lin.pack(gemm=kind)
+    assert lin.compact is None
