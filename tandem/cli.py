@@ -74,8 +74,8 @@ def _add_llm_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter-path", default=None, help="eagle/mtp: directory of a trained head")
     p.add_argument("--adaptive-k", action="store_true", help="choose the draft length per request from measured acceptance")
     p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--weights", default="fp32", choices=("fp32", "int8"),
-                   help="int8: serve weight-only int8 rows (faster, a slightly different model; speculation stays lossless w.r.t. it)")
+    p.add_argument("--weights", default="fp32", choices=("fp32", "bf16", "int8", "int4"),
+                   help="bf16 / int8 / int4: serve smaller weights (faster, a slightly different model; speculation stays lossless w.r.t. it)")
 
 
 def _llm_from_args(args):
@@ -124,6 +124,7 @@ def _bench_commands(sub) -> None:
     fwd.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
     fwd.add_argument("--no-pack", action="store_true", help="plain F.linear instead of prepacked weights")
     fwd.add_argument("--threads", type=int, default=2)
+    fwd.add_argument("--weights", default="fp32", choices=("fp32", "bf16", "int8", "int4"), help="the served target weights (the roofline counts their bytes)")
     fwd.add_argument("--compile", action="store_true", help="also time the compiled forward (torch.compile) against eager, interleaved")
     fwd.add_argument("--gemm-ab", action="store_true", help="also time decoding with oneDNN's prepacked GEMMs against the small-M kernel, interleaved")
     fwd.add_argument("--glue-ab", action="store_true", help="also time decoding with the layers in one fused call, the fused glue per layer and the torch-op glue, interleaved")
@@ -142,6 +143,9 @@ def _bench_commands(sub) -> None:
     from tandem.bench.throughput import add_bench_throughput_command
 
     add_bench_throughput_command(bench)
+    from tandem.bench.quality import add_bench_quality_command
+
+    add_bench_quality_command(bench)
     from tandem.bench.vocab import add_bench_vocab_command
 
     add_bench_vocab_command(bench)
@@ -160,14 +164,14 @@ def _bench_forward(args) -> int:
 
     torch.set_num_threads(args.threads)
     result = run_forward_bench(args.model, args.max_tokens, with_hf=not args.no_hf, pack=not args.no_pack, compile=args.compile, gemm_ab=args.gemm_ab,
-                               glue_ab=args.glue_ab, profile=args.profile)
+                               glue_ab=args.glue_ab, profile=args.profile, weights=args.weights)
     return _emit(result, args.json_out)
 
 
 def _bench_decode_command(bench) -> None:
     p = bench.add_parser("decode", help="speculative decoding per drafter and domain (optionally vs HF peers)")
     p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--drafters", default="ar,ngram,self_draft", help="comma list; ar = plain decoding; NAME@int8 runs on the weight-only int8 target (needs ar@int8)")
+    p.add_argument("--drafters", default="ar,ngram,self_draft", help="comma list; ar = plain decoding; NAME@W (W = bf16, int8, int4) runs on the target with W weights (needs ar@W)")
     p.add_argument("--prompts", default="builtin", help="builtin or a JSONL file of {domain, prompt}")
     p.add_argument("--per-domain", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=96)

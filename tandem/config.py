@@ -49,8 +49,9 @@ def _check(ok: bool, message: str) -> None:
 
 
 # served target weights -> Linear.pack's gemm: "auto" keeps the fp32 weights (small-M kernel or oneDNN, exact);
-# "int8" serves weight-only int8 rows (a different, smaller model: speculation stays lossless w.r.t. it)
-WEIGHTS = {"fp32": "auto", "int8": "int8"}
+# "bf16", "int8" (weight-only rows) and "int4" (groups of 32 with an fp16 scale and min) serve a different, smaller model through
+# their own batch-invariant kernels: speculation stays lossless w.r.t. it (tandem.models.quant_gemm)
+WEIGHTS = {"fp32": "auto", "bf16": "bf16", "int8": "int8", "int4": "int4"}
 
 
 @dataclass(frozen=True)
@@ -61,7 +62,7 @@ class EngineConfig:
     max_model_len: int | None = None  # KV cache length per request; None = the model's context
     num_threads: int | None = None  # torch CPU threads; None = leave as is
     pack_weights: bool = True  # set CPU linears up for inference (tandem.models.transformer.Linear.pack) so k-token verifies stay cheap
-    weights: str = "fp32"  # "fp32" (exact) or "int8": the target is served with weight-only int8 rows (WEIGHTS)
+    weights: str = "fp32"  # "fp32" (exact), "bf16", "int8" or "int4": the target's served weights (WEIGHTS)
     record_steps: bool = False  # StepRecords carry target probs / hidden states (the flywheel needs them)
     record_topk: int = 8  # detailed records keep the top-k of the target's distribution per read position (0 = none)
     hidden_taps: tuple[int, ...] = field(default_factory=tuple)  # target layers whose hidden states are kept
@@ -81,4 +82,4 @@ class EngineConfig:
         _check(isinstance(self.prefill_chunk_tokens, int) and self.prefill_chunk_tokens >= 0, f"prefill_chunk_tokens must be >= 0, got {self.prefill_chunk_tokens!r}")
         _check(self.num_threads is None or (isinstance(self.num_threads, int) and self.num_threads >= 1), f"num_threads must be >= 1, got {self.num_threads!r}")
         _check(self.weights in WEIGHTS, f"weights must be one of {sorted(WEIGHTS)}, got {self.weights!r}")
-        _check(self.weights == "fp32" or self.pack_weights, "weights='int8' serves packed int8 copies: it needs pack_weights=True")
+        _check(self.weights == "fp32" or self.pack_weights, f"weights={self.weights!r} serves packed copies: it needs pack_weights=True")

@@ -4,9 +4,9 @@ All drafters run over the same loaded target, interleaved prompt by prompt so th
 them alike; speedups are ratios measured in this one run. Greedy output of every drafter is compared
 token by token with plain decoding (`greedy_matches_ar`).
 
-A runner named `NAME@int8` (`ar@int8`, `eagle_ngram@int8`) runs on a second copy of the target with weight-only
-int8 weights (`LLM(weights="int8")`): its speedup is still against fp32 `ar`, and its greedy output is compared
-with `ar@int8`, plain decoding of the same int8 target (speculation is lossless w.r.t. the served target).
+A runner named `NAME@W` for W in bf16 / int8 / int4 (`ar@int8`, `eagle_ngram@int4`) runs on another copy of the
+target with those weights (`LLM(weights=W)`): its speedup is still against fp32 `ar`, and its greedy output is compared
+with `ar@W`, plain decoding of the same target (speculation is lossless w.r.t. the served target).
 """
 from __future__ import annotations
 
@@ -52,14 +52,15 @@ class DecodeBenchConfig:
         unknown = set(self.peers) - set(PEERS)
         if unknown:
             raise InvalidParameterError(f"--peers: unknown {sorted(unknown)}; choose from {PEERS}")
-        if any(n.endswith("@int8") for n in self.drafters) and "ar@int8" not in self.drafters:
-            raise InvalidParameterError("int8 runners need 'ar@int8' too (their greedy reference: plain decoding of the int8 target)")
+        for weights in {n.split("@", 1)[1] for n in self.drafters if "@" in n}:
+            if f"ar@{weights}" not in self.drafters:
+                raise InvalidParameterError(f"{weights} runners need 'ar@{weights}' too (their greedy reference: plain decoding of the {weights} target)")
         if self.tree is not None and (len(self.tree) != 3 or min(self.tree) < 1):
             raise InvalidParameterError(f"--tree takes NODES,TOPK,DEPTH, each >= 1; got {self.tree}")
 
 
 PEERS = ("hf", "ortg")
-WEIGHT_SUFFIXES = ("int8",)  # NAME@int8: the runner serves the weight-only int8 target
+WEIGHT_SUFFIXES = ("bf16", "int8", "int4")  # NAME@W: the runner serves the target with W weights (tandem.config.WEIGHTS)
 
 
 EMPTY_METRICS = {"steps": 0, "drafted_tokens": 0, "accepted_tokens": 0, "draft_time_s": 0.0, "mean_draft_length": 0.0}
@@ -125,10 +126,9 @@ def run_decode_bench(config: DecodeBenchConfig) -> dict:
     prompts = _prompts(config)
     token_ids = render_chat(prompts, base.tokenizer)
     params = SamplingParams(max_tokens=config.max_tokens, temperature=0.0)
-    int8 = _int8_target(config) if "ar@int8" in config.drafters else None
-    order = sorted(config.drafters, key=lambda n: n not in ("ar", "ar@int8"))  # references first
-    runners = {name: _tandem_runner(_llm_for(int8 if name.endswith("@int8") else base, name.split("@")[0], config), params)
-               for name in order}
+    targets = {"": base} | {w: _weights_target(config, w) for w in WEIGHT_SUFFIXES if f"ar@{w}" in config.drafters}
+    order = sorted(config.drafters, key=lambda n: n.split("@")[0] != "ar")  # references first
+    runners = {name: _tandem_runner(_llm_for(targets[_weights_of(name)], name.split("@")[0], config), params) for name in order}
     if "hf" in config.peers:
         from tandem.bench.peers import hf_runners
 
@@ -143,21 +143,25 @@ def run_decode_bench(config: DecodeBenchConfig) -> dict:
     for start in tqdm(range(0, len(prompts), config.batch_size), desc="bench decode", unit="batch"):
         batch = list(range(start, min(start + config.batch_size, len(prompts))))
         references: dict[str, list] = {}
-        for name, run in runners.items():  # "ar" and "ar@int8" first: the references for greedy identity
+        for name, run in runners.items():  # "ar" and "ar@W" first: the references for greedy identity
             t = time.perf_counter()
             outputs = run([token_ids[i] for i in batch])
             seconds = time.perf_counter() - t
-            plain = "ar@int8" if name.endswith("@int8") else "ar"
+            plain = f"ar@{_weights_of(name)}" if "@" in name else "ar"
             if name == plain:
                 references[plain] = [o.token_ids for o in outputs]
             _tally(tallies[name], [prompts[i].domain for i in batch], outputs, seconds, None if name == plain else references[plain])
     return {"config": asdict(config), "machine": machine_info(), "num_prompts": len(prompts), "drafters": _summaries(tallies)}
 
 
-def _int8_target(config: DecodeBenchConfig):
+def _weights_of(name: str) -> str:  # "ngram@int4" -> "int4"; a peer or plain name -> ""
+    return name.split("@", 1)[1] if "@" in name else ""
+
+
+def _weights_target(config: DecodeBenchConfig, weights: str):
     from tandem.llm import LLM
 
-    return LLM(model=config.model, max_batch_size=config.batch_size, compile=config.compile, weights="int8")
+    return LLM(model=config.model, max_batch_size=config.batch_size, compile=config.compile, weights=weights)
 
 
 def _tandem_runner(llm, params: SamplingParams):

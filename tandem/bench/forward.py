@@ -24,10 +24,20 @@ COST_KS = (1, 2, 3, 4, 5, 8, 16)
 
 
 def weight_bytes_per_token(model: Transformer) -> int:
-    """Bytes a decode step must stream: every matmul weight; the embedding reads one row per token."""
+    """Bytes a decode step must stream: every matmul weight as it is served (fp32 / bf16 / int8 / int4 with their scales);
+    the embedding reads one row per token."""
     embed = model.embed.weight
-    total = sum(lin.in_features * lin.out_features for lin in model.linears()) * embed.element_size()
+    total = sum(served_bytes(lin, embed.element_size()) for lin in model.linears())
     return total + embed.shape[1] * embed.element_size()
+
+
+def served_bytes(lin, element_size: int) -> int:
+    """The bytes of one Linear's weight that its kernel reads: the packed int4 / bf16 / int8 copy and its scales, else the dense weight."""
+    if lin.compact is not None:
+        return sum(t.numel() * t.element_size() for t in (lin.compact.packed, lin.compact.scale))
+    if lin.int8 is not None:
+        return lin.int8[0].numel() + lin.int8[1].numel() * 4
+    return lin.in_features * lin.out_features * element_size
 
 
 def weight_bytes_total(model: Transformer) -> int:
@@ -274,10 +284,10 @@ def model_resident_mb(model_dir, pack: bool) -> float:
 
 
 def run_forward_bench(model: str, max_tokens: int = 64, with_hf: bool = True, pack: bool = True, compile: bool = False, gemm_ab: bool = False,
-                      glue_ab: bool = False, profile: bool = False) -> dict:
+                      glue_ab: bool = False, profile: bool = False, weights: str = "fp32") -> dict:
     from tandem.llm import LLM
 
-    llm = LLM(model=model, pack_weights=pack)
+    llm = LLM(model=model, pack_weights=pack, weights=weights)
     rss_model = model_resident_mb(llm.model_dir, pack)
     hf = load_hf(llm.model_dir) if with_hf else None
     prompts = list(BENCH_PROMPTS)
@@ -288,7 +298,7 @@ def run_forward_bench(model: str, max_tokens: int = 64, with_hf: bool = True, pa
     cost = forward_cost_ms(llm.target)
     ours = rates["ours"]
     result = {
-        "model": model, "max_tokens": max_tokens, "packed_weights": pack, "machine": machine_info(), "gemm_kernel": cpu_gemm.describe(),
+        "model": model, "weights": weights, "max_tokens": max_tokens, "packed_weights": pack, "machine": machine_info(), "gemm_kernel": cpu_gemm.describe(),
         "ar_tokens_per_s": round(ours, 2), "roofline_tokens_per_s": round(roofline, 2),
         "fraction_of_roofline": round(ours / roofline, 3), "memory_bandwidth_gbps": round(bandwidth, 2),
         "weight_bytes_per_token": weight_bytes, "resident_model_mb": round(rss_model),

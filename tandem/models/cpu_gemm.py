@@ -30,12 +30,13 @@ from pathlib import Path
 import torch
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = (CSRC / "small_gemm.cpp", CSRC / "wide_gemm.cpp", CSRC / "decode_glue.cpp")  # one extension: the GEMMs and the per-layer glue (decode_glue.py)
+SOURCES = (CSRC / "small_gemm.cpp", CSRC / "wide_gemm.cpp", CSRC / "quant_gemm.cpp", CSRC / "decode_glue.cpp")  # one extension: the GEMMs
+# (quant_gemm.cpp: int4 and bf16 weights, tandem.models.quant_gemm) and the per-layer glue (decode_glue.py)
 HEADERS = (CSRC / "simd.h", CSRC / "gemm.h")
 ENV = "TANDEM_CPU_GEMM"  # "onednn": never use the kernel (A/B runs, a suspected kernel problem)
 MAX_ROWS = 512  # measured here up to 512 rows: the register-blocked path beats F.linear (MKL) 1.1-1.5x from 64 rows on
 # (BENCHMARKS 1.5); larger inputs (long prefills) go to F.linear, whose cache blocking should win there and on other CPUs
-FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]
+FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]  # F16C: every AVX2 CPU has it (int4 groups' fp16 scales)
 
 _loaded: bool | None = None
 
@@ -91,6 +92,8 @@ def _load() -> bool:
         return False
     torch.library.register_fake("tandem_cpu::small_gemm")(_small_gemm_fake)
     torch.library.register_fake("tandem_cpu::small_gemm_q8")(_small_gemm_q8_fake)
+    torch.library.register_fake("tandem_cpu::small_gemm_q4")(_small_gemm_q4_fake)
+    torch.library.register_fake("tandem_cpu::small_gemm_bf16")(_small_gemm_q8_fake)
     torch.library.register_fake("tandem_cpu::wide_gemm")(_small_gemm_fake)
     torch.library.register_fake("tandem_cpu::wide_gemm_q8")(_small_gemm_q8_fake)
     torch.library.register_fake("tandem_cpu::wide_gemm_kn")(_wide_gemm_kn_fake)
@@ -118,6 +121,10 @@ def _wide_gemm_silu_q8_fake(x: torch.Tensor, packed: torch.Tensor, scale: torch.
 
 def _prefill_attention_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     return q.new_empty((q.shape[0], q.shape[1] * q.shape[2]))
+
+
+def _small_gemm_q4_fake(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], scale.shape[0]))
 
 
 def _small_gemm_q8_fake(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

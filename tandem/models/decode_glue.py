@@ -11,7 +11,7 @@ keep SDPA (blocked for long queries; attend_cached is not) with the fused norms 
 (`applies_prefill`, Block.forward_prefill). Each output is computed from its own row in a fixed order, so a
 row's logits do not depend on the other rows of a verify or a batch (batch invariance, as the GEMM's).
 
-Where every Linear of every layer runs the kernel (fp32 or int8 rows) and the batch fits it, `decode_layers`
+Where every Linear of every layer runs the kernel (fp32, int8 rows, int4 or bf16) and the batch fits it, `decode_layers`
 runs all layers in one C++ call: the same ops in the same order (so the same bits as the per-layer path),
 without the ~270 Python-level calls a token.
 """
@@ -118,7 +118,9 @@ def _walk_layers(blocks) -> list[torch.Tensor | None] | None:
     return out
 
 
-def _kernel_weights(lin) -> tuple[torch.Tensor, torch.Tensor | None] | None:  # (weight, int8 scale or None)
+def _kernel_weights(lin) -> tuple[torch.Tensor, torch.Tensor | None] | None:  # (weight, int8 / int4 scale, bf16 factor or None)
+    if getattr(lin, "compact", None) is not None:
+        return lin.compact.packed, lin.compact.scale
     if getattr(lin, "int8", None) is not None:
         return lin.int8
     if getattr(lin, "small_gemm", False):

@@ -8,6 +8,9 @@ int8 GEMM (int4 has no good AVX2 kernel in torch, see RESOURCES.md). The fbgemm 
 stop 30; a drafted token cost ~0.7x a target step with it (docs/BENCHMARKS.md section 2, stop 30). The copy
 shares the target's tensors (embedding, norms, the dense weights it quantizes); `resync_` refreshes it when the
 target's weights change (RL steps).
+
+int4 (`bits=4`): group-wise int4 (tandem.models.quant_gemm, groups of 32 with an fp16 scale and min) on its own kernel,
+5/32 of the fp32 bytes; only where the kernels built (no fbgemm fallback: it raises a clear error elsewhere).
 """
 from __future__ import annotations
 
@@ -52,15 +55,24 @@ def _pack_int8(weight: torch.Tensor):
         return torch.ops.quantized.linear_prepack(qw, None)
 
 
-def quantized_copy(target: Transformer) -> Transformer:
-    """A Transformer whose Linear layers are int8 (the kernel's rows, else fbgemm); everything else is shared with the target."""
+BITS = {8: "int8", 4: "int4"}  # quantized_copy's bits -> Linear.pack's gemm
+
+
+def quantized_copy(target: Transformer, bits: int = 8) -> Transformer:
+    """A Transformer whose Linear layers are int8 (the kernel's rows, else fbgemm) or int4 (bits=4: group-wise, the
+    kernel only); everything else is shared with the target. The copy quantizes the target's dense weights, so an int4
+    copy of an int8-served target is the int4 model of the same fp32 weights."""
+    if bits not in BITS:
+        raise ValueError(f"bits must be one of {sorted(BITS)}, got {bits!r}")
+    if bits == 4 and not cpu_gemm.available():
+        raise ValueError(f"an int4 copy needs the CPU kernels, which are not available: {cpu_gemm.unusable_reason() or 'the build failed'}")
     with torch.device("meta"):
         copy = Transformer(target.cfg)
     copy.load_state_dict(target.state_dict(), assign=True)
     copy.inv_freq = target.inv_freq
     copy.eval().requires_grad_(False)
     if cpu_gemm.available():
-        copy.pack(gemm="int8")
+        copy.pack(gemm=BITS[bits])
         return copy
     for name, module in list(copy.named_modules()):
         if isinstance(module, Linear):

@@ -14,6 +14,7 @@ from torch import nn
 
 from tandem.errors import InvalidParameterError
 from tandem.models import cpu_gemm, decode_glue
+from tandem.models.quant_gemm import Compact
 from tandem.models.config import ModelConfig
 from tandem.models.kv_cache import AttentionBatch, KVCache, build_attention_batch, packed_attention_batch
 from tandem.models.memory import release_freed_memory
@@ -35,7 +36,10 @@ class Linear(nn.Module):
     - "int8": weight-only int8 rows with one scale each (cpu_gemm.pack_q8) next to the dense weight, run
       by the same kernel (prefill-shaped inputs: the wide kernel over panels widened from them): a quarter of
       the bytes, batch-invariant, but not the fp32 weight's numbers (drafter modules, whose outputs need not be
-      the target's; the int8 target, the user's choice).
+      the target's; the int8 target, the user's choice);
+    - "int4" / "bf16": group-wise int4 or bf16 weights (tandem.models.quant_gemm) next to the dense weight, run by
+      their own batch-invariant kernels for every inference input (prefill too: the same bits as decode); an eighth /
+      half of the bytes, another model than the fp32 one, the user's choice.
     Either is derived state: `pack()` rebuilds it after weights change, `unpack()` drops it.
 
     One copy of W, not two: `pack(keep_dense=False)` drops the dense Parameter once the packed copy
@@ -54,6 +58,7 @@ class Linear(nn.Module):
         self.packed: torch.Tensor | None = None  # oneDNN blocked layout of weight, CPU only
         self.small_gemm = False  # inference runs tandem.models.cpu_gemm's kernel on the dense weight
         self.int8: tuple[torch.Tensor, torch.Tensor] | None = None  # cpu_gemm.pack_q8's (interleaved int8, fp32 scale [out]) for gemm="int8"
+        self.compact: Compact | None = None  # int4 / bf16 weights for gemm="int4" / "bf16"
         self.batch_hint = 8
         self._weight_requires_grad = True  # restored on unpack() when the dense Parameter was dropped
         decode_glue.linears_changed()  # a new Linear (one put in place of another): cached weight stacks are stale
@@ -77,6 +82,11 @@ class Linear(nn.Module):
                 raise ValueError(f"gemm 'int8' needs the small-M kernel, which is not available: {cpu_gemm.unusable_reason() or 'the build failed'}")
             self.unpack()
             self.int8 = cpu_gemm.pack_q8(weight)
+            return
+        if gemm in ("int4", "bf16"):
+            compact = Compact.of(weight, gemm)
+            self.unpack()
+            self.compact = compact
             return
         if gemm == "auto" and weight.device.type == "cpu" and weight.dtype == torch.float32 and cpu_gemm.available():
             self.unpack()
@@ -104,11 +114,12 @@ class Linear(nn.Module):
         self.packed = None
         self.small_gemm = False
         self.int8 = None
+        self.compact = None
 
     @property
     def is_packed(self) -> bool:
         """An inference path other than plain F.linear is set up (rebuild it with pack() after weight changes)."""
-        return self.small_gemm or self.packed is not None or self.int8 is not None
+        return self.small_gemm or self.packed is not None or self.int8 is not None or self.compact is not None
 
     def _restore_weight(self, weight: torch.Tensor) -> None:
         param = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight.detach(), requires_grad=self._weight_requires_grad)
@@ -126,9 +137,12 @@ class Linear(nn.Module):
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):  # loading new weights repacks them
         packed, small, int8, dropped = self.packed is not None, self.small_gemm, self.int8 is not None, self.dense_dropped
+        compact = None if self.compact is None else self.compact.kind
         self.unpack()
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
-        if int8:
+        if compact is not None:
+            self.pack(gemm=compact)
+        elif int8:
             self.pack(gemm="int8")
         elif small:
             self.pack(self.batch_hint)
@@ -152,6 +166,11 @@ class Linear(nn.Module):
         return decode_glue.decode_shaped(x) or x.numel() <= cpu_gemm.MAX_ROWS * self.in_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.compact is not None:
+            bias = None if self.bias is None else self.bias.detach()
+            if torch.is_grad_enabled():  # the served weights, differentiable in x (gradients never reach the dense weight)
+                return F.linear(x.float(), self.compact.dense(self.in_features), self.bias)
+            return self.compact(x, bias)
         if self.int8 is not None and not torch.is_grad_enabled():
             bias = None if self.bias is None else self.bias.detach()
             if decode_glue.prefill_shaped(x):
@@ -178,7 +197,7 @@ class Linear(nn.Module):
         return F.linear(x, weight, self.bias)
 
 
-GEMMS = ("auto", "onednn", "int8")
+GEMMS = ("auto", "onednn", "int8", "int4", "bf16")
 
 
 def packable_dtypes() -> tuple[torch.dtype, ...]:
@@ -444,7 +463,8 @@ class Transformer(nn.Module):
 
         Reads of `.weight` / `state_dict()` still work (fresh dense copies); to change weights in place,
         `unpack()` (restores the dense Parameters exactly), write, `pack()` again. gemm="int8" serves
-        weight-only int8 copies instead (another model than the fp32 one; the user's choice, never a default)."""
+        weight-only int8 copies instead, "int4" / "bf16" group-wise int4 / bf16 ones (each another model than the fp32 one;
+        the user's choice, never a default)."""
         pack_linears(self, batch_hint, keep_dense, gemm)
         if self.cfg.tie_embeddings and self.lm_head.dense_dropped:  # the embedding still holds it: keep them tied
             self.lm_head._restore_weight(self.embed.weight)

@@ -69,8 +69,10 @@ def test_int8_runners_need_their_reference():
 
     with pytest.raises(InvalidParameterError, match="ar@int8"):
         DecodeBenchConfig(drafters=("ar", "ngram@int8"))
+    with pytest.raises(InvalidParameterError, match="ar@int4"):
+        DecodeBenchConfig(drafters=("ar", "ar@int8", "ngram@int4"))
     with pytest.raises(InvalidParameterError, match="after '@'"):
-        DecodeBenchConfig(drafters=("ar", "ngram@bf16"))
+        DecodeBenchConfig(drafters=("ar", "ngram@fp16"))
 
 
 def test_peers_are_named_from_a_known_list_and_ortg_says_what_it_lacks(tmp_path):

@@ -46,4 +46,6 @@ def test_int8_weights_need_packing():
     with pytest.raises(InvalidParameterError, match="pack_weights"):
         EngineConfig(weights="int8", pack_weights=False)
     with pytest.raises(InvalidParameterError, match="weights"):
-        EngineConfig(weights="int4")
+        EngineConfig(weights="int3")
+    with pytest.raises(InvalidParameterError, match="pack_weights"):
+        EngineConfig(weights="int4", pack_weights=False)

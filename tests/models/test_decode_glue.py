@@ -235,7 +235,7 @@ def _step_outputs(model, stack: bool, taps=(0, 1)):
 
 @needs_glue
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("gemm", ["auto", "int8"])
+@pytest.mark.parametrize("gemm", ["auto", "int8", "int4", "bf16"])
 def test_the_one_call_stack_gives_the_per_layer_bits(tiny_dirs, arch, gemm):
     model = load_transformer(tiny_dirs[arch])
     model.pack(gemm=gemm)

@@ -413,19 +413,22 @@ at::Tensor attend_cached(const at::Tensor& qkv, const at::Tensor& cos, const at:
 }
 
 // The weights of one layer in decode_layers' list, in this order (None where the layer has none: a bias, Qwen3's
-// q/k norms, the int8 scales of fp32 weights).
+// q/k norms, the scales of fp32 weights; int4 weights' scales are [N, groups], bf16 weights' row factors [N]).
 enum LayerWeight { kAttnNorm, kQkv, kQkvScale, kQkvBias, kQNorm, kKNorm, kO, kOScale, kMlpNorm, kGateUp, kGateUpScale, kDown, kDownScale, kPerLayer };
-
-at::Tensor linear(const at::Tensor& x, const c10::optional<at::Tensor>& w, const c10::optional<at::Tensor>& scale,
-                  const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(w.has_value() && w->defined(), "decode_layers: a layer lacks a weight");
-  if (scale.has_value() && scale->defined()) return tandem_kernels::small_gemm_q8(x, *w, *scale, bias);
-  return tandem_kernels::small_gemm(x, *w, bias);
-}
 
 const at::Tensor& required(const c10::optional<at::Tensor>& t, const char* what) {
   TORCH_CHECK(t.has_value() && t->defined(), "decode_layers: a layer lacks its ", what);
   return *t;
+}
+
+// The layer's GEMM by its weight's kind: group-wise int4 (uint8), bf16, int8 rows (int8 with a scale), fp32.
+at::Tensor linear(const at::Tensor& x, const c10::optional<at::Tensor>& w, const c10::optional<at::Tensor>& scale,
+                  const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(w.has_value() && w->defined(), "decode_layers: a layer lacks a weight");
+  if (w->scalar_type() == at::kByte) return tandem_kernels::small_gemm_q4(x, *w, required(scale, "int4 scales"), bias);
+  if (w->scalar_type() == at::kBFloat16) return tandem_kernels::small_gemm_bf16(x, *w, required(scale, "bf16 row factors"), bias);
+  if (scale.has_value() && scale->defined()) return tandem_kernels::small_gemm_q8(x, *w, *scale, bias);
+  return tandem_kernels::small_gemm(x, *w, bias);
 }
 
 // Every layer of a cached decode / verify forward in one call: per layer the same ops, in the same order, as

@@ -12,6 +12,9 @@ namespace tandem_kernels {
 at::Tensor small_gemm(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias);
 // The same over weight-only int8 rows with one fp32 scale each, in interleave_q8's layout (small_gemm.cpp).
 at::Tensor small_gemm_q8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale, const c10::optional<at::Tensor>& bias);
+// The same over group-wise int4 weights and over bf16 weights, in pack_q4's / pack_bf16's layouts (quant_gemm.cpp).
+at::Tensor small_gemm_q4(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale, const c10::optional<at::Tensor>& bias);
+at::Tensor small_gemm_bf16(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& factor, const c10::optional<at::Tensor>& bias);
 
 // An optional bias as a contiguous fp32 [N] tensor (undefined when absent); `op` names the kernel in the error.
 inline at::Tensor checked_bias(const c10::optional<at::Tensor>& bias, int64_t N, const char* op) {
