@@ -83,7 +83,19 @@ async def _one(client, model: str, prompt: str, max_tokens: int) -> RequestResul
     return RequestResult(True, latency, ttft, usage["completion_tokens"], spec.get("acceptance_length"), usage.get("prompt_tokens", 0))
 
 
-async def _level(url: str, model: str, prompts: list[str], concurrency: int, max_tokens: int) -> tuple[list[RequestResult], float]:
+async def _guarded(request, timeout_s: float | None) -> RequestResult:
+    """A request that raised (connection refused or reset: the server died) or ran past timeout_s is a failed one."""
+    import httpx
+
+    start = time.perf_counter()
+    try:
+        return await asyncio.wait_for(request, timeout_s)
+    except (httpx.HTTPError, TimeoutError, ValueError):
+        return RequestResult(False, time.perf_counter() - start, None, 0, None)
+
+
+async def _level(url: str, model: str, prompts: list[str], concurrency: int, max_tokens: int,
+                 timeout_s: float | None = None) -> tuple[list[RequestResult], float]:
     import httpx
 
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
@@ -94,7 +106,7 @@ async def _level(url: str, model: str, prompts: list[str], concurrency: int, max
     async with httpx.AsyncClient(base_url=url, timeout=None, limits=limits) as client:
         async def worker():
             while not queue.empty():
-                results.append(await _one(client, model, queue.get_nowait(), max_tokens))
+                results.append(await _guarded(_one(client, model, queue.get_nowait(), max_tokens), timeout_s))
 
         start = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
@@ -209,6 +221,7 @@ def add_bench_serve_command(bench) -> None:
     p.add_argument("--input-len", type=int, default=128, help="--vllm-client: random prompt tokens")
     p.add_argument("--vllm-python", default=None, help="the vLLM venv's python (default: the peer harness's env/venv-vllm)")
     p.add_argument("--vllm-kv-gib", type=int, default=2, help="--peer vllm: VLLM_CPU_KVCACHE_SPACE")
+    p.add_argument("--vllm-eager", action="store_true", help="--peer vllm: run vLLM with --enforce-eager (no torch.compile)")
     p.add_argument("--ready-timeout", type=float, default=900.0, help="--peer vllm: seconds a server may take to become ready")
     p.add_argument("--log-dir", default=None, help="--peer / --vllm-client: where the servers' logs go (default: a temporary directory)")
     p.add_argument("--json", dest="json_out", default=None, help="write the report here")

