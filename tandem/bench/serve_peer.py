@@ -147,28 +147,33 @@ def run_peer_bench(config: PeerBenchConfig, progress=print) -> dict:
             report["vllm_env"] = {k: v for k, v in vllm_env(vllm_python(config.vllm_python), config.threads, config.vllm_kv_gib).items()
                                   if k.startswith(("VLLM_", "OMP_", "LD_PRELOAD"))}
             servers["tandem"] = start_tandem(config, log_dir)
-            if config.drafter and 1 in config.concurrency:
-                servers["tandem_spec"] = start_tandem(config, log_dir, config.drafter)
             for server in servers.values():
                 warm_up(server, prompts, config.max_tokens)
             for c in config.concurrency:
-                report["levels"].append(_run_level(config, servers, level_prompts(prompts, c, config.min_requests), c, progress))
+                report["levels"].append(_run_level(config, servers, level_prompts(prompts, c, config.min_requests), c, progress, log_dir))
         finally:
             for server in reversed(list(servers.values())):
                 server.close()
     return report
 
 
-def _run_level(config: PeerBenchConfig, servers: dict, prompts: list[str], concurrency: int, progress) -> dict:
-    sides = ["vllm", "tandem"] + (["tandem_spec"] if concurrency == 1 and "tandem_spec" in servers else [])
+def _run_level(config: PeerBenchConfig, servers: dict, prompts: list[str], concurrency: int, progress, log_dir: Path) -> dict:
+    """vLLM, then tandem, then at concurrency 1 tandem with the drafter: a third server started for this level only
+    (each tandem server holds its whole KV budget resident: two idle ones would double the memory for nothing)."""
+    sides = ["vllm", "tandem"] + (["tandem_spec"] if concurrency == 1 and config.drafter else [])
     rows = {}
     for side in sides:
+        if side == "tandem_spec":
+            servers[side] = start_tandem(config, log_dir, config.drafter)
+            warm_up(servers[side], prompts, config.max_tokens)
         results, wall = asyncio.run(_level(servers[side].url, SERVED, prompts, concurrency, config.max_tokens, config.request_timeout_s))
         rows[side] = summarize(side, concurrency, results, wall)
         code = servers[side].process.poll()
         if code is not None:  # the server died during the level: say so, with its log
             rows[side]["server_exited"] = f"{servers[side].name} exited with code {code}; see {servers[side].log_path}"
         progress(json.dumps(rows[side]))
+        if side == "tandem_spec":
+            servers.pop(side).close()
     ratios = {side: _ratios(rows[side], rows["vllm"]) for side in sides if side != "vllm"}
     return {"concurrency": concurrency, "rows": rows, "ratios_vs_vllm": ratios,
             "prompt_tokens_match": len({rows[s]["prompt_tokens"] for s in sides if not rows[s]["failed"]}) == 1}
