@@ -38,7 +38,10 @@ def test_a_short_soak_on_the_tiny_model(tiny_llama, tmp_path):
     assert requests["4xx_by_code"] == {}  # short prompts, no queueing, no timeouts: no client error either
     assert report["server"]["engine_steps_failed"] == 1 and report["server"]["engine_prefills_failed"] == 1
     assert report["publishes"]["failed"] == 0 and report["publishes"]["ok"] >= 5  # one every 2 s for ~20 s
-    assert report["server"]["drafter_swaps"] == report["publishes"]["ok"] and report["server"]["drafter_refusals"] == 0
+    # each publish is a new version; the swapper installs the newest at a step boundary (a version superseded while it was
+    # being validated is skipped), so the last one published is the one served at the end
+    assert report["server"]["drafter_version"] == report["publishes"]["ok"] and report["server"]["drafter_refusals"] == 0
+    assert 1 <= report["server"]["drafter_swaps"] <= report["publishes"]["ok"]
     assert report["server_exit_code"] == 0 and report["verdict"]["passed"]
     assert report["rss_mb"]["warmup_end"] is not None and len(report["samples"]) >= 9
     assert "| verdict | passed |" in markdown_table(report)
