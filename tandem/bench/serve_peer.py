@@ -197,7 +197,7 @@ def markdown_tables(report: dict) -> str:
         for key, label in METRICS:
             cells = [str(rows["vllm"][key])] + [f"{rows[s][key]} | {ratios[s][key]}" for s in rows if s != "vllm"]
             lines.append(f"| {label} | " + " | ".join(cells) + " |")
-        lines.append(f"| output / prompt tokens | " + " | ".join(f"{rows[s]['output_tokens']} / {rows[s]['prompt_tokens']}" + (" | " if s != "vllm" else "")
+        lines.append("| output / prompt tokens | " + " | ".join(f"{rows[s]['output_tokens']} / {rows[s]['prompt_tokens']}" + (" | " if s != "vllm" else "")
                                                              for s in rows) + " |")
         lines += [f"\n{rows[s]['server_exited']}" for s in rows if rows[s].get("server_exited")]
         out.append("\n".join(lines))
