@@ -45,3 +45,22 @@ def test_a_short_soak_on_the_tiny_model(tiny_llama, tmp_path):
     assert report["server_exit_code"] == 0 and report["verdict"]["passed"]
     assert report["rss_mb"]["warmup_end"] is not None and len(report["samples"]) >= 9
     assert "| verdict | passed |" in markdown_table(report)
+
+
+def test_a_request_past_its_limit_is_hung_and_a_dropped_connection_a_transport_error():
+    import asyncio
+
+    import httpx
+
+    from tandem.bench.soak import guarded
+
+    async def never():
+        await asyncio.sleep(30)
+
+    async def dropped():
+        raise httpx.RemoteProtocolError("peer closed connection without sending complete message body")
+
+    hung = asyncio.run(guarded(never(), "load", 0.2))
+    assert hung.outcome == "hung" and 0.2 <= hung.latency_s < 5
+    broken = asyncio.run(guarded(dropped(), "load", 5))
+    assert broken.outcome == "transport_error" and "RemoteProtocolError" in broken.error
