@@ -147,8 +147,8 @@ async def guarded(coro, kind: str, limit_s: float) -> Result:
         return Result(kind, "transport_error", latency_s=time.perf_counter() - start, error=f"{type(e).__name__}: {e}")
 
 
-def load_body(rng: random.Random, prompts: list[str], max_tokens: int) -> tuple[str, dict, int | None]:
-    """A random request of the load: (path, body, hang up after N chunks or None)."""
+def load_body(rng: random.Random, prompts: list[str], max_tokens: int) -> tuple[str, dict]:
+    """A random request of the load: 80 % chat, 20 % completions, all streaming, greedy or sampled: (path, body)."""
     prompt = rng.choice(prompts)
     body = {"model": SERVED, "max_tokens": rng.randint(8, max_tokens), "temperature": rng.choice((0.0, 0.8)), "seed": rng.randrange(1 << 30),
             "stream": True, "stream_options": {"include_usage": True}}
@@ -156,7 +156,7 @@ def load_body(rng: random.Random, prompts: list[str], max_tokens: int) -> tuple[
         path, body = "/v1/chat/completions", body | {"messages": [{"role": "user", "content": prompt}]}
     else:
         path, body = "/v1/completions", body | {"prompt": prompt}
-    return path, body, None
+    return path, body
 
 
 # ---- the run ---------------------------------------------------------------------------------------------
@@ -192,7 +192,7 @@ class Run:
     async def _worker(self, client, index: int, end: float) -> None:
         rng = random.Random(f"{self.config.seed}:{index}")
         while time.monotonic() < end:
-            path, body, _ = load_body(rng, self.prompts, self.config.max_tokens)
+            path, body = load_body(rng, self.prompts, self.config.max_tokens)
             hang_up = rng.randint(1, 8) if rng.random() < self.config.disconnect_prob else None
             self.results.append(await guarded(stream_request(client, path, body, "load", hang_up), "load", self.limit_s()))
 
