@@ -206,14 +206,16 @@ class Run:
         self.results.append(await guarded(stream_request(client, "/v1/completions", body, "step_fault"), "step_fault", self.limit_s()))
 
     async def _publisher(self, client, end: float) -> None:
-        """Re-publish the first stored drafter version every publish_every_s (a new version each time)."""
+        """Every publish_every_s, re-publish the version being served (a new version each time). The served version's file
+        is never pruned by the server's retention (the newest 16 are kept), an older one soon is."""
         headers = {"Authorization": f"Bearer {self.admin_key}"}
-        status = await client.get("/admin/drafter", headers=headers)
-        version = status.json()["available_versions"][0]
         while time.monotonic() + self.config.publish_every_s < end:
             await asyncio.sleep(self.config.publish_every_s)
+            version = (await client.get("/admin/drafter", headers=headers)).json()["version"]
             r = await client.post("/admin/drafter/adopt", json={"version": version}, headers=headers)
             self.publishes["ok" if r.status_code == 200 else "failed"] += 1
+            if r.status_code != 200 and "first_error" not in self.publishes:
+                self.publishes["first_error"] = f"{r.status_code} {r.text[:300]}"
 
     async def _sampler(self, end: float) -> None:
         while True:
@@ -319,10 +321,11 @@ def growth(samples: list[dict], key: str, warmup_s: float) -> dict:
     return {"warmup_end": first, "end": last, "max_after_warmup": max(s[key] for s in after), "change": round(last - first, 2)}
 
 
-def verdict(requests: dict, faults: dict) -> dict:
+def verdict(requests: dict, faults: dict, publishes: dict) -> dict:
     hung = requests["by_outcome"].get("hung", 0)
     checks = {"no_hung_requests": hung == 0, "no_unexplained_5xx": requests["5xx"]["unexplained"] == 0,
               "no_transport_errors": requests["by_outcome"].get("transport_error", 0) == 0,
+              "every_publish_accepted": publishes["failed"] == 0,
               "prefill_fault_hit_one_request": requests["5xx"]["injected_prefill"] == 1 and len(faults["prefill"]) == 1,
               "step_fault_fired_and_accounted": len(faults["step"]) >= 1 and requests["step_fault_requests_unaccounted"] == 0}
     return checks | {"passed": all(checks.values())}
@@ -365,7 +368,7 @@ def run_soak(config: SoakConfig, progress=print) -> dict:
         "rss_mb": growth(run.samples, "rss_mb", config.warmup), "state_dir_mb": growth(run.samples, "state_dir_mb", config.warmup),
         "samples": run.samples,
     }
-    report["verdict"] = verdict(requests, faults)
+    report["verdict"] = verdict(requests, faults, run.publishes)
     if config.state_dir is None:
         shutil.rmtree(state_dir, ignore_errors=True)
     return report
