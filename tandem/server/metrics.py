@@ -180,6 +180,7 @@ class _LoopCounters:
     def collect(self):
         loop = self.loop
         yield CounterMetricFamily("tandem:engine_steps_failed", "Engine steps that raised (their requests were failed).", value=loop.steps_failed)
+        yield CounterMetricFamily("tandem:engine_prefills_failed", "Prefills that raised (the engine failed their request alone).", value=loop.prefills_failed)
         yield CounterMetricFamily("tandem:engine_loop_iterations_failed", "Engine loop iterations that raised outside a step (every request in flight was failed).",
                                   value=loop.iterations_failed)
         yield CounterMetricFamily("tandem:request_queue_timeouts", "Requests failed for waiting longer than the queue timeout.", value=loop.queue_timeouts)

@@ -1,0 +1,67 @@
+"""tandem bench soak on the tiny model, over real sockets with the server in a child process: nothing hangs, the two
+injected faults fail exactly the requests they logged and no other request gets a 5xx, drafter versions are swapped in."""
+import json
+
+import pytest
+
+from tandem.bench.soak import Result, SoakConfig, classify, markdown_table, run_soak
+
+
+def test_classify_attributes_each_5xx():
+    faults = {"prefill": ["cmpl-p"], "step": ["chatcmpl-a", "cmpl-b", "cmpl-c"]}
+    results = [Result("prefill_fault", "5xx", 503, "engine_step_failed"), Result("load", "5xx", 503, "engine_step_failed", "chatcmpl-a"),
+               Result("load", "client_disconnected", 200, None, "cmpl-b"), Result("step_fault", "5xx", 503, "engine_step_failed", None),
+               Result("load", "5xx", 503, "engine_step_failed", None), Result("load", "5xx", 503, "queue_timeout", "chatcmpl-x"),
+               Result("load", "ok", 200, None, "chatcmpl-y"), Result("load", "4xx", 408, "request_timeout")]
+    counts = classify(results, faults)
+    # cmpl-c was logged by the step fault but never reported by id: one id-less step failure is matched to it, the second is not
+    assert counts["5xx"] == {"injected_prefill": 1, "injected_step": 2, "injected_step_matched_by_count": 1, "unexplained": 2}
+    assert counts["by_outcome"] == {"5xx": 5, "client_disconnected": 1, "ok": 1, "4xx": 1}
+    assert counts["4xx_by_code"] == {"408 request_timeout": 1} and counts["step_fault_requests_unaccounted"] == 0
+
+
+@pytest.mark.slow
+def test_a_short_soak_on_the_tiny_model(tiny_llama, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"domain": "chat", "prompt": f"say {w} twice", "id": f"c{i}"}) + "\n"
+                               for i, w in enumerate(("yes", "no", "maybe", "again", "hello", "abc"))))
+    # a publish a second: more versions than the server keeps on disk (16), so publishing must survive retention
+    config = SoakConfig(model=tiny_llama, minutes=20 / 60, concurrency=4, draft_vocab_size=200, publish_every_s=1.0, sample_every_s=2.0,
+                        max_tokens=24, prompts=str(prompts), threads=1, max_batch_size=4, max_model_len=128, log_dir=str(tmp_path / "logs"))
+    report = run_soak(config, progress=lambda line: None)
+    requests = report["requests"]
+    assert report["hung"] == 0 and requests["by_outcome"].get("transport_error", 0) == 0, report["requests"]
+    assert requests["5xx"]["unexplained"] == 0, requests["unexplained_5xx"]
+    assert requests["5xx"]["injected_prefill"] == 1 and len(report["faults"]["prefill"]) == 1
+    # every request the failing step was running is accounted for: a 5xx seen by its client, or a client that had hung up
+    assert requests["step_fault_requests_unaccounted"] == 0 and 1 <= len(report["faults"]["step"]) <= 4
+    assert requests["5xx"]["injected_step"] + requests["5xx"]["injected_prefill"] == requests["by_outcome"]["5xx"]
+    assert requests["4xx_by_code"] == {}  # short prompts, no queueing, no timeouts: no client error either
+    assert report["server"]["engine_steps_failed"] == 1 and report["server"]["engine_prefills_failed"] == 1
+    assert report["publishes"]["failed"] == 0 and report["publishes"]["ok"] >= 17, report["publishes"]  # one a second for ~20 s
+    # each publish is a new version; the swapper installs the newest at a step boundary (a version superseded while it was
+    # being validated is skipped), so the last one published is the one served at the end
+    assert report["server"]["drafter_version"] == report["publishes"]["ok"] and report["server"]["drafter_refusals"] == 0
+    assert 1 <= report["server"]["drafter_swaps"] <= report["publishes"]["ok"]
+    assert report["server_exit_code"] == 0 and report["verdict"]["passed"]
+    assert report["rss_mb"]["warmup_end"] is not None and len(report["samples"]) >= 9
+    assert "| verdict | passed |" in markdown_table(report)
+
+
+def test_a_request_past_its_limit_is_hung_and_a_dropped_connection_a_transport_error():
+    import asyncio
+
+    import httpx
+
+    from tandem.bench.soak import guarded
+
+    async def never():
+        await asyncio.sleep(30)
+
+    async def dropped():
+        raise httpx.RemoteProtocolError("peer closed connection without sending complete message body")
+
+    hung = asyncio.run(guarded(never(), "load", 0.2))
+    assert hung.outcome == "hung" and 0.2 <= hung.latency_s < 5
+    broken = asyncio.run(guarded(dropped(), "load", 5))
+    assert broken.outcome == "transport_error" and "RemoteProtocolError" in broken.error
