@@ -21,7 +21,7 @@ from pathlib import Path
 from tandem.bench.children import ChildServer, free_port, sigterm_as_interrupt, tandem_env, tandem_serve_command
 from tandem.bench.machine import machine_info
 from tandem.bench.peers import peer_cache
-from tandem.bench.serve import _level, summarize
+from tandem.bench.load import _level, summarize
 from tandem.data.prompts import load_prompts
 from tandem.errors import InvalidParameterError
 

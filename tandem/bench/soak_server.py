@@ -46,10 +46,18 @@ class FailingPrefill:
     def __call__(self, ids, *args, **kwargs):
         if not self.fired and kwargs.get("last_only") and holds(ids[0].tolist(), self.marker):
             self.fired = True
-            request = self.engine.prefilling
+            engine = self.engine  # the request being prefilled: read alone (chunks) or whole
+            request = next((r for r in [engine.prefilling, *engine.running] if r is not None and holds(r.prompt_ids, self.marker)), None)
             self.log.write("prefill", [request.request_id] if request is not None else [])
             raise RuntimeError("injected prefill fault (tandem bench soak)")
         return self.model(ids, *args, **kwargs)
+
+    def forward_packed(self, prompts, *args, **kwargs):
+        """Prompts prefilled together: one holding the marker fails the packed forward, and the engine then prefills
+        them one at a time, where `__call__` fails that one alone."""
+        if not self.fired and any(holds(list(p), self.marker) for p in prompts):
+            raise RuntimeError("injected prefill fault (tandem bench soak), packed forward")
+        return self.model.forward_packed(prompts, *args, **kwargs)
 
     def __getattr__(self, name):
         return getattr(self.model, name)
