@@ -46,16 +46,19 @@ MORE_HOURS ?= 1.2
 FT1_HOURS ?= 0.5
 FT2_HOURS ?= 2
 FT3_HOURS ?= 1.75
+# Hours count each process's CPU time (one thread each), so a stage paused or slowed by other jobs still gets
+# its budget; HEAD_CLOCK=wall counts wall time as the shipped head's runs did on a quiet box.
+HEAD_CLOCK ?= cpu
 HEAD_RUN = $${TANDEM_HOME:-$$HOME/.cache/tandem}/runs/eagle-smollm2
 head: assets
-	$(PY) -m tandem.cli train --recipe eagle-smollm2 --hours $(HEAD_HOURS) --threads 1 --out $(HEAD_RUN)
-	$(PY) -m tandem.cli train --recipe eagle-smollm2 --hours $(REGEN_HOURS) --threads 1 --out $(HEAD_RUN) --phase features --kinds regenerated
-	$(PY) -m tandem.cli train --recipe eagle-smollm2 --hours $(REGEN_TRAIN_HOURS) --threads 1 --out $(HEAD_RUN) --phase train --kinds regenerated
-	$(PY) -m tandem.cli train --recipe eagle-smollm2 --hours $(MORE_HOURS) --threads 1 --out $(HEAD_RUN) --phase all --kinds regenerated
+	$(PY) -m tandem.cli train --recipe eagle-smollm2 --hours $(HEAD_HOURS) --threads 1 --clock $(HEAD_CLOCK) --out $(HEAD_RUN)
+	$(PY) -m tandem.cli train --recipe eagle-smollm2 --hours $(REGEN_HOURS) --threads 1 --clock $(HEAD_CLOCK) --out $(HEAD_RUN) --phase features --kinds regenerated
+	$(PY) -m tandem.cli train --recipe eagle-smollm2 --hours $(REGEN_TRAIN_HOURS) --threads 1 --clock $(HEAD_CLOCK) --out $(HEAD_RUN) --phase train --kinds regenerated
+	$(PY) -m tandem.cli train --recipe eagle-smollm2 --hours $(MORE_HOURS) --threads 1 --clock $(HEAD_CLOCK) --out $(HEAD_RUN) --phase all --kinds regenerated
 	for s in ft1 ft2 ft3; do mkdir -p $(HEAD_RUN)-$$s && ln -sfn $(HEAD_RUN)/features $(HEAD_RUN)-$$s/features; done
-	$(PY) -m tandem.cli train --recipe eagle-smollm2 --hours $(FT1_HOURS) --threads 1 --out $(HEAD_RUN)-ft1 --phase train --kinds regenerated --init $(HEAD_RUN)/best
-	$(PY) -m tandem.cli train --recipe eagle-smollm2 --hours $(FT2_HOURS) --threads 1 --out $(HEAD_RUN)-ft2 --phase all --kinds regenerated --init $(HEAD_RUN)-ft1/best
-	$(PY) -m tandem.cli train --recipe eagle-smollm2 --hours $(FT3_HOURS) --threads 1 --out $(HEAD_RUN)-ft3 --phase all --kinds regenerated --init $(HEAD_RUN)-ft2/best \
+	$(PY) -m tandem.cli train --recipe eagle-smollm2 --hours $(FT1_HOURS) --threads 1 --clock $(HEAD_CLOCK) --out $(HEAD_RUN)-ft1 --phase train --kinds regenerated --init $(HEAD_RUN)/best
+	$(PY) -m tandem.cli train --recipe eagle-smollm2 --hours $(FT2_HOURS) --threads 1 --clock $(HEAD_CLOCK) --out $(HEAD_RUN)-ft2 --phase all --kinds regenerated --init $(HEAD_RUN)-ft1/best
+	$(PY) -m tandem.cli train --recipe eagle-smollm2 --hours $(FT3_HOURS) --threads 1 --clock $(HEAD_CLOCK) --out $(HEAD_RUN)-ft3 --phase all --kinds regenerated --init $(HEAD_RUN)-ft2/best \
 		--export tandem/heads/eagle-smollm2
 
 # Aurora's static drafter: the same four stages on general chat / instruction data only (recipe
@@ -65,10 +68,10 @@ head: assets
 # validation split (tandem.training.pipeline.validation_prompts) and reported on every domain's held-out set.
 GENERAL_RUN = $${TANDEM_HOME:-$$HOME/.cache/tandem}/runs/eagle-smollm2-general
 head-general: assets
-	$(PY) -m tandem.cli train --recipe eagle-smollm2-general --hours $(HEAD_HOURS) --threads 1 --out $(GENERAL_RUN)
-	$(PY) -m tandem.cli train --recipe eagle-smollm2-general --hours $(REGEN_HOURS) --threads 1 --out $(GENERAL_RUN) --phase features --kinds regenerated
-	$(PY) -m tandem.cli train --recipe eagle-smollm2-general --hours $(REGEN_TRAIN_HOURS) --threads 1 --out $(GENERAL_RUN) --phase train --kinds regenerated
-	$(PY) -m tandem.cli train --recipe eagle-smollm2-general --hours $(MORE_HOURS) --threads 1 --out $(GENERAL_RUN) --phase all --kinds regenerated \
+	$(PY) -m tandem.cli train --recipe eagle-smollm2-general --hours $(HEAD_HOURS) --threads 1 --clock $(HEAD_CLOCK) --out $(GENERAL_RUN)
+	$(PY) -m tandem.cli train --recipe eagle-smollm2-general --hours $(REGEN_HOURS) --threads 1 --clock $(HEAD_CLOCK) --out $(GENERAL_RUN) --phase features --kinds regenerated
+	$(PY) -m tandem.cli train --recipe eagle-smollm2-general --hours $(REGEN_TRAIN_HOURS) --threads 1 --clock $(HEAD_CLOCK) --out $(GENERAL_RUN) --phase train --kinds regenerated
+	$(PY) -m tandem.cli train --recipe eagle-smollm2-general --hours $(MORE_HOURS) --threads 1 --clock $(HEAD_CLOCK) --out $(GENERAL_RUN) --phase all --kinds regenerated \
 		--export tandem/heads/eagle-smollm2-general
 
 test: assets

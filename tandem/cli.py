@@ -375,7 +375,7 @@ def _train(args) -> int:
 
             torch.set_num_threads(args.threads)
         kinds = tuple(k.strip() for k in args.kinds.split(",")) if args.kinds else None
-        report = run_recipe(args.recipe, args.out, args.hours or 1.0, args.phase, args.export, kinds=kinds, init=args.init)
+        report = run_recipe(args.recipe, args.out, args.hours or 1.0, args.phase, args.export, kinds=kinds, init=args.init, clock=args.clock)
         print(json.dumps(report, indent=1)[-4000:])
         return 0
     if Path(args.data).expanduser().is_dir():  # a directory of flywheel trace shards

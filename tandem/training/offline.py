@@ -361,7 +361,10 @@ def add_train_command(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="directory to save the head to (with --recipe: the run directory)")
     p.add_argument("--json", dest="json_out", default=None, help="also write the report here")
     p.add_argument("--recipe", default=None, help="a named recipe (eagle-smollm2): feature shards + packed training, resumable")
-    p.add_argument("--hours", type=float, default=None, help="with --recipe: wall-clock budget")
+    p.add_argument("--hours", type=float, default=None, help="with --recipe: the budget, in hours of --clock")
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                   help="with --recipe: what --hours counts; cpu: this process's CPU time, so a run paused or starved "
+                        "by other jobs still gets its budget (with --threads 1, an hour of a quiet core)")
     p.add_argument("--phase", default="all", help="with --recipe: all | features | train")
     p.add_argument("--kinds", default=None, help="with --recipe: feature kinds to produce/train on (reference,regenerated)")
     p.add_argument("--export", default=None, help="with --recipe: copy the best head here (fp16 + card)")

@@ -16,16 +16,18 @@ from tandem.errors import InvalidParameterError
 from tandem.training.recipes import Recipe, describe, get_recipe, load_target
 
 
-def run_features(recipe: Recipe, out: Path, hours: float | None, chunk_docs: int = 128) -> dict:
+def run_features(recipe: Recipe, out: Path, hours: float | None, chunk_docs: int = 128, clock: str = "wall") -> dict:
     """Alternate reference chunks (`chunk_docs` documents, prefill speed) and regenerated chunks (half as
     many, decoding speed: the target's own answers, closest to what serving drafts) until both are done or
-    time runs out."""
+    time (by `clock`, see tandem.training.trainer.CLOCKS) runs out."""
+    from tandem.training.trainer import budget_clock
     from tandem.models.eagle import EagleConfig, target_identity
     from tandem.data.packages import package_files
     from tandem.training import sources
     from tandem.training.features import ShardWriter, write_reference_features, write_regenerated_features
 
-    deadline = time.monotonic() + 3600 * hours if hours else float("inf")
+    now = budget_clock(clock)
+    deadline = now() + 3600 * hours if hours else float("inf")
     target, tokenizer = load_target(recipe)
     taps, tid = EagleConfig.for_target(target.cfg).taps, target_identity(target.cfg)
     write_heldout(recipe, out, target, tokenizer)
@@ -39,11 +41,11 @@ def run_features(recipe: Recipe, out: Path, hours: float | None, chunk_docs: int
     kinds = recipe.feature_kinds  # `--kinds regenerated` spends the whole budget on the target's own answers
     ref_todo = [d for d in reference if not ref_writer.has(_key(d))] if "reference" in kinds else []
     regen_todo = [d for d in regenerate if not regen_writer.has(_key(d))] if "regenerated" in kinds else []
-    while (ref_todo or regen_todo) and time.monotonic() < deadline:
+    while (ref_todo or regen_todo) and now() < deadline:
         if ref_todo:
             part, ref_todo = ref_todo[:chunk_docs], ref_todo[chunk_docs:]
             report["reference"].append(write_reference_features(ref_writer, target, tokenizer, part, recipe.max_doc_tokens).as_dict())
-        if regen_todo and time.monotonic() < deadline:
+        if regen_todo and now() < deadline:
             n = chunk_docs // 2 if ref_todo else chunk_docs
             part, regen_todo = regen_todo[:n], regen_todo[n:]
             stats = write_regenerated_features(regen_writer, target, tokenizer, part, recipe.max_new_tokens, recipe.regen_batch, chunk=len(part))
@@ -100,13 +102,14 @@ def _key(doc) -> str:
 PHASES = ("all", "features", "train")
 
 
-def run_recipe(name: str, out: str | Path, hours: float, phase: str = "all", export: str | Path | None = None, log=print, kinds: tuple[str, ...] | None = None, init: str | Path | None = None) -> dict:
+def run_recipe(name: str, out: str | Path, hours: float, phase: str = "all", export: str | Path | None = None, log=print, kinds: tuple[str, ...] | None = None, init: str | Path | None = None, clock: str = "wall") -> dict:
     """`tandem train --recipe NAME --hours H --out DIR [--phase P] [--export DEST] [--init HEAD_DIR]`.
 
     phase "all" runs the features phase in a child process (one thread) next to the trainer (one
     thread), both resumable, for `hours` of wall time; then the best head is exported to DEST. `kinds`
     narrows the feature kinds both phases use (e.g. ("regenerated",)). `init`, an exported head, is where
     the trainer starts when DIR has no checkpoint yet (a checkpoint, when present, is resumed instead).
+    `clock` "cpu" counts `hours` in each process's CPU time instead of wall time (both phases).
     """
     import json
     import subprocess
@@ -116,6 +119,9 @@ def run_recipe(name: str, out: str | Path, hours: float, phase: str = "all", exp
         raise InvalidParameterError(f"phase must be one of {PHASES}, got {phase!r}")
     if hours <= 0:
         raise InvalidParameterError(f"hours must be > 0, got {hours}")
+    from tandem.training.trainer import budget_clock
+
+    budget_clock(clock)  # an unknown clock fails here, not in the child after the features are loaded
     if kinds is not None and (not kinds or set(kinds) - {"reference", "regenerated"}):
         raise InvalidParameterError(f"kinds must be a non-empty subset of reference,regenerated; got {kinds}")
     if init is not None:
@@ -124,14 +130,14 @@ def run_recipe(name: str, out: str | Path, hours: float, phase: str = "all", exp
     out.mkdir(parents=True, exist_ok=True)
     report: dict = {"recipe": name}
     if phase == "features":
-        report["features"] = run_features(recipe, out, hours)
+        report["features"] = run_features(recipe, out, hours, clock=clock)
     elif phase == "train":
-        report["train"] = _train_then_finetune(recipe, out, hours, log, init)
+        report["train"] = _train_then_finetune(recipe, out, hours, log, init, clock)
     else:
-        cmd = [sys.executable, "-m", "tandem.cli", "train", "--recipe", name, "--out", str(out), "--hours", str(hours), "--phase", "features", "--threads", "1", "--kinds", ",".join(recipe.feature_kinds)]
+        cmd = [sys.executable, "-m", "tandem.cli", "train", "--recipe", name, "--out", str(out), "--hours", str(hours), "--phase", "features", "--threads", "1", "--kinds", ",".join(recipe.feature_kinds), "--clock", clock]
         child = subprocess.Popen(cmd, env=_one_thread_env())
         try:
-            report["train"] = _train_then_finetune(recipe, out, hours, log, init)
+            report["train"] = _train_then_finetune(recipe, out, hours, log, init, clock)
         finally:
             child.terminate()  # features are resumable: a later run continues where this one stopped
             child.wait(timeout=60)
@@ -149,7 +155,7 @@ def _check_init(head_dir: Path) -> None:
         raise InvalidParameterError(f"--init {head_dir}: not an exported EAGLE head (needs {CONFIG_FILE} and {WEIGHTS_FILE})")
 
 
-def _train_then_finetune(recipe: Recipe, out: Path, hours: float, log, init: str | Path | None = None) -> dict:
+def _train_then_finetune(recipe: Recipe, out: Path, hours: float, log, init: str | Path | None = None, clock: str = "wall") -> dict:
     """Train on every feature kind, then (resuming from the checkpoint, at the decayed learning rate) on the
     target-regenerated answers only: in the shipped run that last phase raised held-out acceptance from
     1.38 to 1.49 in 100 steps (docs/BENCHMARKS.md 3.1), the reference answers being off the target's style.
@@ -160,13 +166,13 @@ def _train_then_finetune(recipe: Recipe, out: Path, hours: float, log, init: str
 
     from tandem.training.trainer import has_shards
 
-    main = train_recipe(recipe, out, hours * (1 - recipe.finetune_fraction), log=log, init=init)
+    main = train_recipe(recipe, out, hours * (1 - recipe.finetune_fraction), log=log, init=init, clock=clock)
     if recipe.finetune_fraction <= 0:
         return main
     if not has_shards(out / "features" / "regenerated"):  # a serial run whose features phase wrote none: nothing to fine-tune on
         log("no regenerated features yet: the fine-tuning part is skipped (run the features phase, then train again)")
         return main
-    tuned = train_recipe(replace(recipe, feature_kinds=("regenerated",)), out, hours * recipe.finetune_fraction, log=log)
+    tuned = train_recipe(replace(recipe, feature_kinds=("regenerated",)), out, hours * recipe.finetune_fraction, log=log, clock=clock)
     return {"main": main, "finetune": tuned}
 
 

@@ -45,6 +45,15 @@ class TrainState:
 
 
 # ---- vocabulary -----------------------------------------------------------------------------------------
+CLOCKS = {"wall": time.monotonic, "cpu": time.process_time}  # what a training budget counts (`tandem train --clock`)
+
+
+def budget_clock(name: str):
+    if name not in CLOCKS:
+        raise InvalidParameterError(f"clock must be one of {sorted(CLOCKS)}, got {name!r}")
+    return CLOCKS[name]
+
+
 def domain_token_counts(directories: list[Path]) -> dict[str, Counter]:
     """Answer-token counts per domain over every shard present."""
     counts: dict[str, Counter] = {}
@@ -227,13 +236,15 @@ def sample_roots(batch, fraction: float, rng: random.Random) -> torch.Tensor | N
     return torch.tensor(sorted(rng.sample(candidates, min(count, len(candidates)))), dtype=torch.long)
 
 
-def train_recipe(recipe: Recipe, out: Path, hours: float | None, log=print, init: str | Path | None = None, max_steps: int | None = None) -> dict:
+def train_recipe(recipe: Recipe, out: Path, hours: float | None, log=print, init: str | Path | None = None, max_steps: int | None = None, clock: str = "wall") -> dict:
     """Train (or resume) until `hours` of optimisation have passed in this session, or until the run has taken
     `max_steps` optimiser steps (then the learning-rate schedule follows steps, not time: runs that must be
     compared at equal data, as in an ablation); without a checkpoint in `out`, start from the exported head
-    `init` when given (see `starting_point`)."""
+    `init` when given (see `starting_point`). `clock` is what `hours` (and the schedule) count: "wall", or
+    "cpu", this process's CPU time, which a paused or starved run does not spend."""
     if hours is None and max_steps is None:
         raise InvalidParameterError("train_recipe needs hours or max_steps")
+    now = budget_clock(clock)
     from tandem.training.recipes import load_target
 
     target, tokenizer = load_target(recipe)
@@ -253,16 +264,16 @@ def train_recipe(recipe: Recipe, out: Path, hours: float | None, log=print, init
         log(json.dumps(_checkpoint_and_eval(head, optimizer, state, heldout, ckpt_root, out, recipe, float("nan"), {}, 0.0)))
     target_rows = target.lm_head.weight.detach().float()[head.draft_to_target]  # [Vd, d]
     rng = random.Random(f"{recipe.seed}:{state.step}")
-    budget = 3600 * hours if hours is not None else float("inf")  # this session's wall time; the schedule spans all sessions' time
-    session_start = start = time.monotonic()
+    budget = 3600 * hours if hours is not None else float("inf")  # this session's time by `clock`; the schedule spans all sessions' time
+    session_start = start = now()
     total = state.seconds + budget
     stream = FeatureStream(feature_dirs, target_identity(target.cfg))
     batches = stream.batches(recipe.rows, recipe.row_len, rng)
-    window_tokens, window_start = 0, time.monotonic()
+    window_tokens, window_start = 0, now()
     bar = tqdm(desc="train eagle", unit="step", disable=None)
-    while time.monotonic() - session_start < budget and (max_steps is None or state.step < max_steps):
+    while now() - session_start < budget and (max_steps is None or state.step < max_steps):
         batch = next(batches)
-        progress = state.step / max_steps if max_steps else (state.seconds + time.monotonic() - start) / max(total, 1e-9)
+        progress = state.step / max_steps if max_steps else (state.seconds + now() - start) / max(total, 1e-9)
         for group in optimizer.param_groups:
             group["lr"] = lr_at(state.step, progress, peak_lr, recipe.warmup)
         loss, stats = packed_loss(head, target_rows, batch, recipe.unroll, sample_roots(batch, recipe.chain_fraction, rng), step_weight=recipe.step_weight)
@@ -275,16 +286,16 @@ def train_recipe(recipe: Recipe, out: Path, hours: float | None, log=print, init
         window_tokens += batch.num_tokens
         bar.update()
         if state.step % recipe.eval_every == 0:
-            elapsed = time.monotonic() - window_start
-            state.seconds += time.monotonic() - start
-            start = time.monotonic()
+            elapsed = now() - window_start
+            state.seconds += now() - start
+            start = now()
             entry = _checkpoint_and_eval(head, optimizer, state, heldout, ckpt_root, out, recipe, float(loss.detach()), stats, window_tokens / max(elapsed, 1e-9))
             log(json.dumps(entry))
-            window_tokens, window_start = 0, time.monotonic()
+            window_tokens, window_start = 0, now()
             feature_dirs = wait_for_features(out, log, recipe.feature_kinds)
             stream = FeatureStream(feature_dirs, target_identity(target.cfg))  # pick up shards written meanwhile
             batches = stream.batches(recipe.rows, recipe.row_len, rng)
-    state.seconds += time.monotonic() - start
+    state.seconds += now() - start
     entry = _checkpoint_and_eval(head, optimizer, state, heldout, ckpt_root, out, recipe, float("nan"), {}, 0.0)
     return {"recipe": asdict(recipe), "init": state.init, "final": entry, "best_step": state.best_step, "best_score": state.best_score, "steps": state.step, "tokens": state.tokens}
 

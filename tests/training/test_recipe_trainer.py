@@ -100,3 +100,43 @@ def test_cli_passes_init_to_the_recipe(monkeypatch, tmp_path):
     monkeypatch.setattr(pipeline, "run_recipe", lambda *args, **kwargs: seen.update(kwargs) or {})
     main(["train", "--recipe", "eagle-smollm2", "--out", str(tmp_path), "--init", "/heads/v1"])
     assert seen["init"] == "/heads/v1"
+
+
+def test_the_cpu_clock_does_not_run_while_the_process_waits():
+    import time
+
+    from tandem.training.trainer import budget_clock
+
+    cpu, wall = budget_clock("cpu"), budget_clock("wall")
+    c0, w0 = cpu(), wall()
+    time.sleep(0.3)
+    assert wall() - w0 >= 0.3 and cpu() - c0 < 0.05
+    with pytest.raises(InvalidParameterError, match="clock must be one of"):
+        budget_clock("gpu")
+
+
+def test_train_recipe_spends_its_budget_on_the_chosen_clock(monkeypatch, tiny_llama, target, tmp_path):
+    """With a clock that does not move (a run whose process got no CPU), a tiny budget never runs out and the
+    run goes to max_steps; on the wall clock the same budget is spent before the first step."""
+    import tandem.training.trainer as trainer
+
+    monkeypatch.setitem(trainer.CLOCKS, "cpu", lambda: 100.0)
+    recipe = Recipe(model=tiny_llama, draft_vocab=64, rows=1, row_len=64, finetune_fraction=0.0, eval_every=100)
+    for clock, steps in (("cpu", 3), ("wall", 0)):
+        out = tmp_path / clock
+        write_features(target, out)
+        report = train_recipe(recipe, out, hours=1e-9, max_steps=3, clock=clock)
+        assert report["steps"] == steps
+
+
+def test_cli_passes_the_clock_to_the_recipe(monkeypatch, tmp_path):
+    import tandem.training.pipeline as pipeline
+    from tandem.cli import main
+
+    with pytest.raises(InvalidParameterError, match="clock must be one of"):
+        pipeline.run_recipe("eagle-smollm2", tmp_path / "run", 1.0, clock="gpu")
+    seen = []
+    monkeypatch.setattr(pipeline, "run_recipe", lambda *args, **kwargs: seen.append(kwargs["clock"]) or {})
+    main(["train", "--recipe", "eagle-smollm2", "--out", str(tmp_path)])
+    main(["train", "--recipe", "eagle-smollm2", "--out", str(tmp_path), "--clock", "cpu"])
+    assert seen == ["wall", "cpu"]
