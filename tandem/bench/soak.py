@@ -147,6 +147,22 @@ async def guarded(coro, kind: str, limit_s: float) -> Result:
         return Result(kind, "transport_error", latency_s=time.perf_counter() - start, error=f"{type(e).__name__}: {e}")
 
 
+async def publish_once(client, headers: dict, publishes: dict) -> None:
+    """Re-publish the served drafter version through the admin API; a refusal or a transport error (a timeout on a
+    starved box included) is counted as a failed publish with its first error, and never ends the soak."""
+    import httpx
+
+    try:
+        version = (await client.get("/admin/drafter", headers=headers)).json()["version"]
+        r = await client.post("/admin/drafter/adopt", json={"version": version}, headers=headers)
+        error = None if r.status_code == 200 else f"{r.status_code} {r.text[:300]}"
+    except (httpx.HTTPError, ValueError, KeyError) as e:
+        error = f"{type(e).__name__}: {e}"
+    publishes["ok" if error is None else "failed"] += 1
+    if error is not None:
+        publishes.setdefault("first_error", error)
+
+
 def load_body(rng: random.Random, prompts: list[str], max_tokens: int) -> tuple[str, dict]:
     """A random request of the load: 80 % chat, 20 % completions, all streaming, greedy or sampled: (path, body)."""
     prompt = rng.choice(prompts)
@@ -211,11 +227,7 @@ class Run:
         headers = {"Authorization": f"Bearer {self.admin_key}"}
         while time.monotonic() + self.config.publish_every_s < end:
             await asyncio.sleep(self.config.publish_every_s)
-            version = (await client.get("/admin/drafter", headers=headers)).json()["version"]
-            r = await client.post("/admin/drafter/adopt", json={"version": version}, headers=headers)
-            self.publishes["ok" if r.status_code == 200 else "failed"] += 1
-            if r.status_code != 200 and "first_error" not in self.publishes:
-                self.publishes["first_error"] = f"{r.status_code} {r.text[:300]}"
+            await publish_once(client, headers, self.publishes)
 
     async def _sampler(self, end: float) -> None:
         while True:
@@ -357,6 +369,8 @@ def run_soak(config: SoakConfig, progress=print) -> dict:
             metrics = scrape(server.url)
         finally:
             exit_code = server.close()
+            if config.state_dir is None:  # the temporary state (drafter versions, up to ~1 GB) goes, the logs stay in `work`
+                shutil.rmtree(state_dir, ignore_errors=True)
     faults = read_fault_log(work / "faults.jsonl")
     requests = classify(run.results, faults)
     ok = [r.latency_s for r in run.results if r.outcome == "ok" and r.kind == "load"]

@@ -33,7 +33,7 @@ LOSS_TYPES = {"seq_mean_token_mean": "grpo", "token_mean": "dapo", "seq_mean_tok
 DIFFERENCES = (
     "sampling: each side draws its own random streams (same prompts and order, different samples)",
     "advantages: tandem divides by the group's population std, TRL by the sample std (both + 1e-4)",
-    "tandem skips zero-advantage samples in forward/backward (same loss with no KL term); TRL computes them",
+    "tandem skips zero-advantage samples in forward/backward unless --no-skip-zero-advantage (same loss with no KL term); TRL computes them",
     "rollouts: tandem's engine with speculative decoding; TRL's transformers generate (no vLLM)",
 )
 
@@ -59,6 +59,7 @@ class TrlCompareConfig:
     task: str = ""  # comma list of reasoning-gym tasks ("" = tandem's default mix)
     task_kwargs: str = ""  # JSON, as `tandem rl --task-kwargs`
     demonstration: bool = True  # the one-shot worked example before each question (as `tandem rl`; False = --no-demonstration)
+    skip_zero_advantage: bool = True  # tandem skips zero-advantage samples in its backward (same loss); False: it computes them, as TRL does
     trl_python: str | None = None  # an interpreter with trl; default: the peer cache's venv-trl (made on demand)
 
     def __post_init__(self) -> None:
@@ -77,7 +78,8 @@ class TrlCompareConfig:
         return GRPOConfig(steps=self.steps, prompts_per_step=self.prompts_per_step, group_size=self.group_size, max_tokens=self.max_tokens,
                           temperature=self.temperature, lr=self.lr, clip_low=self.clip_low, clip_high=self.clip_high, loss_agg=self.loss_agg,
                           scale_adv_by_std=self.scale_adv_by_std, micro_batch=self.micro_batch, eval_problems=self.eval_problems,
-                          eval_every=self.steps, seed=self.seed, env=env_config(self.task, self.task_kwargs, self.demonstration))
+                          eval_every=self.steps, seed=self.seed, env=env_config(self.task, self.task_kwargs, self.demonstration),
+                          skip_zero_advantage=self.skip_zero_advantage)
 
 
 # ---- the problems, exported -----------------------------------------------------------------------------------
@@ -148,6 +150,7 @@ def tandem_command(cfg: TrlCompareConfig, out: Path) -> list[str]:
     cmd += ["--no-std-norm"] if not cfg.scale_adv_by_std else []
     cmd += ["--task", cfg.task] if cfg.task else []
     cmd += [] if cfg.demonstration else ["--no-demonstration"]
+    cmd += [] if cfg.skip_zero_advantage else ["--no-skip-zero-advantage"]
     return cmd + (["--task-kwargs", cfg.task_kwargs] if cfg.task_kwargs else [])
 
 
@@ -297,6 +300,8 @@ def add_bench_rl_trl_command(bench) -> None:
     p.add_argument("--task", default="")
     p.add_argument("--task-kwargs", default="")
     p.add_argument("--no-demonstration", action="store_true", help="zero-shot prompts on both sides")
+    p.add_argument("--no-skip-zero-advantage", action="store_true",
+                   help="tandem computes zero-advantage samples in its backward too, as TRL does (equal learner work)")
     p.add_argument("--trl-python", default=None, help="an interpreter with trl (default: venv-trl under the peer cache, made on demand)")
     p.add_argument("--work-dir", default=None, help="where the problems and each side's raw JSON go (default: a temporary directory)")
     p.add_argument("--json", dest="json_out", default=None)
@@ -309,7 +314,8 @@ def _run(args) -> int:
                            max_tokens=args.max_tokens, temperature=args.temperature, lr=args.lr, loss_agg=args.loss_agg,
                            scale_adv_by_std=not args.no_std_norm, clip_low=args.clip_low, clip_high=args.clip_high, micro_batch=args.micro_batch,
                            eval_problems=args.eval_problems, seed=args.seed, threads=args.threads, drafter=args.drafter, task=args.task,
-                           task_kwargs=args.task_kwargs, demonstration=not args.no_demonstration, trl_python=args.trl_python)
+                           task_kwargs=args.task_kwargs, demonstration=not args.no_demonstration, trl_python=args.trl_python,
+                           skip_zero_advantage=not args.no_skip_zero_advantage)
     report = run_rl_trl_bench(cfg, Path(args.work_dir) if args.work_dir else None)
     table = markdown(report)
     if args.json_out:

@@ -65,3 +65,27 @@ def test_a_request_past_its_limit_is_hung_and_a_dropped_connection_a_transport_e
     assert hung.outcome == "hung" and 0.2 <= hung.latency_s < 5
     broken = asyncio.run(guarded(dropped(), "load", 5))
     assert broken.outcome == "transport_error" and "RemoteProtocolError" in broken.error
+
+
+def test_a_publish_that_times_out_or_is_refused_is_counted_not_raised():
+    import asyncio
+
+    import httpx
+
+    from tandem.bench.soak import publish_once
+
+    def handler(request):
+        if request.method == "GET":
+            return httpx.Response(200, json={"version": 7})
+        if request.headers.get("x-mode") == "slow":
+            raise httpx.ReadTimeout("timed out", request=request)
+        return httpx.Response(400, json={"error": "drafter version 7 is not available"})
+
+    async def publish(mode: str, publishes: dict) -> None:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler), base_url="http://soak") as client:
+            await publish_once(client, {"x-mode": mode}, publishes)
+
+    publishes = {"ok": 0, "failed": 0}
+    asyncio.run(publish("slow", publishes))
+    asyncio.run(publish("refused", publishes))
+    assert publishes == {"ok": 0, "failed": 2, "first_error": "ReadTimeout: timed out"}

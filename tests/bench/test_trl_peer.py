@@ -121,3 +121,11 @@ def test_both_sides_end_to_end_on_the_tiny_model(tiny_llama, tmp_path):
         assert c["held_out"][side]["start"]["problems"] == 4 and c["held_out"][side]["end"]["problems"] == 4
         assert all(0.0 <= row[f"{side}_reward"] <= 1.0 and 1 <= row[f"{side}_tokens"] <= 8 for row in c["curve"])
     assert c["speedup"]["mean"] == pytest.approx(c["step_wall_s"]["trl"]["mean"] / c["step_wall_s"]["tandem"]["mean"])
+
+
+def test_no_skip_zero_advantage_reaches_tandems_command_and_grpo_config():
+    from tandem.bench.trl_peer import tandem_command
+
+    assert "--no-skip-zero-advantage" not in tandem_command(TrlCompareConfig(), "o") and TrlCompareConfig().grpo().skip_zero_advantage
+    equal = TrlCompareConfig(skip_zero_advantage=False)
+    assert "--no-skip-zero-advantage" in tandem_command(equal, "o") and not equal.grpo().skip_zero_advantage
