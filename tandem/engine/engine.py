@@ -115,7 +115,12 @@ class Engine:
     def abort(self, request_id: str) -> None:
         """Drop a request wherever it is (waiting, prefilling, running); observers get an "abort" record for it,
         so whatever they hold for the request (the trace collector's partial trace) is released."""
-        aborted = [r for r in [*self.waiting, *self.running, self.prefilling] if r is not None and r.request_id == request_id and not r.finished]
+        self._abort({request_id})
+
+    def _abort(self, request_ids: set[str]) -> None:
+        """Abort these requests together: all are marked before any row moves, so no row of one is moved into
+        another's hole (a request whose prefill failed holds no drafter state to move)."""
+        aborted = [r for r in [*self.waiting, *self.running, self.prefilling] if r is not None and r.request_id in request_ids and not r.finished]
         for request in aborted:
             if request in self.waiting:
                 self.waiting.remove(request)
@@ -183,8 +188,8 @@ class Engine:
                 outputs.append(self._reuse_prefill(request, *done[tuple(request.prompt_ids)]))
             else:
                 failed[request.request_id] = "the prefill of its prompt failed"
-        for request_id in failed or ():  # after every prefill of the step, so no row moves under one
-            self.abort(request_id)
+        if failed:  # after every prefill of the step, so no row moves under one
+            self._abort(set(failed))
         return outputs + [StepOutput(i, [], True, FinishReason.ABORT, error=f"prefill failed: {why}") for i, why in (failed or {}).items()]
 
     @torch.inference_mode()
@@ -433,20 +438,25 @@ class Engine:
     def _release_finished(self) -> None:
         """Drop finished requests and keep the remaining rows contiguous (move the last row into a hole)."""
         now = time.perf_counter()
-        for request in [r for r in self.running if r.finished]:
+        finished = [r for r in self.running if r.finished]
+        for request in finished:
             request.metrics.finish_time = now
             if self.drafter is not None:
                 self.drafter.release(request)
             if self.draft_policy is not None:
                 self.draft_policy.release(request)
-            last = self.running.pop()
-            if last is not request:
-                self.cache.move_row(last.row, request.row)
+        if finished:
+            keep = len(self.running) - len(finished)
+            holes = [r.row for r in self.running[:keep] if r.finished]
+            movers = [r for r in self.running[keep:] if not r.finished]  # only live rows move: a finished one may hold no
+            for hole, mover in zip(holes, movers):  # drafter state (a prefill that failed beside one that finished at once)
+                self.cache.move_row(mover.row, hole)
                 if self.drafter is not None:
-                    self.drafter.move_row(last.row, request.row)
-                last.row = request.row
-                self.running[request.row] = last
-            request.row = -1
+                    self.drafter.move_row(mover.row, hole)
+                mover.row = hole
+            self.running[:] = sorted((r for r in self.running if not r.finished), key=lambda r: r.row)
+            for request in finished:
+                request.row = -1
         if self.prefilling is not None and self.prefilling.finished:  # aborted mid-prefill
             self.prefilling.metrics.finish_time, self.prefilling.row = now, -1
             self.prefilling, self._prefill_parts = None, []

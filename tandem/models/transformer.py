@@ -43,11 +43,13 @@ class Linear(nn.Module):
     Either is derived state: `pack()` rebuilds it after weights change, `unpack()` drops it.
 
     One copy of W, not two: `pack(keep_dense=False)` drops the dense Parameter once the packed copy
-    exists (the oneDNN reorder is exact, so nothing is lost). While dropped, reading `.weight` or
-    `state_dict()` returns a fresh dense copy (read-only: writes to it are lost), `load_state_dict`
-    repacks (also when the dense copy is kept), and `unpack()` restores the Parameter bit-for-bit; to change weights in place: `unpack()`,
-    write, `pack()`. A weight shared with another module (tied embeddings) is freed only when no
-    other module holds it.
+    exists (the oneDNN reorder is exact, so nothing is lost; an int8 / int4 / bf16 copy replaces the fp32
+    weight by the quantized model's own, so a 1.5B model served in int8 holds ~2 GB, not ~9). While dropped,
+    reading `.weight` or `state_dict()` returns a fresh dense copy (read-only: writes to it are lost; the
+    dequantized values for int8 / int4 / bf16), `load_state_dict` repacks (also when the dense copy is kept),
+    and `unpack()` restores the Parameter (bit-for-bit from oneDNN, dequantized from the others); to change
+    weights in place: `unpack()`, write, `pack()`. A weight shared with another module (tied embeddings) is
+    freed only when no other module holds it.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
@@ -65,11 +67,18 @@ class Linear(nn.Module):
 
     @property
     def dense_dropped(self) -> bool:
-        return self.packed is not None and "weight" not in self._parameters
+        return "weight" not in self._parameters and (self.packed is not None or self.int8 is not None or self.compact is not None)
 
     def dense_weight(self) -> torch.Tensor:  # [out, in]
-        """The weight as a plain tensor: the Parameter, or a fresh copy unpacked from the oneDNN layout."""
-        return self.packed.to_dense() if self.dense_dropped else self._parameters["weight"]
+        """The weight as a plain tensor: the Parameter, or, once it was dropped, a fresh copy made from the serving
+        copy (the oneDNN layout exactly; int8 / int4 / bf16 dequantized: the weights the kernels multiply by)."""
+        if not self.dense_dropped:
+            return self._parameters["weight"]
+        if self.packed is not None:
+            return self.packed.to_dense()
+        if self.int8 is not None:
+            return cpu_gemm.dequantize_q8(*self.int8, self.in_features)
+        return self.compact.dense(self.in_features)
 
     def pack(self, batch_hint: int = 8, keep_dense: bool = True, gemm: str = "auto") -> None:
         """gemm "auto": the small-M kernel where it applies, else oneDNN; "onednn": oneDNN only."""
@@ -82,11 +91,13 @@ class Linear(nn.Module):
                 raise ValueError(f"gemm 'int8' needs the small-M kernel, which is not available: {cpu_gemm.unusable_reason() or 'the build failed'}")
             self.unpack()
             self.int8 = cpu_gemm.pack_q8(weight)
+            self._drop_dense(keep_dense)
             return
         if gemm in ("int4", "bf16"):
             compact = Compact.of(weight, gemm)
             self.unpack()
             self.compact = compact
+            self._drop_dense(keep_dense)
             return
         if gemm == "auto" and weight.device.type == "cpu" and weight.dtype == torch.float32 and cpu_gemm.available():
             self.unpack()
@@ -107,10 +118,16 @@ class Linear(nn.Module):
         elif not keep_dense and "weight" in self._parameters:
             self._weight_requires_grad = self._parameters.pop("weight").requires_grad
 
+    def _drop_dense(self, keep_dense: bool) -> None:
+        """A quantized serving copy replaces the dense weight unless keep_dense (a model served in int8 holds its
+        bytes once, not the fp32 weight beside them; a module trained later keeps the dense weight)."""
+        if not keep_dense and "weight" in self._parameters:
+            self._weight_requires_grad = self._parameters.pop("weight").requires_grad
+
     def unpack(self) -> None:
         decode_glue.linears_changed()
         if self.dense_dropped:
-            self._restore_weight(self.packed.to_dense())
+            self._restore_weight(self.dense_weight())  # oneDNN: the weight exactly; int8 / int4 / bf16: their dequantized values
         self.packed = None
         self.small_gemm = False
         self.int8 = None
@@ -127,12 +144,12 @@ class Linear(nn.Module):
 
     def __getattr__(self, name: str):
         if name == "weight" and self.dense_dropped:
-            return self.packed.to_dense()
+            return self.dense_weight()
         return super().__getattr__(name)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         if self.dense_dropped:
-            destination[prefix + "weight"] = self.packed.to_dense()
+            destination[prefix + "weight"] = self.dense_weight()
         super()._save_to_state_dict(destination, prefix, keep_vars)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):  # loading new weights repacks them
@@ -141,9 +158,9 @@ class Linear(nn.Module):
         self.unpack()
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
         if compact is not None:
-            self.pack(gemm=compact)
+            self.pack(gemm=compact, keep_dense=not dropped)
         elif int8:
-            self.pack(gemm="int8")
+            self.pack(gemm="int8", keep_dense=not dropped)
         elif small:
             self.pack(self.batch_hint)
         elif packed:

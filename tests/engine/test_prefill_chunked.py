@@ -201,3 +201,53 @@ def test_a_failing_prompt_of_a_packed_prefill_ends_alone(tiny_dirs):
         for o in engine.step():
             got.setdefault(o.request_id, []).append(o)
     assert [[t for o in got[i] for t in o.new_token_ids] for i in (a, b, c)] == [w.output_ids for w in want]
+
+
+@pytest.mark.parametrize("drafter", [None, "ngram", "eagle"])
+def test_a_failing_prompt_admitted_beside_running_requests_ends_alone(tiny_dirs, drafter):
+    """Requests decoding, then a step that admits four prompts, the second failing: its abort moves the last admitted
+    row into its hole, and every drafter keeps its per-row state through the move (the soak's prefill fault once
+    failed the whole step with an EAGLE drafter: KeyError in move_row)."""
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    prompts = _long_prompts()
+    running, admitted = prompts[:2], [prompts[2], [7, 7] + prompts[3][2:], prompts[3], prompts[0][::-1]]
+    good = running + [p for p in admitted if not _bad(p)]
+    want = engine_for(tiny_dirs["llama"], 0, drafter, batch=6).run(good, [params] * len(good))
+    engine = engine_for(tiny_dirs["llama"], 400, drafter, batch=6)
+    engine.model = CountingPacked(engine.model)
+    ids = [engine.add_request(p, params) for p in running]
+    got: dict[str, list] = {}
+    for _ in range(2):
+        for o in engine.step():
+            got.setdefault(o.request_id, []).append(o)
+    ids += [engine.add_request(p, params) for p in admitted]
+    while engine.has_unfinished():
+        for o in engine.step():
+            got.setdefault(o.request_id, []).append(o)
+    bad = ids[3]
+    assert [(o.finished, o.finish_reason.value, o.new_token_ids) for o in got[bad]] == [(True, "abort", [])]
+    assert [[t for o in got[i] for t in o.new_token_ids] for i in ids if i != bad] == [w.output_ids for w in want]
+
+
+@pytest.mark.parametrize("drafter", [None, "ngram", "eagle"])
+def test_a_failing_prefill_after_one_that_finished_at_its_first_token(tiny_dirs, drafter):
+    """Admitted together: a request that ends at its first token, then two with one prompt whose prefill raises.
+    Releasing them must not move a failed one (which holds no drafter state) into another's row: with EAGLE that raised
+    KeyError in move_row and failed the whole step (found by `tandem bench soak`)."""
+    once, params = SamplingParams(max_tokens=1, temperature=0.0), SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    prompts = _long_prompts()
+    want = engine_for(tiny_dirs["llama"], 0, drafter, batch=4).run(prompts[:2], [params, once])
+    engine = engine_for(tiny_dirs["llama"], 400, drafter, batch=4)
+    engine.model = CountingPacked(engine.model)
+    a = engine.add_request(prompts[0], params)
+    got: dict[str, list] = {}
+    for o in engine.step():
+        got.setdefault(o.request_id, []).append(o)
+    b = engine.add_request(prompts[1], once)
+    bad = [engine.add_request([7, 7] + prompts[2][2:], params) for _ in range(2)]  # the same prompt: the second reuses the first's prefill
+    while engine.has_unfinished():
+        for o in engine.step():
+            got.setdefault(o.request_id, []).append(o)
+    assert [[(o.finished, o.finish_reason.value, o.new_token_ids) for o in got[i]] for i in bad] == [[(True, "abort", [])]] * 2
+    assert [t for o in got[b] for t in o.new_token_ids] == want[1].output_ids and len(want[1].output_ids) == 1
+    assert [t for o in got[a] for t in o.new_token_ids] == want[0].output_ids

@@ -127,3 +127,40 @@ def test_bf16_target_is_packed_where_onednn_supports_it(tiny_dirs):
     assert (got - want).abs().max().item() <= 0.05 * want.abs().max().item()  # bf16: kernels round differently
     model.unpack()
     assert all(lin.packed is None and lin.weight.dtype == torch.bfloat16 for lin in model.modules() if isinstance(lin, Linear))
+
+
+@pytest.mark.parametrize("gemm", ("int8", "int4", "bf16"))
+def test_a_quantized_target_holds_its_bytes_once_and_serves_the_same_tokens(tiny_dirs, gemm):
+    """pack(gemm=int8 / int4 / bf16) on a Transformer drops the fp32 weights (except a tied LM head, which the embedding
+    holds); reads, state_dict and unpack give the quantized model's own (dequantized) weights, and the forward is the one
+    of a model that kept its dense copy."""
+    from tandem.models import cpu_gemm
+
+    if not cpu_gemm.available():
+        pytest.skip("the CPU kernels did not build")
+    kept = load_transformer(tiny_dirs["qwen2"])
+    from tandem.models.transformer import pack_linears
+
+    pack_linears(kept, 8, keep_dense=True, gemm=gemm)
+    model = load_transformer(tiny_dirs["qwen2"])
+    model.pack(gemm=gemm)
+    tied = model.cfg.tie_embeddings
+    for name, lin in model.named_modules():
+        if isinstance(lin, Linear):
+            keeps = tied and name == "lm_head"
+            assert ("weight" in lin._parameters) == keeps and lin.dense_dropped != keeps, name
+            if not keeps:
+                twin = kept.get_submodule(name)
+                served = twin.compact.dense(twin.in_features) if twin.compact is not None else cpu_gemm.dequantize_q8(*twin.int8, twin.in_features)
+                assert torch.equal(lin.weight, served) and torch.equal(lin.dense_weight(), served)
+    ids = torch.randint(0, 300, (2, 9), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        assert torch.equal(model(ids).logits, kept(ids).logits)
+    state = model.state_dict()
+    model.load_state_dict(state)  # repacks and drops again
+    assert model.blocks[0].mlp.down.dense_dropped
+    with torch.inference_mode():
+        assert torch.equal(model(ids).logits, kept(ids).logits)
+    model.unpack()
+    assert all(not lin.is_packed and "weight" in lin._parameters for lin in model.modules() if isinstance(lin, Linear))
+    assert torch.equal(model.blocks[0].mlp.down.weight, state["blocks.0.mlp.down.weight"])
