@@ -61,7 +61,7 @@ class EngineConfig:
     max_batch_size: int = 8  # requests decoded together in one step
     max_model_len: int | None = None  # KV cache length per request; None = the model's context
     num_threads: int | None = None  # torch CPU threads; None = leave as is
-    pack_weights: bool = True  # set CPU linears up for inference (tandem.models.transformer.Linear.pack) so k-token verifies stay cheap
+    pack_weights: bool = True  # set CPU linears up for inference (tandem.models.linear.Linear.pack) so k-token verifies stay cheap
     weights: str = "fp32"  # "fp32" (exact), "bf16", "int8" or "int4": the target's served weights (WEIGHTS)
     record_steps: bool = False  # StepRecords carry target probs / hidden states (the flywheel needs them)
     record_topk: int = 8  # detailed records keep the top-k of the target's distribution per read position (0 = none)

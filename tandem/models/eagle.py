@@ -36,7 +36,8 @@ from tandem.errors import InvalidParameterError, ModelLoadError
 from tandem.models import cpu_gemm, decode_glue
 from tandem.models.config import ModelConfig
 from tandem.models.kv_cache import AttentionBatch, KVCache, build_attention_batch
-from tandem.models.transformer import Linear, MLP, RMSNorm, Transformer, apply_rope, pack_linears, rope_inv_freq, unpack_linears
+from tandem.models.transformer import MLP, RMSNorm, Transformer, apply_rope, rope_inv_freq
+from tandem.models.linear import Linear, pack_linears, unpack_linears
 
 SCHEMA_VERSION = 1
 CONFIG_FILE = "eagle_config.json"

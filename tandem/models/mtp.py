@@ -23,7 +23,8 @@ from torch import nn
 from tandem.errors import InvalidParameterError, ModelLoadError
 from tandem.models.config import ModelConfig
 from tandem.models.eagle import check_target, load_head, save_head_files, target_identity
-from tandem.models.transformer import Linear, Transformer, pack_linears, unpack_linears
+from tandem.models.transformer import Transformer
+from tandem.models.linear import Linear, pack_linears, unpack_linears
 
 SCHEMA_VERSION = 1
 CONFIG_FILE = "mtp_config.json"

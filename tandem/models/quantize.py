@@ -20,7 +20,8 @@ import torch
 from torch import nn
 
 from tandem.models import cpu_gemm, decode_glue
-from tandem.models.transformer import Linear, Transformer
+from tandem.models.transformer import Transformer
+from tandem.models.linear import Linear
 
 
 class Int8Linear(nn.Module):

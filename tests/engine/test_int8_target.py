@@ -2,13 +2,13 @@
 import pytest
 import torch
 
-from tandem.config import EngineConfig, SamplingParams
+from tandem.config import EngineConfig
 from tandem.drafters import build_drafter
 from tandem.engine.engine import Engine
 from tandem.errors import InvalidParameterError
 from tandem.models import cpu_gemm
 from tandem.models.loader import load_transformer
-from tandem.models.transformer import Linear
+from tandem.models.linear import Linear
 
 from tiny_helpers import GREEDY, make_prompts
 

@@ -11,7 +11,7 @@ from tandem.models import cpu_gemm
 from tandem.models.loader import load_transformer
 from tandem.models.quant_gemm import pack_q4
 from tandem.models.quantize import quantized_copy
-from tandem.models.transformer import Linear
+from tandem.models.linear import Linear
 
 from tiny_helpers import GREEDY, make_prompts
 

@@ -5,7 +5,7 @@ import torch.nn.functional as F
 
 from tandem.models import cpu_gemm, decode_glue
 from tandem.models.loader import load_transformer
-from tandem.models.transformer import Linear
+from tandem.models.linear import Linear
 
 needs_kernel = pytest.mark.skipif(not cpu_gemm.available(), reason=f"small-M kernel unavailable: {cpu_gemm.unusable_reason()}")
 TOL = 1e-4  # fp32 sums of <= 200 terms of size ~1, in another order than MKL's

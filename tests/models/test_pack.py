@@ -7,7 +7,7 @@ import torch
 
 from tandem.models.loader import load_transformer
 from tandem.models.quantize import quantized_copy
-from tandem.models.transformer import Linear
+from tandem.models.linear import Linear
 
 ARCHS = ("llama", "qwen2", "qwen3")
 
@@ -139,7 +139,7 @@ def test_a_quantized_target_holds_its_bytes_once_and_serves_the_same_tokens(tiny
     if not cpu_gemm.available():
         pytest.skip("the CPU kernels did not build")
     kept = load_transformer(tiny_dirs["qwen2"])
-    from tandem.models.transformer import pack_linears
+    from tandem.models.linear import pack_linears
 
     pack_linears(kept, 8, keep_dense=True, gemm=gemm)
     model = load_transformer(tiny_dirs["qwen2"])

@@ -4,8 +4,7 @@ import torch
 
 from tandem.models import cpu_gemm
 from tandem.models import quant_gemm as qg
-from tandem.models.loader import load_transformer
-from tandem.models.transformer import Linear
+from tandem.models.linear import Linear
 
 needs_kernel = pytest.mark.skipif(not cpu_gemm.available(), reason=f"CPU kernels unavailable: {cpu_gemm.unusable_reason()}")
 has_avx512 = torch.backends.cpu.get_cpu_capability() == "AVX512"

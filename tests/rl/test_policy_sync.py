@@ -7,7 +7,7 @@ from tandem.drafters import build_drafter
 from tandem.errors import PolicyUpdateError
 from tandem.models.loader import load_transformer
 from tandem.models.quantize import Int8Linear, quantized_copy
-from tandem.models.transformer import Linear
+from tandem.models.linear import Linear
 from tandem.rl.rollout import RolloutEngine, update_policy
 from tiny_helpers import load_packed, make_prompts, plain_outputs
 
