@@ -193,6 +193,7 @@ def _bench_decode_command(bench) -> None:
                    "(made from it), built on first use under $TANDEM_BENCH_CACHE/models/gguf_zoo")
     p.add_argument("--llama-draft-gguf", default=None, help="a GGUF (file, or shipped / q8_0 of --drafter-model) for llama_draft, "
                    "llama.cpp drafting --num-draft-tokens tokens with a smaller model; default: no llama_draft")
+    p.add_argument("--llama-pld-tokens", type=int, default=10, help="llama_pld's num_pred_tokens (default 10: llama-cpp-python's)")
     p.add_argument("--llama-python", default=None, help="Python that has llama_cpp (default: the peer harness's venv under $TANDEM_BENCH_CACHE)")
     p.add_argument("--no-pack", action="store_true", help="don't prepack target weights (halves memory, slower)")
     p.add_argument("--compile", action="store_true", help="every runner on the compiled decode / verify forward (compiles each shape once)")
@@ -217,6 +218,7 @@ def _bench_decode(args) -> int:
         drafter_path=args.drafter_path, peers=tuple(p for p in args.peers.split(",") if p), pack_weights=not args.no_pack,
         ortg_python=args.ortg_python, ortg_model=args.ortg_model, weights=args.weights,
         llama_gguf=args.llama_gguf, llama_draft_gguf=args.llama_draft_gguf, llama_python=args.llama_python,
+        llama_pld_tokens=args.llama_pld_tokens,
         compile=args.compile, tree=_int_triple(args.tree, "--tree"), min_confidence=args.min_confidence,
     )
     return _emit(run_decode_bench(config), args.json_out)

