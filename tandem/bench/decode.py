@@ -150,6 +150,10 @@ def run_decode_bench(config: DecodeBenchConfig) -> dict:
     """Every runner (tandem drafters, then the peers) decodes each prompt batch in turn, interleaved."""
     from tandem.llm import LLM
 
+    if "llama" in config.peers:  # no peer venv: say so before the target loads
+        from tandem.bench.llama_peer import llama_python
+
+        llama_python(config.llama_python)
     base = LLM(model=config.model, max_batch_size=config.batch_size, pack_weights=config.pack_weights, compile=config.compile,
                weights=config.weights)
     prompts = _prompts(config)
