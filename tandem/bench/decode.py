@@ -6,7 +6,13 @@ token by token with plain decoding (`greedy_matches_ar`).
 
 A runner named `NAME@W` for W in bf16 / int8 / int4 (`ar@int8`, `eagle_ngram@int4`) runs on another copy of the
 target with those weights (`LLM(weights=W)`): its speedup is still against fp32 `ar`, and its greedy output is compared
-with `ar@W`, plain decoding of the same target (speculation is lossless w.r.t. the served target).
+with `ar@W`, plain decoding of the same target (speculation is lossless w.r.t. the served target). `weights=W` (`--weights`)
+serves the base target itself with W weights: `ar` and every unsuffixed runner are then the W model (one copy in
+memory instead of two, for targets too big for both).
+
+Peers (`--peers hf,ortg,llama`) decode the same prompt ids in the same loop. Each summary's `greedy_match_share` is the
+share of prompts whose output equals its reference's: plain decoding of the same weights (`ar` / `ar@W`; for llama.cpp
+the runner at its GGUF's bits, e.g. `ar@int8` for Q8_0, where there is one). Across engines it need not be 1.0.
 """
 from __future__ import annotations
 
@@ -33,9 +39,14 @@ class DecodeBenchConfig:
     adaptive_k: bool = False
     drafter_model: str | None = None  # draft_model / HF assisted generation
     drafter_path: str | None = None  # eagle / mtp heads: one DIR, or "eagle=DIR,mtp=DIR"
-    peers: tuple[str, ...] = ()  # "hf", "ortg" (onnxruntime-genai, in a child process: tandem.bench.peers)
+    peers: tuple[str, ...] = ()  # "hf", "ortg" (onnxruntime-genai), "llama" (llama.cpp); the last two in child processes
+    weights: str = "fp32"  # the base target's served weights: "ar" is plain decoding of this model
     ortg_python: str | None = None  # the interpreter that has onnxruntime-genai (default: the peer harness's venv)
     ortg_model: str | None = None  # its fp32 model directory (default: the peer harness's SmolLM2 export)
+    llama_gguf: str = "q8_0"  # a GGUF file, or "shipped" / "q8_0": built from the zoo model (tandem.bench.llama_peer)
+    llama_draft_gguf: str | None = None  # llama_draft's GGUF (a file, or shipped / q8_0 of --drafter-model); None: no llama_draft
+    llama_python: str | None = None  # the interpreter that has llama_cpp (default: the peer harness's venv)
+    llama_pld_tokens: int = 10  # llama_pld's num_pred_tokens (llama-cpp-python's default)
     pack_weights: bool = True  # False saves a copy of the weights (big targets next to HF peers in one process)
     compile: bool = False  # every engine on the compiled decode / verify forward (tandem.models.compiled)
     tree: tuple[int, int, int] | None = None  # dynamic trees (eagle_tree*): (max_nodes, topk, depth); None: the drafter's default
@@ -57,9 +68,21 @@ class DecodeBenchConfig:
                 raise InvalidParameterError(f"{weights} runners need 'ar@{weights}' too (their greedy reference: plain decoding of the {weights} target)")
         if self.tree is not None and (len(self.tree) != 3 or min(self.tree) < 1):
             raise InvalidParameterError(f"--tree takes NODES,TOPK,DEPTH, each >= 1; got {self.tree}")
+        if self.weights not in ("fp32",) + WEIGHT_SUFFIXES:
+            raise InvalidParameterError(f"--weights must be one of {('fp32',) + WEIGHT_SUFFIXES}, got {self.weights!r}")
+        if self.weights != "fp32" and not self.pack_weights:
+            raise InvalidParameterError(f"--weights {self.weights} needs packed weights (drop --no-pack)")
+        if self.llama_pld_tokens < 1:
+            raise InvalidParameterError(f"--llama-pld-tokens must be >= 1, got {self.llama_pld_tokens}")
+        if "llama" in self.peers:  # a missing GGUF file or a spec without a zoo model fails here, before any model loads
+            from tandem.bench.llama_peer import gguf_path
+
+            gguf_path(self.llama_gguf, self.model, "--llama-gguf")
+            if self.llama_draft_gguf:
+                gguf_path(self.llama_draft_gguf, self.drafter_model, "--llama-draft-gguf (of --drafter-model)")
 
 
-PEERS = ("hf", "ortg")
+PEERS = ("hf", "ortg", "llama")
 WEIGHT_SUFFIXES = ("bf16", "int8", "int4")  # NAME@W: the runner serves the target with W weights (tandem.config.WEIGHTS)
 
 
@@ -79,6 +102,8 @@ class Tally:
     draft_s: float = 0.0
     draft_len_sum: float = 0.0
     matches: bool = True
+    compared: int = 0  # requests with a reference output
+    matched: int = 0  # of those, equal to it
 
     def add(self, out, seconds: float, reference: list[int] | None) -> None:
         m = out.metrics or EMPTY_METRICS
@@ -91,10 +116,12 @@ class Tally:
         self.draft_s += m["draft_time_s"]
         self.draft_len_sum += m["mean_draft_length"] * m["steps"]
         if reference is not None:
+            self.compared += 1
+            self.matched += out.token_ids == reference
             self.matches &= out.token_ids == reference
 
     def merge(self, other: "Tally") -> None:
-        for name in ("requests", "tokens", "seconds", "steps", "drafted", "accepted", "draft_s", "draft_len_sum"):
+        for name in ("requests", "tokens", "seconds", "steps", "drafted", "accepted", "draft_s", "draft_len_sum", "compared", "matched"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.matches &= other.matches
 
@@ -112,6 +139,7 @@ class Tally:
             "mean_draft_length": round(self.draft_len_sum / steps, 3),
             "draft_ms_per_drafted_token": round(1000 * self.draft_s / self.drafted, 3) if self.drafted else 0.0,
             "greedy_matches_ar": self.matches,
+            "greedy_match_share": round(self.matched / self.compared, 3) if self.compared else None,
         }
         if ar is not None and ar.rate:
             out["speedup_vs_ar"] = round(self.rate / ar.rate, 3)
@@ -122,7 +150,12 @@ def run_decode_bench(config: DecodeBenchConfig) -> dict:
     """Every runner (tandem drafters, then the peers) decodes each prompt batch in turn, interleaved."""
     from tandem.llm import LLM
 
-    base = LLM(model=config.model, max_batch_size=config.batch_size, pack_weights=config.pack_weights, compile=config.compile)
+    if "llama" in config.peers:  # no peer venv: say so before the target loads
+        from tandem.bench.llama_peer import llama_python
+
+        llama_python(config.llama_python)
+    base = LLM(model=config.model, max_batch_size=config.batch_size, pack_weights=config.pack_weights, compile=config.compile,
+               weights=config.weights)
     prompts = _prompts(config)
     token_ids = render_chat(prompts, base.tokenizer)
     params = SamplingParams(max_tokens=config.max_tokens, temperature=0.0)
@@ -137,6 +170,14 @@ def run_decode_bench(config: DecodeBenchConfig) -> dict:
         from tandem.bench.peers import ortg_runners
 
         runners |= ortg_runners(base, config)
+    reference_of, peer_info = {}, {}
+    if "llama" in config.peers:
+        from tandem.bench.llama_peer import llama_runners
+
+        llama, peer_info["llama"] = llama_runners(base, config, token_ids)
+        runners |= llama
+        reference_of |= dict.fromkeys(llama, _reference_at(peer_info["llama"]["weights"], config))
+        peer_info["llama"]["reference"] = reference_of["llama"]
     for run in runners.values():
         run([token_ids[0][:16]])  # warm-up
     tallies: dict[str, dict[str, Tally]] = {name: {} for name in runners}
@@ -147,11 +188,19 @@ def run_decode_bench(config: DecodeBenchConfig) -> dict:
             t = time.perf_counter()
             outputs = run([token_ids[i] for i in batch])
             seconds = time.perf_counter() - t
-            plain = f"ar@{_weights_of(name)}" if "@" in name else "ar"
+            plain = reference_of.get(name) or (f"ar@{_weights_of(name)}" if "@" in name else "ar")
             if name == plain:
                 references[plain] = [o.token_ids for o in outputs]
             _tally(tallies[name], [prompts[i].domain for i in batch], outputs, seconds, None if name == plain else references[plain])
-    return {"config": asdict(config), "machine": machine_info(), "num_prompts": len(prompts), "drafters": _summaries(tallies)}
+    result = {"config": asdict(config), "machine": machine_info(), "num_prompts": len(prompts), "drafters": _summaries(tallies)}
+    return result | ({"peers": peer_info} if peer_info else {})
+
+
+def _reference_at(weights: str | None, config: DecodeBenchConfig) -> str:
+    """The tandem runner a peer at `weights` is compared with: plain decoding at those weights where one runs, else `ar`."""
+    if weights and weights != config.weights and f"ar@{weights}" in config.drafters:
+        return f"ar@{weights}"
+    return "ar"
 
 
 def _weights_of(name: str) -> str:  # "ngram@int4" -> "int4"; a peer or plain name -> ""

@@ -1,5 +1,6 @@
 """Peers in `tandem bench decode`: HF transformers (plain, prompt-lookup and assisted generation) in this
-process, onnxruntime-genai (plain and n-gram) in a child process of the peer harness's venv.
+process, onnxruntime-genai (plain and n-gram) and llama.cpp (bench/llama_peer.py) in child processes of the peer
+harness's venv.
 
 Same prompts (already chat-templated token ids), greedy, batch 1 (their speculative generation supports no
 more), same threads, in the same run as tandem's drafters and interleaved with them prompt by prompt, so
@@ -80,32 +81,47 @@ def ortg_paths(python: str | None, model: str | None) -> tuple[Path, Path]:
     return py, model_dir
 
 
-class OrtgPeer:
-    """onnxruntime-genai in a child process (tandem/bench/ortg_worker.py), one JSON line per request."""
+class WorkerPeer:
+    """A peer engine in a child process of another Python: one JSON request line in, one JSON reply line out
+    (tandem/bench/ortg_worker.py, llama_worker.py). The first line it prints is its ready line."""
 
-    def __init__(self, python: Path, model_dir: Path, threads: int, eos: list[int]):
-        worker = Path(__file__).with_name("ortg_worker.py")
-        cmd = [str(python), str(worker), "--model", str(model_dir), "--threads", str(threads), "--eos", ",".join(map(str, eos))]
+    label = "peer"
+
+    def __init__(self, cmd: list[str]):
         self.process = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
-        ready = self._read()
-        self.version = f"onnxruntime-genai {ready['ready']}"
+        self.ready = self._read()
 
-    def generate(self, ids: list[int], max_tokens: int, mode: str) -> list[int]:
-        self.process.stdin.write(json.dumps({"ids": ids, "max_tokens": max_tokens, "mode": mode}) + "\n")
+    def request(self, payload: dict) -> dict:
+        self.process.stdin.write(json.dumps(payload) + "\n")
         reply = self._read()
         if "error" in reply:
-            raise RuntimeError(f"onnxruntime-genai peer: {reply['error']}")
-        return reply["token_ids"]
+            raise RuntimeError(f"{self.label} peer: {reply['error']}")
+        return reply
 
     def _read(self) -> dict:
         line = self.process.stdout.readline()
         if not line:
-            raise RuntimeError(f"onnxruntime-genai peer exited (code {self.process.poll()}); its stderr is above")
+            raise RuntimeError(f"{self.label} peer exited (code {self.process.poll()}); its stderr is above")
         return json.loads(line)
 
     def close(self) -> None:
-        self.process.stdin.close()
-        self.process.wait(timeout=30)
+        if self.process.poll() is None:
+            self.process.stdin.close()
+            self.process.wait(timeout=30)
+
+
+class OrtgPeer(WorkerPeer):
+    """onnxruntime-genai in a child process (tandem/bench/ortg_worker.py), one JSON line per request."""
+
+    label = "onnxruntime-genai"
+
+    def __init__(self, python: Path, model_dir: Path, threads: int, eos: list[int]):
+        worker = Path(__file__).with_name("ortg_worker.py")
+        super().__init__([str(python), str(worker), "--model", str(model_dir), "--threads", str(threads), "--eos", ",".join(map(str, eos))])
+        self.version = f"onnxruntime-genai {self.ready['ready']}"
+
+    def generate(self, ids: list[int], max_tokens: int, mode: str) -> list[int]:
+        return self.request({"ids": ids, "max_tokens": max_tokens, "mode": mode})["token_ids"]
 
 
 def ortg_runners(base, config) -> dict:

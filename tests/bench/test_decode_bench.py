@@ -61,6 +61,21 @@ def test_int8_runners_are_checked_against_plain_int8_decoding(tiny_llama, tmp_pa
     assert list(result) == ["ar", "ar@int8", "ngram@int8"]  # references run first
     assert result["ngram@int8"]["overall"]["greedy_matches_ar"] is True  # against ar@int8
     assert result["ngram@int8"]["overall"]["tokens"] == result["ar@int8"]["overall"]["tokens"] == 12
+    assert result["ngram@int8"]["overall"]["greedy_match_share"] == 1.0 and result["ar"]["overall"]["greedy_match_share"] is None
+
+
+def test_weights_option_serves_the_base_target_at_those_weights(tiny_llama, tmp_path):
+    from tandem.models import cpu_gemm
+
+    if not cpu_gemm.available():
+        pytest.skip(f"int8 weights need the small-M kernel: {cpu_gemm.unusable_reason()}")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"domain": "code", "prompt": "abcabcabc abc abcabc"}))
+    out = tmp_path / "out.json"
+    assert main(["bench", "decode", "--model", tiny_llama, "--drafters", "ar,ngram", "--weights", "int8", "--prompts", str(prompts),
+                 "--max-tokens", "12", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["config"]["weights"] == "int8" and result["drafters"]["ngram"]["overall"]["greedy_match_share"] == 1.0
 
 
 def test_int8_runners_need_their_reference():
