@@ -30,8 +30,8 @@ from pathlib import Path
 import torch
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = (CSRC / "small_gemm.cpp", CSRC / "wide_gemm.cpp", CSRC / "quant_gemm.cpp", CSRC / "decode_glue.cpp")  # one extension: the GEMMs
-# (quant_gemm.cpp: int4 and bf16 weights, tandem.models.quant_gemm) and the per-layer glue (decode_glue.py)
+SOURCES = (CSRC / "small_gemm.cpp", CSRC / "wide_gemm.cpp", CSRC / "q4_gemm.cpp", CSRC / "bf16_gemm.cpp", CSRC / "decode_glue.cpp")  # one extension: the GEMMs
+# (q4_gemm.cpp: int4 weights with int8 activations; bf16_gemm.cpp: bf16 weights; tandem.models.quant_gemm) and the per-layer glue (decode_glue.py)
 HEADERS = (CSRC / "simd.h", CSRC / "gemm.h")
 ENV = "TANDEM_CPU_GEMM"  # "onednn": never use the kernel (A/B runs, a suspected kernel problem)
 MAX_ROWS = 512  # measured here up to 512 rows: the register-blocked path beats F.linear (MKL) 1.1-1.5x from 64 rows on

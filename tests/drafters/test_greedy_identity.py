@@ -7,6 +7,7 @@ from tandem.drafters import build_drafter
 from tandem.drafters.base import DrafterBase
 from tandem.engine.control import AdaptiveDraftLength
 from tandem.engine.engine import Engine
+from tandem.errors import InvalidParameterError
 from tandem.models.loader import load_transformer
 from tandem.models.tiny import make_tiny_model
 from tandem.types import DraftTree
@@ -78,6 +79,26 @@ def test_draft_model_greedy_identical(tiny_dirs, tmp_path):
     engine = spec_engine(tiny_dirs["qwen2"], "draft_model", drafter_model=str(draft_dir))
     got = [r.output_ids for r in engine.run(prompts, [GREEDY] * len(prompts))]
     assert got == plain_outputs(tiny_dirs["qwen2"], prompts)
+
+
+@pytest.mark.parametrize("name,kind", [("draft_model_int8", None), ("draft_model_int4", "int4")])
+def test_a_quantized_draft_model_is_served_at_its_weights_and_stays_lossless(tiny_dirs, tmp_path, name, kind):
+    draft_dir = make_tiny_model(tmp_path / "draft", "qwen2", seed=7)
+    prompts = repetitive_prompts(seed=1)
+    engine = spec_engine(tiny_dirs["qwen2"], name, drafter_model=str(draft_dir))
+    linears = engine.drafter.model.linears()
+    if kind is None:  # int8 rows
+        assert all(lin.int8 is not None for lin in linears)
+    else:
+        assert all(lin.compact is not None and lin.compact.kind == kind for lin in linears)
+    assert engine.drafter.name == name
+    got = [r.output_ids for r in engine.run(prompts, [GREEDY] * len(prompts))]
+    assert got == plain_outputs(tiny_dirs["qwen2"], prompts)
+
+
+def test_draft_model_refuses_unknown_weights(tiny_dirs, tmp_path):
+    with pytest.raises(InvalidParameterError, match="draft_weights must be one of"):
+        spec_engine(tiny_dirs["qwen2"], "draft_model", drafter_model=tiny_dirs["qwen2"], draft_weights="int3")
 
 
 def test_draft_model_drafting_for_itself_accepts_everything(tiny_dirs):

@@ -1,20 +1,16 @@
-// y = x @ w^T (+ bias) for fp32 activations with few rows (decode and verify) over weights stored in fewer bytes than
-// fp32: group-wise int4 (`small_gemm_q4`) and bf16 (`small_gemm_bf16`), both widened to fp32 in registers.
+// y = x @ w^T (+ bias) for fp32 activations with few rows (decode and verify) over bf16 weights (`small_gemm_bf16`),
+// widened to fp32 in registers by a 16-bit shift (exact). (Group-wise int4 runs on integers: q4_gemm.cpp.)
 //
-// Layouts (cpu_gemm.pack_q4 / pack_bf16 build them): rows in groups of 4, and within a group the k axis in chunks of
-// 8, so that a pass over a group reads its weights as one sequential stream and feeds 4 independent FMA chains per row
-// of x (small_gemm_q8's layout, small_gemm.cpp):
-// - int4: packed uint8 [ceil(N/4), ng, G/8, 16]: for quantization group j (G inputs) and chunk c of it (8 inputs),
-//   byte i holds row i / 8's weight k = i % 8 in its low nibble and row 2 + i / 8's in its high nibble, each q in
-//   [0, 15]; scale_min fp16 [N, ng, 2] (row n's pairs are contiguous, so a group's 4 rows read 4 short sequential
-//   runs). The weight is fma(q, scale[n, j], min[n, j]) in fp32 (asymmetric, llama.cpp Q4_1's numbers); K is padded.
-// - bf16: packed bf16 [ceil(N/4), ceil(K/8), 4, 8] (the chunk of 4 rows x 8 k is one 64-byte line); scale fp32 [N]
-//   is a per-row factor (ones from pack_bf16: multiplying by 1 is exact) that also names N.
+// Layout (quant_gemm.pack_bf16 builds it): rows in groups of 4, and within a group the k axis in chunks of 8, so that
+// a pass over a group reads its weights as one sequential stream and feeds 4 independent FMA chains per row of x
+// (small_gemm_q8's layout, small_gemm.cpp): packed bf16 [ceil(N/4), ceil(K/8), 4, 8] (the chunk of 4 rows x 8 k is
+// one 64-byte line); scale fp32 [N] is a per-row factor (ones from pack_bf16: multiplying by 1 is exact) that also
+// names N. The passes are templates over the weight's decoder (`W`: load, scales, tail), with one decoder today.
 //
-// Batch invariance, as in small_gemm.cpp: each weight is widened to the same fp32 value (the int4 one as
-// fma(float(q), scale, min), one rounding) whatever the block, each output is summed in one order (8 lanes over k, lane_sum, the
-// K % 8 tail in one compiled copy, then the row factor and the bias), so a row's result does not depend on M, the
-// passes or the ISA: the AVX-512 passes hold two rows per register and do the AVX2 passes' operations lane for lane.
+// Batch invariance, as in small_gemm.cpp: each weight is widened to the same fp32 value whatever the block, each
+// output is summed in one order (8 lanes over k, lane_sum, the K % 8 tail in one compiled copy, then the row factor
+// and the bias), so a row's result does not depend on M, the passes or the ISA: the AVX-512 passes hold two rows per
+// register and do the AVX2 passes' operations lane for lane.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -33,104 +29,6 @@ constexpr int64_t kGrain = 12;  // groups per parallel_for grain (48 rows, as sm
 constexpr int64_t kAhead = 1024;  // the weight stream is prefetched this far ahead into L1 (as small_gemm_q8)
 constexpr int kRowsX = 3;  // AVX2: rows of x per pass (3 x 4 accumulators + 4 weights of 16 registers)
 constexpr int kRowsX512 = 12;  // AVX-512: 12 x 2 accumulators of 32
-
-// ---- int4 ----------------------------------------------------------------------------------------------------
-// A chunk is 16 bytes: byte i holds row i / 8's weight k = i % 8 in its low nibble and row 2 + i / 8's in its high
-// nibble, so a mask gives rows 0-1 and a shift rows 2-3, each 16 bytes in the AVX-512 pass's two-rows-per-register
-// order, without a shuffle. A weight is fma(float(q), scale, min) with q in [0, 15] and the group's (scale, min) fp16.
-struct Q4 {
-  const uint8_t* group;  // this group of rows: ng * G/8 chunks of 16 bytes
-  const uint16_t* sm[kRows];  // each row's ng (scale, min) fp16 pairs (zeros for rows past N)
-  int shift;  // log2(G / 8): chunk c is in quantization group c >> shift
-
-  int64_t span() const { return int64_t{1} << shift; }  // chunks per quantization group
-
-  static void nibbles(const uint8_t* chunk, __m128i& r01, __m128i& r23) {
-    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(chunk));
-    const __m128i mask = _mm_set1_epi8(0x0F);
-    r01 = _mm_and_si128(v, mask);
-    r23 = _mm_and_si128(_mm_srli_epi16(v, 4), mask);
-  }
-
-  // Rows r and r + 1's (scale, min) of quantization group j as fp32 [s_r, m_r, s_r+1, m_r+1] (exact conversions).
-  __m128 pair(int r, int64_t j) const {
-    uint32_t a, b;
-    std::memcpy(&a, sm[r] + 2 * j, 4);
-    std::memcpy(&b, sm[r + 1] + 2 * j, 4);
-    return _mm_cvtph_ps(_mm_unpacklo_epi32(_mm_cvtsi32_si128(static_cast<int>(a)), _mm_cvtsi32_si128(static_cast<int>(b))));
-  }
-
-  struct Scales { __m256 s[kRows], m[kRows]; };
-  Scales scales(int64_t j) const {
-    Scales v;
-    for (int h = 0; h < 2; ++h) {
-      const __m256 p = _mm256_castps128_ps256(pair(2 * h, j));
-      for (int i = 0; i < 2; ++i) {
-        v.s[2 * h + i] = _mm256_permutevar8x32_ps(p, _mm256_set1_epi32(2 * i));
-        v.m[2 * h + i] = _mm256_permutevar8x32_ps(p, _mm256_set1_epi32(2 * i + 1));
-      }
-    }
-    return v;
-  }
-
-  static __m256 widen(__m128i bytes8, __m256 s, __m256 m) {  // 8 nibble values (low 8 bytes) -> fma(q, s, m)
-    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes8)), s, m);
-  }
-
-  void load(int64_t c, const Scales& s, __m256 w[kRows]) const {
-    const uint8_t* chunk = group + c * 16;
-    if ((c & 3) == 0) _mm_prefetch(reinterpret_cast<const char*>(chunk) + kAhead, _MM_HINT_T0);
-    __m128i r01, r23;
-    nibbles(chunk, r01, r23);
-    w[0] = widen(r01, s.s[0], s.m[0]);
-    w[1] = widen(_mm_unpackhi_epi64(r01, r01), s.s[1], s.m[1]);
-    w[2] = widen(r23, s.s[2], s.m[2]);
-    w[3] = widen(_mm_unpackhi_epi64(r23, r23), s.s[3], s.m[3]);
-  }
-
-  struct Scales512 { __m512 s[2], m[2]; };
-  __attribute__((target("avx512f,avx512dq"))) Scales512 scales512(int64_t j) const {
-    Scales512 v;
-    const __m512i s_idx = _mm512_set_epi32(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0);  // low half row r, high half r + 1
-    const __m512i m_idx = _mm512_set_epi32(3, 3, 3, 3, 3, 3, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1);
-    for (int h = 0; h < 2; ++h) {
-      const __m512 p = _mm512_castps128_ps512(pair(2 * h, j));
-      v.s[h] = _mm512_permutexvar_ps(s_idx, p);
-      v.m[h] = _mm512_permutexvar_ps(m_idx, p);
-    }
-    return v;
-  }
-
-  __attribute__((target("avx512f,avx512dq"))) void load512(int64_t c, const Scales512& s, __m512 w[2]) const {
-    const uint8_t* chunk = group + c * 16;
-    if ((c & 3) == 0) _mm_prefetch(reinterpret_cast<const char*>(chunk) + kAhead, _MM_HINT_T0);
-    __m128i r01, r23;
-    nibbles(chunk, r01, r23);
-    w[0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(r01)), s.s[0], s.m[0]);
-    w[1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(r23)), s.s[1], s.m[1]);
-  }
-
-  float finish(float s, const float* x, int64_t k0, int64_t K, int r) const;
-};
-
-// s + the K % 8 tail of one int4 output (one compiled copy for both ISAs: neither can round it differently; fma is
-// correctly rounded, so the tail's weights are the vector passes' values).
-__attribute__((noinline)) float q4_tail(float s, const float* x, const uint8_t* bytes, int high, float scale, float min, int64_t k0, int64_t K) {
-  for (int64_t k = k0; k < K; ++k) {
-    const int nib = (bytes[k - k0] >> (high ? 4 : 0)) & 0x0F;
-    const float w = std::fma(static_cast<float>(nib), scale, min);
-    s += x[k] * w;
-  }
-  return s;
-}
-
-float Q4::finish(float s, const float* x, int64_t k0, int64_t K, int r) const {
-  if (k0 >= K) return s;
-  const int64_t c = k0 / 8, j = c >> shift;
-  float scale_min[4];
-  _mm_storeu_ps(scale_min, pair(r - r % 2, j));
-  return q4_tail(s, x, group + c * 16 + 8 * (r % 2), r / 2, scale_min[2 * (r % 2)], scale_min[2 * (r % 2) + 1], k0, K);
-}
 
 // ---- bf16 ------------------------------------------------------------------------------------------------------
 struct Bf16 {
@@ -295,38 +193,6 @@ at::Tensor shaped(const at::Tensor& x, const at::Tensor& y, int64_t N) {
 
 namespace tandem_kernels {
 
-// Group-wise int4: packed uint8 [ceil(N/4), ng, G/8, 16], scale_min fp16 [N, ng, 2] (pack_q4); x [..., K] fp32.
-at::Tensor small_gemm_q4(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale_min, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.device().is_cpu() && packed.is_contiguous() && packed.dim() == 4,
-              "small_gemm_q4: weights must be pack_q4's contiguous uint8 [ceil(N/4), ng, G/8, 16]");
-  TORCH_CHECK(scale_min.scalar_type() == at::kHalf && scale_min.is_contiguous() && scale_min.dim() == 3 && scale_min.size(2) == 2,
-              "small_gemm_q4: scale_min must be fp16 [N, ng, 2]");
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.device().is_cpu() && x.dim() >= 1, "small_gemm_q4: x must be an fp32 CPU tensor");
-  const int64_t N = scale_min.size(0), ng = scale_min.size(1), K = x.size(-1), chunks = packed.size(2), G = 8 * chunks;
-  TORCH_CHECK(chunks > 0 && (chunks & (chunks - 1)) == 0, "small_gemm_q4: the group size must be 8 times a power of two, got ", G);
-  TORCH_CHECK(packed.size(0) == (N + 3) / 4 && packed.size(1) == ng && packed.size(3) == 16 && ng == (K + G - 1) / G,
-              "small_gemm_q4: weights [", packed.sizes(), "] and scale_min [", scale_min.sizes(), "] do not fit x's K = ", K);
-  const at::Tensor b = checked_bias(bias, N, "small_gemm_q4");
-  const at::Tensor x2 = x.reshape({-1, K}).contiguous();
-  const int64_t M = x2.size(0);
-  at::Tensor y = output_for(x, M, N);
-  const Out o{nullptr, b.defined() ? b.data_ptr<float>() : nullptr, y.data_ptr<float>(), N};
-  const float* xp = x2.data_ptr<float>();
-  const uint16_t* sp = reinterpret_cast<const uint16_t*>(scale_min.data_ptr<at::Half>());
-  const uint8_t* wp = packed.data_ptr<uint8_t>();
-  const std::vector<uint16_t> zeros(2 * ng, 0);
-  const int shift = __builtin_ctzll(chunks);
-  auto make = [&](int64_t g) {
-    Q4 wd{wp + g * ng * chunks * 16, {}, shift};
-    for (int r = 0; r < kRows; ++r) wd.sm[r] = 4 * g + r < N ? sp + (4 * g + r) * ng * 2 : zeros.data();
-    return wd;
-  };
-  if (M > 0 && N > 0) {
-    at::parallel_for(0, packed.size(0), kGrain, [&](int64_t g0, int64_t g1) { row_groups<Q4>(make, xp, o, g0, g1, M, K); });
-  }
-  return shaped(x, y, N);
-}
-
 // bf16 weights: packed bf16 [ceil(N/4), ceil(K/8), 4, 8], factor fp32 [N] (pack_bf16: ones); x [..., K] fp32.
 at::Tensor small_gemm_bf16(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& factor, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.device().is_cpu() && packed.is_contiguous() && packed.dim() == 4,
@@ -354,11 +220,9 @@ at::Tensor small_gemm_bf16(const at::Tensor& x, const at::Tensor& packed, const 
 }  // namespace tandem_kernels
 
 TORCH_LIBRARY_FRAGMENT(tandem_cpu, m) {
-  m.def("small_gemm_q4(Tensor x, Tensor packed, Tensor scale_min, Tensor? bias) -> Tensor");
   m.def("small_gemm_bf16(Tensor x, Tensor packed, Tensor factor, Tensor? bias) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) {
-  m.impl("small_gemm_q4", &tandem_kernels::small_gemm_q4);
   m.impl("small_gemm_bf16", &tandem_kernels::small_gemm_bf16);
 }
