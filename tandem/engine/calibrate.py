@@ -45,6 +45,19 @@ class CalibrationGrid:
         return CalibrationGrid((1, 2, 4, 8, 16), (1, 2, 3, 5, 8), (32, 256), 5, (1, 2, 3, 4), (1, 4, 16))
 
 
+MEASURE_MAX_LEN = 256  # the measuring engine's max_model_len (prompts of 72 tokens + the drafted steps)
+DRAFTER_MAX_LEN = 512  # a measured drafter's own length, above the measuring engine's
+FULL_CHAINS = 0.0  # draft cost is measured on full chains (an EAGLE head's confidence cut would end most of them on the
+# random prompts); drafters without the option ignore it, as they ignore tree options
+
+
+def measure_options() -> dict:
+    """What a drafter factory given to `calibrate` must build with, on top of the drafter's own options: room for the
+    widest grid batch and the measuring engine's length, and full chains."""
+    return {"max_batch": max(CalibrationGrid.for_mode(False).draft_batches), "max_len": DRAFTER_MAX_LEN,
+            "min_confidence": FULL_CHAINS}
+
+
 def fingerprint() -> dict:
     """What makes timings from one machine invalid on another, and from one build of the CPU kernels on the next (a
     kernel change moves the costs: stop 30's int8 kernel made self_draft's drafting ~2x cheaper at 4-16 rows, and a
@@ -119,7 +132,7 @@ def measure_drafter(model, drafter_factory, grid: CalibrationGrid, steps: int = 
     for batch in grid.draft_batches:
         for k in grid.draft_ks:
             policy = _FixedBudget(k)
-            engine = Engine(model, EngineConfig(max_batch_size=batch, max_model_len=256), drafter=drafter, draft_policy=policy)
+            engine = Engine(model, EngineConfig(max_batch_size=batch, max_model_len=MEASURE_MAX_LEN), drafter=drafter, draft_policy=policy)
             prompts = [torch.randint(0, 8, (24,), generator=gen).tolist() * 3 for _ in range(batch)]  # 8 ids: lookups match
             engine.run(prompts, [SamplingParams(max_tokens=steps * (k + 1), temperature=0.0, ignore_eos=True)] * batch)
             samples += [s for s in policy.samples[1:] if s[0] > 0]  # the first step warms the drafter up
@@ -207,30 +220,7 @@ def resolve_calibration(model, drafter, calibration, model_name: str | None, rec
     return None
 
 
-FULL_CHAINS = 0.0  # draft cost is measured on full chains (an EAGLE head's confidence cut would end most of them on the
-# random prompts); drafters without the option ignore it, as they ignore tree options
-
-
 def _rebuild(drafter, model):
     from tandem.drafters import build_drafter
 
-    return lambda: build_drafter(drafter.name, target=model, num_draft_tokens=drafter.max_nodes, max_batch=16, max_len=512, min_confidence=FULL_CHAINS)
-
-
-def calibrate_model(model_name: str, drafter_names: tuple[str, ...] = (), quick: bool = False, json_out: str | None = None,
-                    drafter_path: str | None = None, store: bool = True) -> Calibration:
-    """`tandem calibrate`: load the model (zoo name or directory), measure, fit, store (and write json_out)."""
-    from tandem.drafters import build_drafter
-    from tandem.models.loader import load_transformer
-    from tandem.models.zoo import resolve_model
-
-    model = load_transformer(resolve_model(model_name))
-    model.pack()
-    factories = {name: (lambda name=name: build_drafter(name, target=model, num_draft_tokens=max(CalibrationGrid.for_mode(quick).draft_ks),
-                                                         max_batch=16, max_len=512, drafter_path=drafter_path, min_confidence=FULL_CHAINS)) for name in drafter_names}
-    record = calibrate(model, model_name, factories, quick)
-    if store:
-        save_calibration(record, calibration_path(model_name))
-    if json_out:
-        save_calibration(record, json_out)
-    return record
+    return lambda: build_drafter(drafter.name, target=model, num_draft_tokens=drafter.max_nodes, **measure_options())
