@@ -80,16 +80,18 @@ class LLM:
 
     def _make_engine(self, drafter, num_draft_tokens, drafter_model, drafter_path, adaptive_k, **drafter_options) -> Engine:
         draft, policy = None, None
+        options = dict(drafter_model=drafter_model, drafter_path=drafter_path, device=self.device, **drafter_options)
         if drafter:
             from tandem.drafters import build_drafter
 
-            draft = build_drafter(drafter, target=self.target, num_draft_tokens=num_draft_tokens, drafter_model=drafter_model,
-                                  drafter_path=drafter_path, device=self.device, max_batch=self.config.max_batch_size,
-                                  max_len=self.config.max_model_len, **drafter_options)
+            draft = build_drafter(drafter, target=self.target, num_draft_tokens=num_draft_tokens, max_batch=self.config.max_batch_size,
+                                  max_len=self.config.max_model_len, **options)
         if adaptive_k and draft is not None:
             from tandem.engine.control import SpeculationController
 
-            policy = SpeculationController.for_engine(self.target, draft, model_name=self.model_name, max_k=num_draft_tokens)
+            factory = calibration_drafter_factory(drafter, self.target, num_draft_tokens, **options)  # the served drafter's options
+            policy = SpeculationController.for_engine(self.target, draft, model_name=self.model_name, max_k=num_draft_tokens,
+                                                      drafter_factory=factory)
         return Engine(self.target, self.config, drafter=draft, draft_policy=policy)
 
     def with_drafter(self, drafter: str | None, num_draft_tokens: int = 4, drafter_model: str | None = None,

@@ -25,4 +25,14 @@ def test_tandem_calibrate_stores_and_writes_the_record(target, tiny_llama, tmp_p
     assert load_calibration(out) == record and record.model == tiny_llama and record.measured["quick"] is True
     assert sorted(record.drafters) == sorted(printed["drafters"]) == ["ngram", "ngram_tree"]
     assert len(record.measured["timings"]) == 3 * 3 * 1  # the quick grid: 3 batches x 3 token counts x 1 context
-    assert FULL_CHAINS == 0.0
+
+
+def test_the_calibration_factory_keeps_the_drafters_options(target):
+    from tandem.llm import calibration_drafter_factory
+
+    factory = calibration_drafter_factory("eagle_tree", target, 3, drafter_path="day0", max_nodes=5, tree_topk=2, min_confidence=0.5,
+                                          max_batch=2)
+    first, second = factory(), factory()
+    assert first is not second and first.name == "eagle_tree"
+    assert (first.k, first.tree.mode, first.tree.max_nodes, first.tree.topk) == (3, "dynamic", 5, 2)  # the served drafter's own
+    assert first.min_confidence == FULL_CHAINS and first.cache.max_batch == 16  # as calibration measures: full chains, 16 rows
