@@ -135,7 +135,8 @@ def test_recalibrate_without_a_factory_measures_the_target_only(record, tmp_path
     assert rec.drafters == {} and load_calibration(calibration_path("tiny")) == rec
     assert resolve_calibration(model, served, None, "tiny", recalibrate=True) == rec  # nothing to add without a factory
     built = []
-    again = resolve_calibration(model, served, None, "tiny", recalibrate=True, drafter_factory=lambda: built.append(1) or NgramDrafter(3, candidates=3))
+    factory = lambda: built.append(1) or NgramDrafter(3, candidates=3)  # noqa: E731
+    again = resolve_calibration(model, served, None, "tiny", recalibrate=True, drafter_factory=factory)
     assert "has no cost for drafter ngram: measuring now" in capsys.readouterr().err
     assert built == [1] and set(again.drafters) == {"ngram"} and load_calibration(calibration_path("tiny")) == again
 
