@@ -455,7 +455,8 @@ def _calibrate_command(sub) -> None:
 def _calibrate(args) -> int:
     import torch
 
-    from tandem.engine.calibrate import calibrate_model, calibration_path
+    from tandem.engine.calibrate import calibration_path
+    from tandem.llm import calibrate_model
 
     torch.set_num_threads(args.threads)
     record = calibrate_model(args.model, tuple(d for d in args.drafter.split(",") if d), args.quick, args.json_out, args.drafter_path)

@@ -7,17 +7,20 @@ from __future__ import annotations
 
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from tandem.config import WEIGHTS, EngineConfig, SamplingParams
+from tandem.engine.calibrate import CalibrationGrid, calibrate, calibration_path, measure_options
 from tandem.engine.engine import Engine
 from tandem.engine.request import Request
 from tandem.errors import InvalidParameterError, ModelLoadError
 from tandem.models.loader import load_transformer
 from tandem.models.zoo import DEFAULT_MODEL, resolve_model
+from tandem.sim.calibration import Calibration, save_calibration
 
 DEFAULT_MAX_MODEL_LEN = 2048  # KV cache per request unless max_model_len says otherwise
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -77,16 +80,18 @@ class LLM:
 
     def _make_engine(self, drafter, num_draft_tokens, drafter_model, drafter_path, adaptive_k, **drafter_options) -> Engine:
         draft, policy = None, None
+        options = dict(drafter_model=drafter_model, drafter_path=drafter_path, device=self.device, **drafter_options)
         if drafter:
             from tandem.drafters import build_drafter
 
-            draft = build_drafter(drafter, target=self.target, num_draft_tokens=num_draft_tokens, drafter_model=drafter_model,
-                                  drafter_path=drafter_path, device=self.device, max_batch=self.config.max_batch_size,
-                                  max_len=self.config.max_model_len, **drafter_options)
+            draft = build_drafter(drafter, target=self.target, num_draft_tokens=num_draft_tokens, max_batch=self.config.max_batch_size,
+                                  max_len=self.config.max_model_len, **options)
         if adaptive_k and draft is not None:
             from tandem.engine.control import SpeculationController
 
-            policy = SpeculationController.for_engine(self.target, draft, model_name=self.model_name, max_k=num_draft_tokens)
+            factory = calibration_drafter_factory(drafter, self.target, num_draft_tokens, **options)  # the served drafter's options
+            policy = SpeculationController.for_engine(self.target, draft, model_name=self.model_name, max_k=num_draft_tokens,
+                                                      drafter_factory=factory)
         return Engine(self.target, self.config, drafter=draft, draft_policy=policy)
 
     def with_drafter(self, drafter: str | None, num_draft_tokens: int = 4, drafter_model: str | None = None,
@@ -168,6 +173,30 @@ class LLM:
             if len(self.tokenizer.decode(token_ids[:n], skip_special_tokens=True)) >= cut:
                 return token_ids[:n]
         return token_ids
+
+
+# ---- calibration: composition (which target, which drafters) lives here; engine.calibrate measures and fits -------
+def calibration_drafter_factory(name: str, target, num_draft_tokens: int, **options) -> Callable:
+    """A factory building drafter `name` over `target` with its own options (head path, tree shape, ...), sized and
+    set as calibration measures drafters (engine.calibrate.measure_options)."""
+    from tandem.drafters import build_drafter
+
+    return lambda: build_drafter(name, target=target, num_draft_tokens=num_draft_tokens, **(options | measure_options()))
+
+
+def calibrate_model(model_name: str, drafter_names: tuple[str, ...] = (), quick: bool = False, json_out: str | None = None,
+                    drafter_path: str | None = None, store: bool = True) -> Calibration:
+    """`tandem calibrate`: load the model (zoo name or directory), measure, fit, store (and write json_out)."""
+    target = load_transformer(resolve_model(model_name))
+    target.pack()
+    k = max(CalibrationGrid.for_mode(quick).draft_ks)
+    factories = {name: calibration_drafter_factory(name, target, k, drafter_path=drafter_path) for name in drafter_names}
+    record = calibrate(target, model_name, factories, quick)
+    if store:
+        save_calibration(record, calibration_path(model_name))
+    if json_out:
+        save_calibration(record, json_out)
+    return record
 
 
 def load_tokenizer(model_dir: Path):

@@ -2,7 +2,9 @@
 drafter's cost per step, memory bandwidth and matmul throughput on this machine; fit the roofline
 (tandem.sim.fit); store the record per model + machine fingerprint under $TANDEM_HOME/calibration.
 
-The controller (tandem.engine.control) loads the record at start through `resolve_calibration`.
+The controller (tandem.engine.control) loads the record at start through `resolve_calibration`. Drafters are built
+by the caller (composition lives above the engine: tandem.llm builds `tandem calibrate`'s and the served drafter's
+factories); this module only measures what it is given.
 """
 from __future__ import annotations
 
@@ -12,8 +14,10 @@ import os
 import platform
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -27,6 +31,9 @@ from tandem.sim.calibration import Calibration, load_calibration, save_calibrati
 from tandem.sim.fit import Timing, fit_machine, nonneg_least_squares
 from tandem.sim.roofline import work_from_config
 from tandem.sim.speculative import DraftCost
+
+if TYPE_CHECKING:  # the type only: drafters are built by the caller
+    from tandem.drafters.base import Drafter
 
 
 @dataclass(frozen=True)
@@ -43,6 +50,19 @@ class CalibrationGrid:
         if quick:  # ~10 s for SmolLM2 on 2 idle cores
             return CalibrationGrid((1, 4, 8), (1, 3, 6), (64,), 3, (1, 3), (1, 4))
         return CalibrationGrid((1, 2, 4, 8, 16), (1, 2, 3, 5, 8), (32, 256), 5, (1, 2, 3, 4), (1, 4, 16))
+
+
+MEASURE_MAX_LEN = 256  # the measuring engine's max_model_len (prompts of 72 tokens + the drafted steps)
+DRAFTER_MAX_LEN = 512  # a measured drafter's own length, above the measuring engine's
+FULL_CHAINS = 0.0  # draft cost is measured on full chains (an EAGLE head's confidence cut would end most of them on the
+# random prompts); drafters without the option ignore it, as they ignore tree options
+
+
+def measure_options() -> dict:
+    """What a drafter factory given to `calibrate` must build with, on top of the drafter's own options: room for the
+    widest grid batch and the measuring engine's length, and full chains."""
+    return {"max_batch": max(CalibrationGrid.for_mode(False).draft_batches), "max_len": DRAFTER_MAX_LEN,
+            "min_confidence": FULL_CHAINS}
 
 
 def fingerprint() -> dict:
@@ -119,7 +139,7 @@ def measure_drafter(model, drafter_factory, grid: CalibrationGrid, steps: int = 
     for batch in grid.draft_batches:
         for k in grid.draft_ks:
             policy = _FixedBudget(k)
-            engine = Engine(model, EngineConfig(max_batch_size=batch, max_model_len=256), drafter=drafter, draft_policy=policy)
+            engine = Engine(model, EngineConfig(max_batch_size=batch, max_model_len=MEASURE_MAX_LEN), drafter=drafter, draft_policy=policy)
             prompts = [torch.randint(0, 8, (24,), generator=gen).tolist() * 3 for _ in range(batch)]  # 8 ids: lookups match
             engine.run(prompts, [SamplingParams(max_tokens=steps * (k + 1), temperature=0.0, ignore_eos=True)] * batch)
             samples += [s for s in policy.samples[1:] if s[0] > 0]  # the first step warms the drafter up
@@ -161,15 +181,17 @@ def _timed(fn) -> float:
     return time.perf_counter() - t
 
 
-def calibrate(model, model_name: str, drafters: dict | None = None, quick: bool = False, grid: CalibrationGrid | None = None) -> Calibration:
-    """Measure and fit. drafters: name -> factory building a drafter over `model`."""
+def calibrate(model, model_name: str, factories: dict[str, Callable[[], Drafter]] | None = None, quick: bool = False,
+              grid: CalibrationGrid | None = None) -> Calibration:
+    """Measure and fit. factories: drafter name -> the caller's factory building that drafter over `model` (with
+    measure_options()); this layer builds none itself."""
     grid = grid or CalibrationGrid.for_mode(quick)
     started = time.perf_counter()
     work = work_from_config(model.cfg, model_name, bytes_per_param=model.embed.weight.element_size(),
                             kv_bytes=model.embed.weight.element_size())
     timings = measure_forward(model, grid)
     report = fit_machine(work, timings, name=f"{model_name} on {platform.node() or 'this machine'}")
-    fitted = {name: fit_draft_cost(measure_drafter(model, factory, grid)) for name, factory in (drafters or {}).items()}
+    fitted = {name: fit_draft_cost(measure_drafter(model, factory, grid)) for name, factory in (factories or {}).items()}
     measured = {
         "bandwidth_bytes_per_s": measure_bandwidth(64 if quick else 256), "matmul_flops_per_s": measure_matmul_flops(512 if quick else 1024),
         "fit_rms_rel_error": report.rms_rel_error, "fit_max_rel_error": report.max_rel_error,
@@ -180,8 +202,12 @@ def calibrate(model, model_name: str, drafters: dict | None = None, quick: bool 
 
 
 # ---- the controller's entry ---------------------------------------------------------------------------
-def resolve_calibration(model, drafter, calibration, model_name: str | None, recalibrate: bool) -> Calibration | None:
-    """The calibration to use, or None (online-measured model) with a message saying why."""
+def resolve_calibration(model, drafter, calibration, model_name: str | None, recalibrate: bool,
+                        drafter_factory: Callable[[], Drafter] | None = None) -> Calibration | None:
+    """The calibration to use, or None (online-measured model) with a message saying why. With `recalibrate`, a
+    missing or stale record (or, given drafter_factory, one without `drafter`'s cost) is measured now (quick) and
+    stored: the target, and the drafter built by `drafter_factory` (the caller's: it knows the drafter's options;
+    see measure_options). Without a factory only the target is measured and the drafter's cost is learnt online."""
     if isinstance(calibration, Calibration):
         return calibration
     if calibration is not None:
@@ -189,17 +215,12 @@ def resolve_calibration(model, drafter, calibration, model_name: str | None, rec
     if model_name is None:
         return None
     path = calibration_path(model_name)
-    reason = "missing"
-    if path.exists():
-        record = load_calibration(path)
-        reason = record.stale_reason(fingerprint())
-        if reason is None and (drafter is None or drafter.name in record.drafters or not recalibrate):
-            return record
-        reason = reason or f"no drafter cost for {drafter.name}"
+    record, reason = _stored(path, drafter, recalibrate and drafter_factory is not None)
+    if record is not None:
+        return record
     if recalibrate:
         print(f"tandem: calibration for {model_name} {reason}: measuring now (quick)", file=sys.stderr)
-        factories = {drafter.name: _rebuild(drafter, model)} if drafter is not None else {}
-        record = calibrate(model, model_name, factories, quick=True)
+        record = calibrate(model, model_name, _recalibration_factories(drafter, drafter_factory), quick=True)
         save_calibration(record, path)
         return record
     print(f"tandem: no fresh calibration for {model_name} ({reason}); using an online-measured cost model. "
@@ -207,30 +228,24 @@ def resolve_calibration(model, drafter, calibration, model_name: str | None, rec
     return None
 
 
-FULL_CHAINS = 0.0  # draft cost is measured on full chains (an EAGLE head's confidence cut would end most of them on the
-# random prompts); drafters without the option ignore it, as they ignore tree options
+def _stored(path: Path, drafter, need_drafter: bool) -> tuple[Calibration | None, str]:
+    """The stored record if fresh (and holding `drafter`'s cost when need_drafter), else None and why not."""
+    if not path.exists():
+        return None, "missing"
+    record = load_calibration(path)
+    reason = record.stale_reason(fingerprint())
+    if reason is not None:
+        return None, reason
+    if need_drafter and drafter is not None and drafter.name not in record.drafters:
+        return None, f"has no cost for drafter {drafter.name}"
+    return record, ""
 
 
-def _rebuild(drafter, model):
-    from tandem.drafters import build_drafter
-
-    return lambda: build_drafter(drafter.name, target=model, num_draft_tokens=drafter.max_nodes, max_batch=16, max_len=512, min_confidence=FULL_CHAINS)
-
-
-def calibrate_model(model_name: str, drafter_names: tuple[str, ...] = (), quick: bool = False, json_out: str | None = None,
-                    drafter_path: str | None = None, store: bool = True) -> Calibration:
-    """`tandem calibrate`: load the model (zoo name or directory), measure, fit, store (and write json_out)."""
-    from tandem.drafters import build_drafter
-    from tandem.models.loader import load_transformer
-    from tandem.models.zoo import resolve_model
-
-    model = load_transformer(resolve_model(model_name))
-    model.pack()
-    factories = {name: (lambda name=name: build_drafter(name, target=model, num_draft_tokens=max(CalibrationGrid.for_mode(quick).draft_ks),
-                                                         max_batch=16, max_len=512, drafter_path=drafter_path, min_confidence=FULL_CHAINS)) for name in drafter_names}
-    record = calibrate(model, model_name, factories, quick)
-    if store:
-        save_calibration(record, calibration_path(model_name))
-    if json_out:
-        save_calibration(record, json_out)
-    return record
+def _recalibration_factories(drafter, drafter_factory) -> dict:
+    if drafter is None:
+        return {}
+    if drafter_factory is None:
+        print(f"tandem: no drafter factory given: calibrating the target only ({drafter.name}'s cost is measured online)",
+              file=sys.stderr)
+        return {}
+    return {drafter.name: drafter_factory}

@@ -56,15 +56,17 @@ class SpeculationController:
 
     @classmethod
     def for_engine(cls, model, drafter, calibration=None, model_name: str | None = None, recalibrate: bool = False,
-                   max_k: int | None = None) -> "SpeculationController":
+                   max_k: int | None = None, drafter_factory=None) -> "SpeculationController":
         """A controller for this target + drafter: calibration = a Calibration, a JSON path, or None
         (look up $TANDEM_HOME's record for model_name on this machine; re-measure it when missing or
-        stale if `recalibrate`, else fall back to an online-measured model and say so)."""
+        stale if `recalibrate`, else fall back to an online-measured model and say so). drafter_factory:
+        the caller's builder of a drafter like `drafter` (same options), used only to measure its cost when
+        recalibrating (engine.calibrate.resolve_calibration); without it only the target is re-measured."""
         from tandem.engine.calibrate import resolve_calibration
         from tandem.sim.roofline import work_from_config
 
         k = max_k or drafter.max_nodes
-        calib = resolve_calibration(model, drafter, calibration, model_name, recalibrate)
+        calib = resolve_calibration(model, drafter, calibration, model_name, recalibrate, drafter_factory)
         if calib is None:
             forward = ForwardCost(work_from_config(model.cfg, model_name or "target"), _prior_machine(), refit=True)
             return cls(k, forward, DraftCostModel(), max_nodes=drafter.max_nodes)

@@ -7,6 +7,7 @@ import torch
 
 from tandem.config import EngineConfig
 from tandem.drafters import build_drafter
+from tandem.drafters.ngram import NgramDrafter
 from tandem.engine.calibrate import CalibrationGrid, calibrate, calibration_path, fingerprint, fit_draft_cost, resolve_calibration
 from tandem.engine.control import SpeculationController
 from tandem.engine.engine import Engine
@@ -90,3 +91,66 @@ def test_llm_adaptive_k_uses_the_controller(tiny_llama, tmp_path, monkeypatch, c
     prompt = make_prompts(1)[0] * 3
     assert llm.generate([prompt], GREEDY)[0].token_ids == plain_outputs(llm.target, [prompt], [GREEDY])[0]
     assert llm.engine.draft_policy.metrics()["steps"] > 0
+
+
+class _WidestNgram(NgramDrafter):
+    """A real ngram drafter that remembers its widest proposal (to tell a tree from a chain afterwards)."""
+
+    def __init__(self, **options):
+        super().__init__(**options)
+        self.widest = 0
+
+    def propose(self, requests, budgets):
+        drafts = super().propose(requests, budgets)
+        self.widest = max([self.widest] + [len(d) for d in drafts])
+        return drafts
+
+
+def test_recalibrate_measures_the_drafter_through_the_callers_factory(record, tmp_path, monkeypatch, capsys):
+    model, _ = record
+    monkeypatch.setenv("TANDEM_HOME", str(tmp_path))
+    served = NgramDrafter(num_draft_tokens=3, candidates=3)  # a tree: rebuilding "ngram" by name would give a chain
+    built = []
+
+    def factory():  # the caller's: same options as the served drafter
+        built.append(_WidestNgram(num_draft_tokens=3, candidates=3))
+        return built[-1]
+
+    rec = resolve_calibration(model, served, None, "tiny", recalibrate=True, drafter_factory=factory)
+    assert "tiny missing: measuring now (quick)" in capsys.readouterr().err
+    assert len(built) == 1 and built[0].widest > max(CalibrationGrid.for_mode(True).draft_ks)  # it drafted trees
+    assert set(rec.drafters) == {"ngram"} and rec.measured["quick"] is True
+    assert load_calibration(calibration_path("tiny")) == rec
+    assert resolve_calibration(model, served, None, "tiny", recalibrate=True, drafter_factory=factory) == rec
+    assert len(built) == 1  # a fresh record with the drafter's cost is used as stored
+
+
+def test_recalibrate_without_a_factory_measures_the_target_only(record, tmp_path, monkeypatch, capsys):
+    model, _ = record
+    monkeypatch.setenv("TANDEM_HOME", str(tmp_path))
+    served = NgramDrafter(num_draft_tokens=3, candidates=3)
+    rec = resolve_calibration(model, served, None, "tiny", recalibrate=True)
+    err = capsys.readouterr().err
+    assert "measuring now" in err and "no drafter factory given: calibrating the target only" in err
+    assert rec.drafters == {} and load_calibration(calibration_path("tiny")) == rec
+    assert resolve_calibration(model, served, None, "tiny", recalibrate=True) == rec  # nothing to add without a factory
+    built = []
+    factory = lambda: built.append(1) or NgramDrafter(3, candidates=3)  # noqa: E731
+    again = resolve_calibration(model, served, None, "tiny", recalibrate=True, drafter_factory=factory)
+    assert "has no cost for drafter ngram: measuring now" in capsys.readouterr().err
+    assert built == [1] and set(again.drafters) == {"ngram"} and load_calibration(calibration_path("tiny")) == again
+
+
+def test_controller_passes_the_factory_to_recalibration(record, tmp_path, monkeypatch):
+    model, _ = record
+    monkeypatch.setenv("TANDEM_HOME", str(tmp_path))
+    built = []
+
+    def factory():
+        built.append(NgramDrafter(num_draft_tokens=3, candidates=3))
+        return built[-1]
+
+    policy = SpeculationController.for_engine(model, NgramDrafter(num_draft_tokens=3, candidates=3), model_name="tiny",
+                                              recalibrate=True, drafter_factory=factory)
+    stored = load_calibration(calibration_path("tiny"))
+    assert len(built) == 1 and policy.draft.current == stored.drafters["ngram"] and policy.forward.machine == stored.machine
