@@ -139,9 +139,9 @@ def dequantize_bf16(packed: torch.Tensor, factor: torch.Tensor, in_features: int
     return rows * factor[:, None]
 
 
-def small_gemm_q4(x: torch.Tensor, packed: torch.Tensor, scale_min: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def small_gemm_q4(x: torch.Tensor, packed: torch.Tensor, factor: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ dequantize_q4(packed, scale_min)^T (+ bias) -> [..., N], batch-invariant."""
-    return torch.ops.tandem_cpu.small_gemm_q4(x, packed, scale_min, bias)
+    return torch.ops.tandem_cpu.small_gemm_q4(x, packed, factor, bias)
 
 
 def small_gemm_bf16(x: torch.Tensor, packed: torch.Tensor, factor: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
