@@ -77,8 +77,8 @@ class FlywheelConfig:
 # ---- the trainer ------------------------------------------------------------------------------------------------------
 class OnlineTrainer:
     def __init__(self, head: EagleHead, target_rows: torch.Tensor, buffer: TraceBuffer, store: WeightStore, cfg: FlywheelConfig = FlywheelConfig()):
+        head.unpack()  # prepacked copies would go stale as the weights change
         self.head = make_trainable(head)  # a shared LM head stays frozen
-        self.head.unpack()  # prepacked copies would go stale as the weights change
         self.target_rows = target_rows.detach().float()
         self.buffer = buffer
         self.store = store

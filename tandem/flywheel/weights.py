@@ -8,8 +8,8 @@ engine-side `HotSwapper` is both an engine `between_steps` hook and an observer:
 - between steps it adopts the newest version: a background thread first validates it (exactly the served
   head's trainable names, shapes and dtypes as served, every value finite, the checksum recomputed), then
   the next between-steps call copies it into the serving head in place (`tensor.copy_`, no new parameters,
-  nothing recompiled) and rebuilds the prepacked CPU copies of the Linears it wrote. A step therefore never mixes versions and serving pauses
-  for the copy only. Refused versions are counted and never retried.
+  nothing recompiled) and rebuilds the prepacked CPU copies of the Linears it wrote. A step therefore never
+  mixes versions and serving pauses for the copy only. Refused versions are counted and never retried.
 - as an observer it tracks acceptance length per drafter version over the last `window` request-steps.
   When a swapped-in version's mean falls below `collapse_ratio` x the baseline (the previous version's
   recent mean, or, when that version served fewer than window / 2 request-steps, the mean of the last

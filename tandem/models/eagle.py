@@ -38,7 +38,7 @@ from tandem.models.config import ModelConfig
 from tandem.models.head_state import derived_keys
 from tandem.models.kv_cache import AttentionBatch, KVCache, build_attention_batch
 from tandem.models.transformer import MLP, RMSNorm, Transformer, apply_rope, rope_inv_freq
-from tandem.models.linear import Linear, unpack_linears
+from tandem.models.linear import Linear, pack_linears, unpack_linears
 
 SCHEMA_VERSION = 1
 CONFIG_FILE = "eagle_config.json"
@@ -252,18 +252,16 @@ class EagleHead(nn.Module):
     def linears(self) -> list[Linear]:
         return [m for m in self.modules() if isinstance(m, Linear)]
 
-    def pack(self, int8: bool = True, linears: list[Linear] | None = None) -> None:
+    def pack(self, int8: bool = True) -> None:
         """Set the Linears up for CPU inference; call again after the weights changed.
 
         Every Linear goes weight-only int8 where the small-M kernel runs (tandem.models.cpu_gemm): a drafter need
         not be exact (it reports what it drew from), and a draft step reads a quarter of the bytes. The LM head
         alone (16k x 576, ~70 % of the fp32 bytes) made a step ~2x cheaper for about the same acceptance
         (docs/BENCHMARKS.md 3.2); the layer's Linears too: the same greedy acceptance on the peer prompts, ~20 %
-        less drafting time (BENCHMARKS 1.6). `int8=False` keeps fp32 (the small-M kernel or oneDNN). `linears`: only
-        these (a hot-swap repacks the Linears it wrote; a frozen shared LM head keeps its packed copy)."""
+        less drafting time (BENCHMARKS 1.6). `int8=False` keeps fp32 (the small-M kernel or oneDNN)."""
         int8_here = int8 and cpu_gemm.available() and self.fc.weight.device.type == "cpu"
-        for lin in self.linears() if linears is None else linears:
-            lin.pack(4, gemm="int8" if int8_here else "auto")
+        pack_linears(self, batch_hint=4, gemm="int8" if int8_here else "auto")
 
     def unpack(self) -> None:
         unpack_linears(self)

@@ -40,19 +40,24 @@ def make_trainable(head: nn.Module) -> nn.Module:
 
 @torch.no_grad()
 def install_trainable(head: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
-    """Copy a weight version (exactly `trainable_state`'s names) into the head in place (no new tensors) and
-    rebuild the packed copies of the packed Linears it wrote; derived entries (a shared LM head) are neither
-    written nor repacked. InvalidParameterError, with the head unchanged, when the names differ."""
+    """Copy a weight version (exactly `trainable_state`'s names) into the head in place (no new tensors); each
+    Linear it writes is repacked as it was (Linear's load_state_dict: same kernel, a dropped dense weight dropped
+    again), and derived entries (a shared LM head) are neither written nor repacked. InvalidParameterError, with
+    the head unchanged, when the names or shapes differ."""
     own = trainable_state(head)
     if set(own) != set(tensors):
         raise InvalidParameterError(f"a weight version must carry exactly the head's trainable tensors: missing {sorted(set(own) - set(tensors))}, "
                                     f"not taken {sorted(set(tensors) - set(own))}")
-    written = [lin for name, lin in head.named_modules() if isinstance(lin, Linear) and f"{name}.weight" in own]
-    packed = [lin for lin in written if lin.is_packed]
-    for lin in written:
-        if lin.dense_dropped:  # its state_dict entry is a copy: write the restored Parameter instead
-            lin.unpack()
-    for name, tensor in trainable_state(head).items():
-        tensor.copy_(tensors[name])
-    if packed:
-        head.pack(linears=packed)
+    for name, tensor in own.items():
+        if tensors[name].shape != tensor.shape:
+            raise InvalidParameterError(f"{name} is {tuple(tensors[name].shape)}, the head's {tuple(tensor.shape)}")
+    in_linears = set()
+    for prefix, lin in head.named_modules():
+        if isinstance(lin, Linear):
+            local = {key: tensors[f"{prefix}.{key}"] for key in ("weight", "bias") if f"{prefix}.{key}" in own}
+            in_linears |= {f"{prefix}.{key}" for key in local}
+            if local:
+                lin.load_state_dict(local)  # copy_ into its Parameters, then its packed copy rebuilt
+    for name, tensor in own.items():
+        if name not in in_linears:
+            tensor.copy_(tensors[name])

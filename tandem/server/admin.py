@@ -66,7 +66,7 @@ class DrafterControl:
         path = self.versions_dir / f"drafter-v{version:06d}.safetensors"
         if not path.exists():
             raise InvalidParameterError(f"drafter version {version} is not available; available: {self.available()}")
-        weights = load_version(path, frozen=derived_keys(self.drafter.head.cfg))  # checksum verified; a file from before versions left the shared LM head out loads without it
+        weights = load_version(path, frozen=derived_keys(self.drafter.head.cfg))  # checksum verified; an older file: without its shared LM head
         with self._lock:
             self.pause_training()
             # operator-chosen weights do not descend from a collapsed version: pass the swapper's post-rollback gate
