@@ -29,6 +29,7 @@ from tandem.flywheel.objective import flywheel_loss
 from tandem.flywheel.weights import WeightStore, WeightVersion
 from tandem.models.config import ModelConfig
 from tandem.models.eagle import EagleHead, copy_head, load_eagle, save_eagle
+from tandem.models.head_state import install_trainable, make_trainable, trainable_state
 
 OPTIMIZER_FILE = "optimizer.safetensors"
 ANCHOR_FILE = "anchor.safetensors"  # the weights FlywheelConfig.anchor pulls toward (when on)
@@ -76,8 +77,8 @@ class FlywheelConfig:
 # ---- the trainer ------------------------------------------------------------------------------------------------------
 class OnlineTrainer:
     def __init__(self, head: EagleHead, target_rows: torch.Tensor, buffer: TraceBuffer, store: WeightStore, cfg: FlywheelConfig = FlywheelConfig()):
-        self.head = head.train().requires_grad_(True)
-        self.head.unpack()  # prepacked copies would go stale as the weights change
+        head.unpack()  # prepacked copies would go stale as the weights change
+        self.head = make_trainable(head)  # a shared LM head stays frozen
         self.target_rows = target_rows.detach().float()
         self.buffer = buffer
         self.store = store
@@ -110,9 +111,7 @@ class OnlineTrainer:
         version, self._restore = self._restore, None
         if version is None:
             return
-        with torch.no_grad():
-            for name, tensor in self.head.state_dict().items():
-                tensor.copy_(version.tensors[name])
+        install_trainable(self.head, version.tensors)
         self.optimizer.state.clear()  # the moments that led to the collapse go with it
         self.restores += 1
 
@@ -152,7 +151,7 @@ class OnlineTrainer:
                 p.sub_(p - start, alpha=self.optimizer.param_groups[0]["lr"] * self.cfg.anchor)
 
     def publish(self) -> int:
-        version = self.store.publish(self.head.state_dict(), {"trainer_step": self.steps, "restores": self.restores})
+        version = self.store.publish(trainable_state(self.head), {"trainer_step": self.steps, "restores": self.restores})
         self.published = version.version
         return version.version
 

@@ -1,13 +1,15 @@
 """Versioned drafter weights and the engine-side hot-swap with acceptance-collapse rollback.
 
-The trainer `publish`es a state dict to a `WeightStore` (CPU copies, a version number, a checksum). The
+The trainer `publish`es its head's `trainable_state` to a `WeightStore` (CPU copies, a version number, a
+checksum). A version carries only what training can change (tandem.models.head_state): a head's shared LM head
+(the target's rows, frozen) is never published, saved, checksummed, validated nor written at install. The
 engine-side `HotSwapper` is both an engine `between_steps` hook and an observer:
 
-- between steps it adopts the newest version: a background thread first validates it (names, shapes
-  and dtypes as served, every value finite, the checksum recomputed), then the next between-steps call
-  copies it into the serving head in place (`tensor.copy_`, no new parameters, nothing recompiled) and
-  rebuilds the head's prepacked CPU copies. A step therefore never mixes versions and serving pauses
-  for the copy only. Refused versions are counted and never retried.
+- between steps it adopts the newest version: a background thread first validates it (exactly the served
+  head's trainable names, shapes and dtypes as served, every value finite, the checksum recomputed), then
+  the next between-steps call copies it into the serving head in place (`tensor.copy_`, no new parameters,
+  nothing recompiled) and rebuilds the prepacked CPU copies of the Linears it wrote. A step therefore never
+  mixes versions and serving pauses for the copy only. Refused versions are counted and never retried.
 - as an observer it tracks acceptance length per drafter version over the last `window` request-steps.
   When a swapped-in version's mean falls below `collapse_ratio` x the baseline (the previous version's
   recent mean, or, when that version served fewer than window / 2 request-steps, the mean of the last
@@ -20,7 +22,8 @@ Requests in flight keep the draft-cache entries their old head wrote (recomputin
 serving by a prefill); verification keeps the output lossless either way.
 
 A trainer in another process publishes through files (`save_version`: safetensors, its meta included,
-renamed into place); the serving side's `PolledWeightStore` finds them in `latest()`.
+renamed into place); the serving side's `PolledWeightStore` finds them in `latest()`. Files written before
+versions left the shared LM head out still load: `load_version(path, frozen=derived_keys(cfg))` drops it.
 """
 from __future__ import annotations
 
@@ -39,6 +42,7 @@ from typing import Callable
 import torch
 
 from tandem.errors import TandemError
+from tandem.models.head_state import install_trainable, trainable_state
 from tandem.types import StepRecord
 
 
@@ -104,10 +108,12 @@ def save_version(version: WeightVersion, directory: Path) -> Path:
     return path
 
 
-def load_version(path: str | Path) -> WeightVersion:
+def load_version(path: str | Path, frozen: tuple[str, ...] = ()) -> WeightVersion:
     """Read a published version from disk (safetensors only), its meta included (a trainer in another process
     publishes through these files, and the swapper reads meta["restores"]); a corrupt file or checksum
-    mismatch raises WeightRefused."""
+    mismatch raises WeightRefused. `frozen` (the head's `derived_keys`): entries dropped once the file's checksum
+    passed, the checksum recomputed without them: files written before versions left out a shared LM head
+    carry it, and a version that carries it is refused."""
     from safetensors import safe_open
 
     try:
@@ -122,6 +128,9 @@ def load_version(path: str | Path) -> WeightVersion:
     version = WeightVersion(int(meta["version"]), tensors, meta["checksum"], extra)
     if checksum(tensors) != version.checksum:
         raise WeightRefused(f"{path}: checksum mismatch (corrupt or tampered file)")
+    if any(name in tensors for name in frozen):
+        kept = {k: v for k, v in tensors.items() if k not in frozen}
+        version = WeightVersion(version.version, kept, checksum(kept), extra)
     return version
 
 
@@ -187,9 +196,11 @@ def version_files(directory: Path) -> list[tuple[int, Path]]:
 
 
 def validate(version: WeightVersion, served: dict[str, torch.Tensor]) -> None:
-    """Raise WeightRefused unless `version` can replace `served` in place."""
-    if set(version.tensors) != set(served):
-        raise WeightRefused(f"version {version.version}: tensor names differ from the served head")
+    """Raise WeightRefused unless `version` can replace `served` (the head's `trainable_state`) in place."""
+    missing, extra = sorted(set(served) - set(version.tensors)), sorted(set(version.tensors) - set(served))
+    if missing or extra:
+        raise WeightRefused(f"version {version.version}: its tensors are not the served head's trainable ones: missing {missing}, "
+                            f"not taken {extra} (a shared LM head is frozen: versions never carry it)")
     for name, tensor in version.tensors.items():
         ref = served[name]
         if tensor.shape != ref.shape or tensor.dtype != ref.dtype:
@@ -248,7 +259,7 @@ class HotSwapper:
         self._min_restores = 0  # adopt only versions whose meta["restores"] reached this
 
     def _served_copy(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach().to("cpu", copy=True) for k, v in self.head.state_dict().items()}
+        return {k: v.detach().to("cpu", copy=True) for k, v in trainable_state(self.head).items()}
 
     # ---- between steps --------------------------------------------------------------------------------
     def __call__(self, engine=None) -> None:
@@ -279,13 +290,13 @@ class HotSwapper:
             return  # trained on from the collapsed weights: wait for the trainer's restore
         if self._executor is None:
             try:
-                validate(candidate, self.head.state_dict())
+                validate(candidate, trainable_state(self.head))
             except WeightRefused as e:
                 self._refuse(candidate, e)
                 return
             self._adopt(candidate)
         else:
-            self._pending = (candidate, self._executor.submit(validate, candidate, self.head.state_dict()))
+            self._pending = (candidate, self._executor.submit(validate, candidate, trainable_state(self.head)))
 
     def _adopt(self, version: WeightVersion) -> None:
         self._baseline = self._mean(self.stats.version)
@@ -304,10 +315,7 @@ class HotSwapper:
 
     def _install(self, version: WeightVersion, kind: str) -> None:
         start = time.perf_counter()
-        with torch.no_grad():
-            for name, tensor in self.head.state_dict().items():
-                tensor.copy_(version.tensors[name])
-        self.head.pack()
+        install_trainable(self.head, version.tensors)
         previous = self.drafter.version
         self.drafter.version = version.version
         self._serving = version

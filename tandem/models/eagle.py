@@ -35,6 +35,7 @@ from torch import nn
 from tandem.errors import InvalidParameterError, ModelLoadError
 from tandem.models import cpu_gemm, decode_glue
 from tandem.models.config import ModelConfig
+from tandem.models.head_state import derived_keys
 from tandem.models.kv_cache import AttentionBatch, KVCache, build_attention_batch
 from tandem.models.transformer import MLP, RMSNorm, Transformer, apply_rope, rope_inv_freq
 from tandem.models.linear import Linear, pack_linears, unpack_linears
@@ -241,7 +242,7 @@ class EagleHead(nn.Module):
     def _share_lm_head(self, target_lm_head: torch.Tensor | None) -> None:
         """The LM head holds the target's rows of the draft vocabulary, frozen (requires_grad False: no
         optimiser touches it); it stays in state_dict so copies carry it, and is left out of saved files
-        (load rebuilds it from the target)."""
+        (load rebuilds it from the target) and of published weight versions (tandem.models.head_state)."""
         if target_lm_head is None or tuple(target_lm_head.shape) != (self.cfg.target_vocab_size, self.cfg.hidden_size):
             raise ModelLoadError("a head with shared_lm_head needs the target's LM head weight [V, d]")
         with torch.no_grad():
@@ -403,15 +404,11 @@ def check_target(target_id: str, target_vocab: int, cfg: ModelConfig) -> None:
         raise ModelLoadError(f"this head was trained for target {target_id!r}; the target is {target_identity(cfg)!r}")
 
 
-def _derived_keys(cfg) -> tuple[str, ...]:
-    return ("lm_head.weight",) if getattr(cfg, "shared_lm_head", False) else ()
-
-
 def save_eagle(head: EagleHead, out_dir: str | Path, dtype: torch.dtype | None = None) -> Path:
     """Save a head; `dtype=torch.float16` halves the file (loading casts back to fp32)."""
     if dtype is None:
-        return save_head_files(out_dir, head, CONFIG_FILE, dataclasses.asdict(head.cfg), _derived_keys(head.cfg))
-    return save_head_files(out_dir, copy_head(head).to(dtype), CONFIG_FILE, dataclasses.asdict(head.cfg), _derived_keys(head.cfg))
+        return save_head_files(out_dir, head, CONFIG_FILE, dataclasses.asdict(head.cfg), derived_keys(head.cfg))
+    return save_head_files(out_dir, copy_head(head).to(dtype), CONFIG_FILE, dataclasses.asdict(head.cfg), derived_keys(head.cfg))
 
 
 def copy_head(head: EagleHead) -> EagleHead:
@@ -464,7 +461,7 @@ def load_head(path: str | Path, target: Transformer, config_cls, config_file: st
     module = build(cfg, tensors["draft_to_target"])
     own = module.state_dict()
     tensors = {k: v.to(own[k].dtype) if k in own and v.is_floating_point() else v for k, v in tensors.items()}
-    tensors |= {k: own[k] for k in _derived_keys(cfg)}
+    tensors |= {k: own[k] for k in derived_keys(cfg)}
     try:
         module.load_state_dict(tensors, strict=True)
     except RuntimeError as e:

@@ -14,6 +14,7 @@ import time
 import torch
 
 from tandem.flywheel.trainer import trainer_copy
+from tandem.models.head_state import install_trainable, trainable_state
 from tandem.training.offline import Example, eagle_step, sample_roots
 
 
@@ -65,13 +66,10 @@ class OnlineEagle:
         self.steps += 1
         return {"draft_loss": float(loss.detach()), "draft_train_s": time.perf_counter() - start}
 
-    @torch.no_grad()
     def publish(self) -> None:
-        """Copy the trained weights into the served head (between rollouts only) and repack it."""
-        served = self.drafter.head
-        served.unpack()
-        served.load_state_dict(self.head.state_dict())
-        served.pack()
+        """Copy the trained weights into the served head in place (between rollouts only) and repack what they
+        changed; a shared LM head (frozen in both copies) is left as it is."""
+        install_trainable(self.drafter.head, trainable_state(self.head))
         self.drafter.version += 1
 
     def staleness(self, policy_version: int) -> int | None:

@@ -4,7 +4,8 @@ Every change goes through the validated hot-swap path: adopting version v re-pub
 (read back from disk with their checksum verified) as a new version to the WeightStore, and the engine's
 HotSwapper validates and installs it between steps, so a step never mixes versions. In online mode the
 trainer would supersede an adopted version at its next publish, so adopt/rollback pause training first.
-Versions are kept as safetensors files in `versions_dir` (the newest `keep` plus the one being served).
+Versions are kept as safetensors files in `versions_dir` (the newest `keep` plus the one being served), each
+holding the head's trainable tensors only (never a shared LM head).
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from pathlib import Path
 
 from tandem.errors import InvalidParameterError, TandemError
 from tandem.flywheel.weights import HotSwapper, WeightStore, WeightVersion, checksum, load_version, save_version
+from tandem.models.head_state import derived_keys, trainable_state
 
 KEEP_VERSIONS = 16
 
@@ -24,7 +26,7 @@ class DrafterControl:
         self.keep = keep
         self._lock = threading.Lock()
         store.directory = versions_dir  # every published version is also written here (WeightStore's own option)
-        initial = {k: v.detach().to("cpu", copy=True) for k, v in drafter.head.state_dict().items()}
+        initial = {k: v.detach().to("cpu", copy=True) for k, v in trainable_state(drafter.head).items()}
         save_version(WeightVersion(drafter.version, initial, checksum(initial)), versions_dir)
         self._stop = threading.Event()
         threading.Thread(target=self._prune_forever, name="tandem-versions", daemon=True).start()
@@ -64,7 +66,7 @@ class DrafterControl:
         path = self.versions_dir / f"drafter-v{version:06d}.safetensors"
         if not path.exists():
             raise InvalidParameterError(f"drafter version {version} is not available; available: {self.available()}")
-        weights = load_version(path)  # checksum verified
+        weights = load_version(path, frozen=derived_keys(self.drafter.head.cfg))  # checksum verified; an older file: without its shared LM head
         with self._lock:
             self.pause_training()
             # operator-chosen weights do not descend from a collapsed version: pass the swapper's post-rollback gate

@@ -5,13 +5,25 @@ from tandem.engine.engine import Engine
 
 from tiny_helpers import GREEDY, load_packed as load_target, make_prompts, plain_outputs
 
-__all__ = ["GREEDY", "load_target", "make_prompts", "plain_outputs", "eagle_engine", "served_traces", "serve", "serve_past_a_publish"]
+__all__ = ["GREEDY", "load_target", "make_prompts", "plain_outputs", "eagle_engine", "save_shared_head", "served_traces", "serve", "serve_past_a_publish"]
 
 
 def eagle_engine(target, batch=4, record=True, drafter_path=None, k=4, **config):
     drafter = build_drafter("eagle", target=target, num_draft_tokens=k, max_batch=batch, max_len=256, draft_vocab_size=200, drafter_path=drafter_path,
                             min_confidence=0.0)  # full chains, as the flywheel's drafters draft and replay models
     return Engine(target, EngineConfig(max_batch_size=batch, max_model_len=256, record_steps=record, **config), drafter=drafter)
+
+
+def save_shared_head(target, out_dir) -> str:
+    """A saved untrained head (draft vocabulary 200) whose LM head is the target's rows, frozen (shared_lm_head, as
+    every recipe-trained head): pass it as eagle_engine's drafter_path."""
+    import torch
+
+    from tandem.models.eagle import EagleConfig, draft_vocab_from_tokens, new_eagle_head, save_eagle
+
+    cfg = EagleConfig.for_target(target.cfg, 200, shared_lm_head=True)
+    head = new_eagle_head(target, cfg, draft_vocab_from_tokens([], 200, target.cfg.vocab_size), torch.Generator().manual_seed(0))
+    return str(save_eagle(head, out_dir))
 
 
 def served_traces(target, n=4, seed=0, params=GREEDY, engine=None, branch_depth=1):

@@ -13,7 +13,7 @@ from tandem.flywheel.trainer import (FlywheelConfig, OnlineTrainer, latest_check
 from tandem.flywheel.weights import HotSwapper, WeightStore
 from tandem.models.eagle import load_eagle, save_eagle, target_to_draft
 
-from flywheel_helpers import GREEDY, eagle_engine, make_prompts, plain_outputs, served_traces
+from flywheel_helpers import GREEDY, eagle_engine, make_prompts, plain_outputs, save_shared_head, served_traces
 
 
 @pytest.fixture(scope="module")
@@ -21,8 +21,8 @@ def traces(target):
     return served_traces(target, n=6, seed=1)
 
 
-def make_trainer(target, traces, **cfg):
-    head = eagle_engine(target).drafter.head
+def make_trainer(target, traces, drafter_path=None, **cfg):
+    head = eagle_engine(target, drafter_path=drafter_path).drafter.head
     buffer = TraceBuffer()
     for trace in traces:
         buffer.put(trace)
@@ -133,6 +133,35 @@ def test_checkpoint_resumes_optimizer_state(target, traces, tmp_path):
     (latest_checkpoint(tmp_path / "ckpt") / "optimizer.safetensors").write_bytes(b"garbage")
     with pytest.raises(TandemError):
         OnlineTrainer.resume(tmp_path / "ckpt", target, trainer.buffer, WeightStore(), trainer.cfg)
+
+
+def test_a_shared_lm_head_stays_frozen_through_training(target, traces, tmp_path):
+    trainer = make_trainer(target, traces, save_shared_head(target, tmp_path / "head"), lr=1e-3, warmup=1)
+    rows = target_lm_rows(target, trainer.head)
+    start = trainer.head.fc.weight.detach().clone()
+    assert trainer.head.cfg.shared_lm_head and all(p is not trainer.head.lm_head.weight for p in trainer.params)
+    for _ in range(2):
+        trainer.train_step()
+    assert torch.equal(trainer.head.lm_head.weight, rows) and not torch.equal(trainer.head.fc.weight, start)
+
+
+def test_a_checkpoint_whose_optimizer_also_held_the_shared_lm_head_resumes(target, traces, tmp_path):
+    """Trainers before the shared LM head was kept frozen optimised it too (its moments are the checkpoint's last
+    entry): such a checkpoint resumes with the LM head frozen and the other moments in place."""
+    trainer = make_trainer(target, traces, save_shared_head(target, tmp_path / "head"), publish_every=100, anchor=1.0)
+    trainer.head.lm_head.weight.requires_grad_(True)  # what the trainer did before
+    trainer.params = [p for p in trainer.head.parameters() if p.requires_grad]
+    trainer.anchor = [p.detach().clone() for p in trainer.params]
+    trainer.optimizer = torch.optim.AdamW(trainer.params, lr=trainer.cfg.lr, weight_decay=trainer.cfg.weight_decay)
+    trainer.train_step()
+    trainer.save_checkpoint(tmp_path / "ckpt")
+    resumed = OnlineTrainer.resume(tmp_path / "ckpt", target, trainer.buffer, WeightStore(), trainer.cfg)
+    assert len(resumed.params) == len(trainer.params) - 1 and not resumed.head.lm_head.weight.requires_grad
+    assert torch.equal(resumed.head.lm_head.weight, target_lm_rows(target, resumed.head))
+    for p, q in zip(resumed.params, trainer.params):
+        assert torch.equal(resumed.optimizer.state[p]["exp_avg"], trainer.optimizer.state[q]["exp_avg"])
+    resumed.train_step()
+    assert resumed.steps == 2
 
 
 def test_checkpoint_replacement_is_atomic(target, traces, tmp_path, monkeypatch):
