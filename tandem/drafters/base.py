@@ -97,6 +97,10 @@ def registered() -> list[str]:
 
 
 def build_drafter(name: str, **kwargs) -> Drafter:
+    """The drafter registered as `name`, named `name`: calibration records, the controller's cost lookup and stats key on
+    `drafter.name`, so `ngram_tree` must not call itself `ngram` (its costs differ)."""
     if name not in _REGISTRY:
         raise InvalidParameterError(f"unknown drafter {name!r}; available: {', '.join(registered())}")
-    return _REGISTRY[name](**kwargs)
+    drafter = _REGISTRY[name](**kwargs)
+    drafter.name = name
+    return drafter

@@ -21,9 +21,7 @@ def _load(target, num_draft_tokens: int, drafter_model: str | None, max_batch: i
         raise InvalidParameterError(f"draft_model: draft_weights must be one of {sorted(WEIGHTS)}, got {draft_weights!r}")
     model = load_transformer(resolve_model(drafter_model), device=device)
     model.pack(gemm=WEIGHTS[draft_weights])
-    drafter = ModelDrafter(model, target.cfg.vocab_size, num_draft_tokens, max_batch, max_len or target.cfg.max_position)
-    drafter.name = "draft_model" if draft_weights == "fp32" else f"draft_model_{draft_weights}"
-    return drafter
+    return ModelDrafter(model, target.cfg.vocab_size, num_draft_tokens, max_batch, max_len or target.cfg.max_position)  # named by build_drafter
 
 
 @register("draft_model")

@@ -370,6 +370,4 @@ def _build(target, num_draft_tokens: int = 4, drafter_path: str | None = None, m
 
 @register("eagle_tree")
 def _build_tree(target, num_draft_tokens: int = 4, tree: str = "dynamic", **kwargs) -> EagleDrafter:
-    drafter = _build(target, num_draft_tokens, tree=tree, **kwargs)
-    drafter.name = "eagle_tree"
-    return drafter
+    return _build(target, num_draft_tokens, tree=tree, **kwargs)  # named by build_drafter
