@@ -72,6 +72,6 @@ def llama_notes(model: str, columns: dict[str, dict]) -> list[str]:
                          "from: its delta against fp32 is ~0 by construction (what is left is llama.cpp's arithmetic, e.g. "
                          "activations rounded to 8 bits in its quantized dot products), not the cost of 4-bit weights")
         elif path == q8_0:
-            notes.append(f"{name} is llama.cpp's Q8_0 of that GGUF (dequantized to fp32, then quantized), as tandem's int8 "
-                         "and int4 are quantized from the same fp32 weights")
+            notes.append(f"{name} is llama.cpp's Q8_0 of the GGUF the zoo ships for {model} (dequantized to fp32, then "
+                         "quantized), as tandem's int8 and int4 are quantized from the same fp32 weights")
     return notes

@@ -58,7 +58,7 @@ def test_notes_say_the_shipped_gguf_is_tandems_fp32(tmp_path, monkeypatch):
                "llama:Q4_0": {"gguf": str(tmp_path / "mine.gguf")}}
     notes = llama_notes("qwen2.5-coder-0.5b", columns)
     assert len(notes) == 2
-    assert notes[0].startswith("llama:Q8_0 is llama.cpp's Q8_0 of that GGUF")
+    assert notes[0].startswith("llama:Q8_0 is llama.cpp's Q8_0 of the GGUF the zoo ships for qwen2.5-coder-0.5b")
     assert notes[1].startswith("llama:Q4_K_M is the GGUF the zoo ships for qwen2.5-coder-0.5b") and "~0 by construction" in notes[1]
     assert llama_notes(str(tmp_path), columns) == []  # not a zoo model: its fp32 is not a GGUF of ours
 
