@@ -101,11 +101,11 @@ class LlamaPeer(WorkerPeer):
     label = "llama.cpp"
 
     def __init__(self, python: Path, gguf: Path, threads: int, eos: list[int], n_ctx: int, num_pred_tokens: int = 10,
-                 draft_gguf: Path | None = None, draft_tokens: int = 4):
+                 draft_gguf: Path | None = None, draft_tokens: int = 4, score: bool = False):
         worker = Path(__file__).with_name("llama_worker.py")
         cmd = [str(python), str(worker), "--gguf", str(gguf), "--threads", str(threads), "--eos", ",".join(map(str, eos)),
                "--n-ctx", str(n_ctx), "--num-pred-tokens", str(num_pred_tokens), "--draft-tokens", str(draft_tokens)]
-        super().__init__(cmd + (["--draft-gguf", str(draft_gguf)] if draft_gguf else []))
+        super().__init__(cmd + (["--draft-gguf", str(draft_gguf)] if draft_gguf else []) + (["--score"] if score else []))
 
     def generate(self, ids: list[int], max_tokens: int, mode: str) -> PeerOutput:
         reply = self.request({"ids": ids, "max_tokens": max_tokens, "mode": mode})
@@ -113,6 +113,11 @@ class LlamaPeer(WorkerPeer):
 
     def tokenize(self, text: str) -> list[int]:
         return self.request({"tokenize": text})["token_ids"]
+
+    def score(self, ids: list[int]) -> tuple[list[float], list[int]]:
+        """Teacher-forced (a worker started with score=True): position t's log-prob of ids[t + 1], and its argmax."""
+        reply = self.request({"score": ids})
+        return reply["logprobs"], reply["argmax"]
 
 
 def context_size(token_ids: list[list[int]], max_tokens: int, draft_tokens: int) -> int:

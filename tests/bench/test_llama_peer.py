@@ -1,5 +1,6 @@
 """`tandem bench decode --peers llama`: options and errors, the worker's protocol and acceptance counting (against a
 stand-in for llama-cpp-python's interface, tests/bench/fake_llama_cpp), and the real worker where the peer venv is."""
+import math
 import os
 import sys
 from pathlib import Path
@@ -104,6 +105,30 @@ def test_worker_stops_after_eos_and_counts_a_disagreeing_draft(fake_llama, tmp_p
         assert (draft.metrics["steps"], draft.metrics["drafted_tokens"], draft.metrics["accepted_tokens"]) == (2, 4, 0)
     finally:
         peer.close()
+
+
+def test_worker_scores_teacher_forced_log_probs(fake_llama, tmp_path):
+    peer = LlamaPeer(fake_llama, tmp_path / "t.gguf", threads=1, eos=[255], n_ctx=8, num_pred_tokens=0, score=True)
+    try:
+        assert peer.ready["score"] is True and peer.ready["modes"] == ["plain"]
+        logprobs, argmax = peer.score([10, 11, 12, 20, 20])
+        norm = math.log(math.exp(2.0) + math.exp(1.0) + 254)  # after t: logit 2 at t + 1, 1 at t, 0 at the 254 others
+        assert logprobs == pytest.approx([2.0 - norm, 2.0 - norm, 0.0 - norm, 1.0 - norm], abs=1e-12)
+        assert argmax == [11, 12, 13, 21]
+        assert peer.score([30, 31]) == (pytest.approx([2.0 - norm], abs=1e-12), [31])  # from an empty KV cache again
+        assert peer.generate([1, 2], 3, "plain").token_ids == [3, 4, 5]  # greedy decoding beside it
+        with pytest.raises(RuntimeError, match="score needs 2 to n_ctx = 8 token ids, got 9 .*larger --n-ctx"):
+            peer.score(list(range(9)))
+        with pytest.raises(RuntimeError, match=r"token ids must be in \[0, 256\)"):
+            peer.score([1, 256])
+    finally:
+        peer.close()
+    plain = LlamaPeer(fake_llama, tmp_path / "t.gguf", threads=1, eos=[255], n_ctx=8, num_pred_tokens=0)
+    try:
+        with pytest.raises(RuntimeError, match="started without --score"):
+            plain.score([1, 2])
+    finally:
+        plain.close()
 
 
 class _Tokenizer:
