@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from tandem.bench.machine import machine_info
+from tandem.bench.quality_metrics import Sample, forced_metrics, prefix_agreement
 from tandem.config import WEIGHTS, SamplingParams
 from tandem.data.prompts import DOMAINS, load_prompts, render_chat
 from tandem.errors import InvalidParameterError
@@ -67,24 +68,6 @@ class QualityBenchConfig:
                 gguf_path(spec, self.model, "--llama-gguf")
 
 
-@dataclass
-class Sample:
-    domain: str
-    prompt: list[int]  # chat-rendered prompt ids
-    continuation: list[int]  # fp32 greedy continuation ids
-
-
-def forced_metrics(token_logprobs, argmax, sample: Sample) -> dict[str, float]:
-    """Mean log-probs and top-1 agreement with the fp32 continuation, from position t's log-prob of token t + 1 and its
-    argmax (t < len(prompt + continuation) - 1): the same arithmetic for tandem's precisions and for peers."""
-    ids = sample.prompt + sample.continuation
-    p, n = len(sample.prompt), len(sample.continuation)
-    cont = range(p - 1, p - 1 + n)
-    return {"prompt_logprob": statistics.fmean(token_logprobs[: p - 1]),
-            "continuation_logprob": statistics.fmean(token_logprobs[t] for t in cont),
-            "top1_agreement": statistics.fmean(float(argmax[t] == ids[t + 1]) for t in cont)}
-
-
 def teacher_forced(target, sample: Sample) -> dict[str, float]:
     """One forward over prompt + continuation: mean log-probs and top-1 agreement with the fp32 continuation."""
     ids = torch.tensor([sample.prompt + sample.continuation])
@@ -93,16 +76,6 @@ def teacher_forced(target, sample: Sample) -> dict[str, float]:
     logprobs = torch.log_softmax(logits[:-1], dim=-1)  # position t predicts token t + 1
     token_lp = logprobs.gather(1, ids[0, 1:, None])[:, 0]  # [T - 1]
     return forced_metrics(token_lp.tolist(), logprobs.argmax(-1).tolist(), sample)
-
-
-def prefix_agreement(ours: list[int], reference: list[int]) -> float:
-    """Tokens before the first difference, over the reference's length (1.0: identical)."""
-    same = 0
-    for a, b in zip(ours, reference):
-        if a != b:
-            break
-        same += 1
-    return same / max(len(reference), 1)
 
 
 def _samples(llm, config: QualityBenchConfig) -> list[Sample]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from tandem.bench.llama_peer import LlamaPeer, check_same_tokens, context_size, ensure_gguf, gguf_dir, llama_python
-from tandem.bench.quality import Sample, forced_metrics, prefix_agreement
+from tandem.bench.quality_metrics import Sample, forced_metrics, prefix_agreement
 
 
 def prepare_ggufs(config, threads: int) -> tuple[Path, list[Path]]:
