@@ -33,6 +33,7 @@ from tandem.models import cpu_gemm
 GROUP_SIZE = 32  # int4 inputs per (scale, min) pair (BENCHMARKS 13: 32 kept SmolLM2 within 0.03 nats, 64 lost 0.3)
 Q4_LEVELS = 15  # q in [0, 15]
 FP16_MAX = 65504.0
+TINY_GROUP = 1e-30  # an activation group with max |x| below this quantizes to zeros (csrc/q4_gemm.cpp's kTinyGroup)
 
 
 def _check_group_size(group_size: int) -> None:
@@ -107,7 +108,7 @@ def quantize_activations(x: torch.Tensor, group_size: int = GROUP_SIZE) -> tuple
     ng = -(-k // group_size)
     grouped = F.pad(x.float(), (0, ng * group_size - k)).view(m, ng, group_size)
     top = grouped.abs().amax(-1)
-    inv = torch.where(top > 0, torch.tensor(127.0) / top, torch.zeros_like(top))
+    inv = torch.where(top >= TINY_GROUP, torch.tensor(127.0) / top, torch.zeros_like(top))
     xq = torch.round(grouped * inv[..., None]).to(torch.int8)
     return xq, top / 127.0, grouped.double().sum(-1)
 

@@ -120,6 +120,19 @@ def test_int4_on_exact_activations_is_the_exact_product(isa):
 
 
 @needs_kernel
+def test_int4_tiny_activation_groups_quantize_to_zero_not_nan():
+    """A group of activations near 1e-38 made 127 / max overflow to inf and its zeros NaN (inf * 0)."""
+    x = torch.zeros(2, 64)
+    x[0, :32], x[0, 40] = 1e-38, 1.0  # group 0 tiny, group 1 normal
+    x[1, 5] = 3e-38
+    _, w, _ = _data(1, 64, 20, seed=10)
+    packed, factor = qg.pack_q4(w, 32)
+    y = qg.small_gemm_q4(x, packed, factor)
+    assert torch.isfinite(y).all()
+    assert (y - qg.reference_q4(x, packed, factor)).abs().max().item() <= TOL
+
+
+@needs_kernel
 def test_int4_activation_quantization_costs_under_one_percent():
     """The int8 activations move the product by < 1 % (relative norm) of the fp32-activation product on Gaussian data
     (measured 0.51-0.66 % with the centred weights; 1.1-1.9 % without centring)."""

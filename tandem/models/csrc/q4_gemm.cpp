@@ -43,6 +43,10 @@ constexpr bool kPrefetch = M > 2;
 constexpr int kRowsX2 = 6;  // AVX2: rows of x per pass over a half block (6 x 2 accumulators)
 constexpr int kRowsX512 = 12;  // AVX-512: 12 x 2 accumulators of 32
 
+// A group whose largest |x| is below this quantizes to zeros (127 / max would overflow to inf near 1e-37, and inf * 0 is
+// NaN); its terms are below 1e-30 times the weights, and the center's term still uses the group's exact sum.
+constexpr float kTinyGroup = 1e-30f;
+
 // x [M, K] quantized per row and group of G inputs (zero-padded to ng * G).
 struct Acts {
   std::vector<int8_t> q;  // [M, ng * G]
@@ -72,7 +76,7 @@ void quantize_row(const float* x, int64_t K, int64_t G, int64_t ng, int8_t* q, f
     const float top = *std::max_element(lanes, lanes + 8);  // the max is exact in any order
     d[j] = top / 127.0f;
     sum[j] = lane_sum(acc);
-    const __m256 inv = _mm256_set1_ps(top > 0.0f ? 127.0f / top : 0.0f);
+    const __m256 inv = _mm256_set1_ps(top >= kTinyGroup ? 127.0f / top : 0.0f);  // a tinier group quantizes to 0
     for (int64_t k = 0; k < G; k += 8) {
       const __m256 r = _mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(buf.data() + k), inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
       const __m256i i32 = _mm256_cvtps_epi32(r);  // |r| <= 127: exact
