@@ -269,15 +269,16 @@ def op_profile(model: Transformer, context: int = 200, steps: int = 10, top: int
     return out
 
 
-def model_resident_mb(model_dir, pack: bool) -> float:
-    """Resident memory of one more copy of the target (+ its packed weights), loaded in this process
+def model_resident_mb(model_dir, pack: bool, weights: str = "fp32") -> float:
+    """Resident memory of one more copy of the target (+ its packed weights, at `weights`), loaded in this process
     after everything else: the RSS it adds, without the engine's KV cache, the tokenizer or libraries."""
+    from tandem.config import WEIGHTS
     from tandem.models.loader import load_transformer
 
     before = resident_mb()
     target = load_transformer(model_dir)
     if pack:
-        target.pack()
+        target.pack(gemm=WEIGHTS[weights])
     added = resident_mb() - before
     del target
     return added
@@ -288,7 +289,7 @@ def run_forward_bench(model: str, max_tokens: int = 64, with_hf: bool = True, pa
     from tandem.llm import LLM
 
     llm = LLM(model=model, pack_weights=pack, weights=weights)
-    rss_model = model_resident_mb(llm.model_dir, pack)
+    rss_model = model_resident_mb(llm.model_dir, pack, weights)  # at the served weights (an int4 run measured fp32's before)
     hf = load_hf(llm.model_dir) if with_hf else None
     prompts = list(BENCH_PROMPTS)
     bandwidth = memory_bandwidth_gbps()

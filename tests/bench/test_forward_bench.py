@@ -38,3 +38,16 @@ def test_op_profile_shows_the_fused_ops_only_with_the_fused_glue(tiny_llama):
     calls = {name: rows[0]["calls_per_step"] for name, rows in profile.items()}
     assert calls["fused_stack"] < calls["fused"] < calls["torch_ops"]
     assert llm.target.fused_stack
+
+
+def test_resident_memory_is_measured_at_the_served_weights(tiny_llama, monkeypatch):
+    """`bench forward --weights int4` used to measure the resident memory of an fp32 pack (1.5B int4: 6,774 MB)."""
+    from tandem.bench.forward import model_resident_mb
+    from tandem.models.transformer import Transformer
+
+    packed_as = []
+    real_pack = Transformer.pack
+    monkeypatch.setattr(Transformer, "pack", lambda self, *a, gemm="auto", **kw: (packed_as.append(gemm), real_pack(self, *a, gemm=gemm, **kw))[1])
+    model_resident_mb(tiny_llama, True, "int8")
+    model_resident_mb(tiny_llama, True)
+    assert packed_as == ["int8", "auto"]
