@@ -208,6 +208,14 @@ def set_isa(isa: str) -> str:
     return torch.ops.tandem_cpu.set_isa(isa)
 
 
+def set_prefetch(bytes_ahead: int) -> int:
+    """How far ahead the fp32 decode stream prefetches (bytes; 0: none, -1: this CPU kind's default, also
+    TANDEM_CPU_PREFETCH); returns the distance in use before. A speed switch only: it moves no value."""
+    if not available():
+        raise RuntimeError(f"the CPU kernels are not available: {unusable_reason() or 'the build failed'}")
+    return torch.ops.tandem_cpu.set_prefetch(bytes_ahead)
+
+
 def isa() -> str:
     """The kernels' blocks in use: "avx512" or "avx2"."""
     if not available():

@@ -403,3 +403,22 @@ def test_eagle_head_serves_int8_weights_unless_told_not_to(tiny_llama):
     assert all(lin.int8 is not None for lin in head.linears())
     head.pack(int8=False)
     assert all(lin.int8 is None and lin.small_gemm for lin in head.linears())
+
+
+@pytest.mark.skipif(not cpu_gemm.available(), reason="needs the CPU kernels")
+def test_the_stream_prefetch_distance_is_a_speed_switch_only():
+    """set_prefetch (TANDEM_CPU_PREFETCH) changes how far ahead the decode stream prefetches, per CPU kind by default
+    (none on Zen 4): every distance gives the same bits, and -1 restores the default."""
+    g = torch.Generator().manual_seed(11)
+    x, w = torch.randn(3, 581, generator=g), torch.randn(203, 581, generator=g)
+    default = cpu_gemm.set_prefetch(-1)
+    try:
+        reference = cpu_gemm.small_gemm(x, w)
+        for ahead in (0, 512, 4096):
+            assert cpu_gemm.set_prefetch(ahead) in (default, 0, 512)
+            assert torch.equal(cpu_gemm.small_gemm(x, w), reference)
+        assert cpu_gemm.set_prefetch(-1) == 4096 and cpu_gemm.set_prefetch(-1) == default
+        with pytest.raises(RuntimeError, match="set_prefetch: bytes must be"):
+            cpu_gemm.set_prefetch(-5)
+    finally:
+        cpu_gemm.set_prefetch(-1)

@@ -3,6 +3,8 @@
 #pragma once
 #include <torch/extension.h>
 
+#include <cpuid.h>
+
 #include <cstdlib>
 #include <string>
 
@@ -47,6 +49,38 @@ inline bool& use_avx512() {
 }
 
 inline std::string current_isa() { return use_avx512() ? "avx512" : "avx2"; }
+
+// AMD family 0x19 with AVX-512 is Zen 4 (Zen 3, the same family, has no AVX-512): 512-bit operations on 256-bit units.
+inline bool is_zen4() {
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  if (!__get_cpuid(1, &eax, &ebx, &ecx, &edx)) return false;
+  const unsigned family = ((eax >> 8) & 0xF) + ((eax >> 8 & 0xF) == 0xF ? (eax >> 20) & 0xFF : 0);
+  return family == 0x19 && avx512_supported();
+}
+
+// How far ahead (bytes) the fp32 row stream of the decode GEMM (small_gemm's stream pass) prefetches into L1; 0: not at
+// all (the hardware prefetcher alone). It moves no value: a speed switch only. Defaults, measured per CPU kind: AVX2
+// blocks 1 KB (Zen 3: decode 1.06-1.11x faster than none), AVX-512 blocks 4 KB (Zen 5: 1.14x faster than 1 KB), but
+// none on Zen 4, where the software prefetch slowed the stream (1 thread 18 vs 24 GB/s, 2 threads 28 vs 32 GB/s; BENCHMARKS
+// 8). TANDEM_CPU_PREFETCH=BYTES (or set_prefetch) overrides it for A/B runs and for CPUs not measured yet.
+inline int64_t& prefetch_override() {
+  static int64_t bytes = std::getenv("TANDEM_CPU_PREFETCH") ? std::atoll(std::getenv("TANDEM_CPU_PREFETCH")) : -1;
+  return bytes;
+}
+
+inline int64_t stream_prefetch_bytes() {
+  if (prefetch_override() >= 0) return prefetch_override();
+  static const bool zen4 = is_zen4();
+  return use_avx512() ? (zen4 ? 0 : 4096) : 1024;
+}
+
+// Sets the override (bytes >= 0) or clears it (-1); returns the distance in use before.
+inline int64_t set_prefetch(int64_t bytes) {
+  TORCH_CHECK(bytes >= -1 && bytes <= (int64_t{1} << 20), "set_prefetch: bytes must be -1 (the default) or 0 .. 1 MiB, got ", bytes);
+  const int64_t before = stream_prefetch_bytes();
+  prefetch_override() = bytes;
+  return before;
+}
 
 // "avx512" or "avx2"; returns the ISA in use before. "avx512" on a CPU without it is an error.
 inline std::string set_isa(const std::string& isa) {

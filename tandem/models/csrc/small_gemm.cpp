@@ -24,8 +24,8 @@ constexpr int kBlockX = 4;  // more rows: register blocks of 4 rows of x x 3 row
 constexpr int kBlockW = 3;  // of 16 ymm registers), ~1.1-1.25x faster from M = 32 on, ~0.9x below (BENCHMARKS 1.5)
 constexpr int64_t kPrefetchBytes = 1024;  // the weight stream is prefetched this far ahead into L1: a decode step
 // 1.06-1.11x (fp32) and 1.07x (int8) faster here (BENCHMARKS 1.7); it moves no value, so no result changes
-constexpr int64_t kPrefetchBytes512 = 4096;  // the fp32 stream's distance where the AVX-512 blocks run: on the Zen 5 box
-// (a ~2x faster stream) 4 KB made decoding 1.14x faster than 1 KB; 2 KB 1.05x, 8 KB no better (BENCHMARKS 1.9)
+// The fp32 stream pass's distance depends on the CPU kind: gemm.h's stream_prefetch_bytes (Zen 5 box: 4 KB made decoding
+// 1.14x faster than 1 KB, 2 KB 1.05x, 8 KB no better, BENCHMARKS 1.9; Zen 4: none, BENCHMARKS 8).
 
 // s + the K % 8 tail of one output's dot product (k0 .. K - 1), in one compiled copy for every block and pass, so the
 // AVX-512 blocks (compiled for another target) cannot round it differently (e.g. by contracting into FMAs).
@@ -66,14 +66,14 @@ void block(const float* x, const float* w, const float* bias, float* y, int64_t 
 // a single stream through w, at the memory bandwidth).
 template <int M>
 void stream_pass(const float* x, const float* w, const float* bias, float* y, int64_t n0, int64_t n1, int64_t K, int64_t N) {
-  const int64_t ahead = tandem_kernels::use_avx512() ? kPrefetchBytes512 : kPrefetchBytes;
+  const int64_t ahead = tandem_kernels::stream_prefetch_bytes();
   for (int64_t n = n0; n < n1; ++n) {
     const float* wr = w + n * K;
     __m256 acc[M];
     for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
     int64_t k = 0;
     for (; k + 8 <= K; k += 8) {
-      _mm_prefetch(reinterpret_cast<const char*>(wr + k) + ahead, _MM_HINT_T0);
+      if (ahead > 0) _mm_prefetch(reinterpret_cast<const char*>(wr + k) + ahead, _MM_HINT_T0);
       const __m256 wv = _mm256_loadu_ps(wr + k);
       for (int m = 0; m < M; ++m) acc[m] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + m * K + k), acc[m]);
     }
@@ -389,6 +389,7 @@ TORCH_LIBRARY(tandem_cpu, m) {
   m.def("interleave_q8(Tensor q) -> Tensor");
   m.def("set_isa(str isa) -> str", &tandem_kernels::set_isa);
   m.def("current_isa() -> str", &tandem_kernels::current_isa);
+  m.def("set_prefetch(int bytes) -> int", &tandem_kernels::set_prefetch);
 }
 
 TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) {
