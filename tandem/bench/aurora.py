@@ -16,7 +16,9 @@ target traces (tandem.flywheel.replay):
 
 Reported per variant: mean acceptance length and its ratio to static, per domain, per block, per domain
 after its first block, recovery after each shift (the issue's measure: requests until the rolling mean is
-back to 90 % of the block's final level), modelled tokens/s, trainer steps and detected shifts.
+back to 90 % of the block's final level), modelled tokens/s, trainer steps, detected shifts, and the trainer's
+core load: its measured step time over the stream's modelled decode time (<= 1: a trainer on a core of its own
+keeps pace with one decode stream on another, so the replayed step rate is one the live flywheel affords).
 """
 from __future__ import annotations
 
@@ -137,12 +139,13 @@ def run_aurora(cfg: AuroraConfig, log=print) -> dict:
 def table(report: dict) -> str:
     """The markdown table of a report: one row per variant."""
     domains = report["config"]["domains"]
-    head = "| variant | mean AL | vs static | " + " | ".join(domains) + " | after 1st block (mean over domains) | recovered <= 10 % of block | trainer steps | tok/s (modelled) |"
+    head = "| variant | mean AL | vs static | " + " | ".join(domains) + " | after 1st block (mean over domains) | recovered <= 10 % of block | trainer steps | trainer core load | tok/s (modelled) |"
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for name, s in report["summary"].items():
         after = s.get("after_first_block", {})
         rec = s.get("recovery_within_block", [])
         fast = sum(1 for r in rec if r["fraction"] is not None and r["fraction"] <= 0.1)
         lines.append(f"| {name} | {s['mean_acceptance_length']:.3f} | {s['ratio_to_static'] or 0:.3f} | " + " | ".join(f"{s['per_domain'][d]:.3f}" for d in domains)
-                     + f" | {sum(after.values()) / max(1, len(after)):.3f} | {fast}/{len(rec)} | {s.get('trainer_steps', '-')} | {s['mean_tokens_per_s']:.1f} |")
+                     + f" | {sum(after.values()) / max(1, len(after)):.3f} | {fast}/{len(rec)} | {s.get('trainer_steps', '-')} | {s.get('trainer_core_load', '-')}"
+                     + f" | {s['mean_tokens_per_s']:.1f} |")
     return "\n".join(lines)

@@ -41,8 +41,8 @@ from tandem.flywheel.stream_stats import summarize
 from tandem.config import SamplingParams
 from tandem.errors import InvalidParameterError
 from tandem.flywheel.replay import target_traces, trace_cache_dir
-from tandem.flywheel.setups import (MODES, FlywheelSetup, ReplayFlywheel, check_modes, live_engine, scratch_head, serve_stream, serving_copy, train_static_head,
-                                    trainer_process_pays)
+from tandem.flywheel.setups import (MODES, FlywheelSetup, ReplayFlywheel, check_modes, live_engine, pinned, scratch_head, serve_stream, serving_copy,
+                                    serving_cores, train_static_head, trainer_process_pays)
 from tandem.models.eagle import EagleConfig, EagleHead, load_eagle, save_eagle
 
 
@@ -83,6 +83,7 @@ class ShiftConfig:
     seed: int = 0
     live_batch: int = 4  # live mode: concurrent requests
     trainer_process: bool | None = None  # live mode: train in a child process (True) or a thread (False); None: a process when there are >= 2 cores
+    trainer_core: bool = True  # live mode, trainer process: it trains on a core of its own, every mode serves on the others
 
     @property
     def stream(self) -> StreamSpec:
@@ -95,7 +96,8 @@ class ShiftConfig:
                              discard_weight=self.discard_weight, branch_weight=self.branch_weight, collapse_ratio=self.collapse_ratio, seed=self.seed,
                              sample=self.sample, shift_detect=self.shift_detect, boost_steps_per_request=self.boost_steps_per_request,
                              boost_requests=self.boost_requests, boost_lr=self.boost_lr, shift_drop=self.shift_drop,
-                             trainer_process=trainer_process_pays() if self.trainer_process is None else self.trainer_process)
+                             trainer_process=trainer_process_pays() if self.trainer_process is None else self.trainer_process,
+                             trainer_core=self.trainer_core)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "domains", tuple(self.domains))
@@ -155,8 +157,13 @@ def calibrate(target, head: EagleHead, k: int, context: int = 160, repeats: int 
     return {"verify_s": verify, "draft_step_s": sorted(times)[len(times) // 2]}
 
 
+def modelled_seconds(steps: list[tuple[int, int, int]], costs: dict) -> float:
+    """A request's decode time on this machine's calibrated costs (one stream): a verify and k draft steps per step."""
+    return sum(costs["verify_s"][drafted + 1] + drafted * costs["draft_step_s"] for _, drafted, _ in steps)
+
+
 def modelled_tokens_per_s(steps: list[tuple[int, int, int]], output_tokens: int, costs: dict) -> float:
-    seconds = sum(costs["verify_s"][drafted + 1] + drafted * costs["draft_step_s"] for _, drafted, _ in steps)
+    seconds = modelled_seconds(steps, costs)
     return (output_tokens - 1) / seconds if seconds else 0.0
 
 
@@ -167,26 +174,34 @@ def replay_mode(mode: str, target, stream: list[Prompt], traces: dict, heads: di
                 for i, p in enumerate(stream)]
         return rows, {}
     flywheel = ReplayFlywheel(mode, target, heads, cfg.setup, cfg.train_steps_per_request)
-    rows = []
+    rows, serve_s = [], 0.0
     for i, prompt in enumerate(tqdm(stream, desc=mode, unit="req", disable=None)):
         result, version = flywheel.serve(traces[prompt_key(prompt)], cfg.max_tokens)
+        serve_s += modelled_seconds(result.steps, costs)
         rows.append({"i": i, "domain": prompt.domain, "acceptance_length": round(result.acceptance_length, 4),
                      "tokens_per_s": round(modelled_tokens_per_s(result.steps, result.output_tokens, costs), 3), "version": version})
-    return rows, flywheel.metrics()
+    metrics = flywheel.metrics()
+    if "trainer_s" in metrics:  # the trainer's wall time over the stream's modelled decode time: <= 1 means a core of its own keeps pace
+        metrics |= {"modelled_serve_s": round(serve_s, 1), "trainer_core_load": round(metrics["trainer_s"] / serve_s, 3) if serve_s else None}
+    return rows, metrics
 
 
 def live_mode(mode: str, target, stream: list[Prompt], stream_ids: dict[str, list[int]], heads: dict[str, EagleHead], cfg: ShiftConfig) -> tuple[list[dict], dict]:
     torch.set_num_threads(1)
     longest = max(len(ids) for ids in stream_ids.values()) + cfg.max_tokens + 1
-    engine, flywheel = live_engine(mode, target, heads, cfg.setup, cfg.live_batch, longest)
-    params = SamplingParams(max_tokens=cfg.max_tokens, temperature=0.0)
-    with tqdm(total=len(stream), desc=f"{mode} (live)", unit="req", disable=None) as bar:
-        result = serve_stream(engine, flywheel, [(stream_ids[prompt_key(p)], p.domain) for p in stream], params, cfg.live_batch,
-                              on_finish=lambda row: bar.update(1), prefix=mode)
-    extra = {"stream_tokens_per_s": round(result.tokens_per_s, 3)}
+    serving = serving_cores(cfg.setup)
+    with pinned(serving):
+        engine, flywheel = live_engine(mode, target, heads, cfg.setup, cfg.live_batch, longest)
+        params = SamplingParams(max_tokens=cfg.max_tokens, temperature=0.0)
+        with tqdm(total=len(stream), desc=f"{mode} (live)", unit="req", disable=None) as bar:
+            result = serve_stream(engine, flywheel, [(stream_ids[prompt_key(p)], p.domain) for p in stream], params, cfg.live_batch,
+                                  on_finish=lambda row: bar.update(1), prefix=mode)
+        if flywheel is not None:
+            flywheel.close()
+    extra = {"stream_tokens_per_s": round(result.tokens_per_s, 3), "serving_cores": list(serving) if serving else None}
     if flywheel is not None:
-        flywheel.close()
-        extra |= flywheel.metrics() | {"trainer_process": flywheel.options.trainer_process}
+        extra |= flywheel.metrics() | {"trainer_process": flywheel.options.trainer_process,
+                                       "trainer_cores": list(flywheel.options.trainer_cpus) if flywheel.options.trainer_cpus else None}
     return result.rows, extra
 
 

@@ -65,6 +65,7 @@ class FlywheelOptions:
     trainer_threads: int = 1
     trainer_process: bool = False  # train in a child process (buffer and trainer there), not a thread competing with the engine's; needs train
     trainer_duty: float = 1.0  # the trainer thread's busy share of wall time (it rests between steps below 1)
+    trainer_cpus: tuple[int, ...] | None = None  # trainer_process: the child's cores (tandem.flywheel.setups.core_split); None = the parent's
     collapse_ratio: float = 0.5
     window: int = 64  # request-steps a swapped-in version is watched over
     branch_depth: int = 1  # branch nodes kept per trace: levels below the accepted path (0 = none; > 1 also keeps tapped states)
@@ -106,7 +107,7 @@ class Flywheel:
         the child's versions appear."""
         o = self.options
         config = ChildConfig(o.loss, o.buffer_bytes, o.buffer_policy, o.spill_dir, o.checkpoint_dir, o.trainer_threads, first_version=drafter.version + 1,
-                             spill_max_bytes=o.spill_max_bytes, spill_max_age_s=o.spill_max_age_s)
+                             spill_max_bytes=o.spill_max_bytes, spill_max_age_s=o.spill_max_age_s, cpus=o.trainer_cpus)
         self.buffer = self.trainer = TrainerProcess(target, drafter.head, config)
         self.store, self.restored_traces = self.trainer.store, self.trainer.restored_traces
 

@@ -23,6 +23,7 @@ import concurrent.futures
 import contextlib
 import json
 import multiprocessing as mp
+import os
 import queue
 import shutil
 import signal
@@ -69,6 +70,13 @@ class ChildConfig:
     first_version: int  # the number of the first version the child publishes
     spill_max_bytes: int | None = None  # spill retention (TraceBuffer)
     spill_max_age_s: float | None = None
+    cpus: tuple[int, ...] | None = None  # the child pins itself to these cores (a core of its own beside serving); None: the parent's
+
+    def __post_init__(self) -> None:
+        if self.cpus is not None:
+            object.__setattr__(self, "cpus", tuple(self.cpus))  # JSON brings a list back
+            if not self.cpus:
+                raise InvalidParameterError("cpus must name at least one core (or be None)")
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -298,8 +306,10 @@ def child_main(workdir: str, config_json: str, traces, control, status) -> None:
     """The child's entry: build the buffer and the trainer, then serve the queues until the trace stream ends."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the parent stops the child (and checkpoints)
     config = ChildConfig.from_json(config_json)
-    torch.set_num_threads(config.threads)
     try:
+        if config.cpus is not None:
+            os.sched_setaffinity(0, config.cpus)  # before torch starts its threads: they inherit the mask
+        torch.set_num_threads(config.threads)
         child = _Child(Path(workdir), config, status)
     except BaseException as e:  # the parent raises it from the flywheel's constructor
         status.put(json.dumps({"kind": "failed", "error": f"{type(e).__name__}: {e}"}))

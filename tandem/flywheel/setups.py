@@ -15,6 +15,7 @@ ways to serve a stream under a mode:
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import time
@@ -69,6 +70,7 @@ class FlywheelSetup:
     watch_window: int = 64  # request-steps a swapped-in version is watched over (live)
     trainer_duty: float = 1.0  # live: the trainer thread's busy share of wall time
     trainer_process: bool = False  # live: train in a child process (1 torch thread) instead of a thread of the serving process
+    trainer_core: bool = False  # live, with trainer_process: the child trains on a core of its own and serving keeps the others (`core_split`)
     adaptive_k: bool = False  # live: the speculation controller picks k (0 = plain) per step from measured acceptance
     prompt_lookup: bool = False  # live: graft a prompt-lookup branch onto the head's draft (tandem.drafters.hybrid)
     min_confidence: float = 0.0  # live, from a trained head: chains end below this path confidence (EagleDrafter); replay models full chains
@@ -103,11 +105,36 @@ class FlywheelSetup:
         return FlywheelConfig(**(base | switches))
 
 
+def allowed_cores() -> set[int]:
+    return set(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
+
+
+def core_split(cores: set[int] | None = None) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """(serving cores, trainer cores) when the trainer can have a core of its own: the highest of `cores`
+    (default: the ones this process may use) trains, the rest serve. None with fewer than 2 cores."""
+    cores = sorted(allowed_cores() if cores is None else cores)
+    return (tuple(cores[:-1]), tuple(cores[-1:])) if len(cores) >= 2 else None
+
+
+@contextlib.contextmanager
+def pinned(cores: tuple[int, ...] | None):
+    """Run the block on `cores` only (this process's threads started inside it inherit the mask); restore the
+    old mask after. None: no change."""
+    if cores is None or not hasattr(os, "sched_setaffinity"):
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cores)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
 def trainer_process_pays() -> bool:
     """Whether live serving should train in a child process: with 2 cores or more the engine and the trainer
     each get one (a trainer thread would share the engine's interpreter lock); on 1 core they share it anyway."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return cores >= 2
+    return len(allowed_cores()) >= 2
 
 
 def check_modes(modes) -> None:
@@ -175,6 +202,7 @@ class ReplayFlywheel:
             self.swapper = HotSwapper(self.drafter, self.store, collapse_ratio=setup.collapse_ratio, background=False)
             self.swapper.on_rollback = self.trainer.request_restore
         self.schedule, self.detector = setup.schedule(train_steps_per_request)
+        self.trainer_seconds = 0.0  # wall time of the trainer steps taken so far (what a trainer core must afford)
 
     def serve(self, trace: SequenceTrace, max_tokens: int) -> tuple[ReplayResult, int]:
         """Replay one request under the current version; returns the result and the version that served it.
@@ -188,8 +216,10 @@ class ReplayFlywheel:
             if self.detector is not None and self.detector.observe(result.acceptance_length):
                 self.schedule.shift()
             self.trainer.lr_scale = self.schedule.lr_scale()
+            begun = time.perf_counter()
             for _ in range(self.schedule.after_request()):
                 self.trainer.train_step()
+            self.trainer_seconds += time.perf_counter() - begun
             self.swapper()
         return result, version
 
@@ -198,7 +228,8 @@ class ReplayFlywheel:
             return {}
         shifts = self.detector.shifts if self.detector is not None else []
         return {"swaps": self.swapper.stats.as_dict(), "trainer_steps": self.trainer.steps, "buffer": asdict(self.buffer.stats()),
-                "detected_shifts": shifts}
+                "detected_shifts": shifts, "trainer_s": round(self.trainer_seconds, 1),
+                "trainer_step_s": round(self.trainer_seconds / self.trainer.steps, 3) if self.trainer.steps else None}
 
 
 # ---- live --------------------------------------------------------------------------------------------------------
@@ -223,8 +254,16 @@ def live_options(setup: FlywheelSetup, init: str, switches: dict | None = None, 
     """The Flywheel's options for a live mode: what `live_engine` (benchmarks, the demo) and `tandem serve --online`
     both run (one composition). init: "static" (a trained head: fine-tuned gently, anchored) or "scratch";
     switches: the loss switches (None: a frozen head); storage: spill / checkpoint / retention fields."""
+    split = core_split() if setup.trainer_core and setup.trainer_process else None
     return FlywheelOptions(loss=setup.loss(switches or {}, init), train=switches is not None, collapse_ratio=setup.collapse_ratio, window=setup.watch_window,
-                           trainer_duty=setup.trainer_duty, trainer_process=setup.trainer_process, **storage)
+                           trainer_duty=setup.trainer_duty, trainer_process=setup.trainer_process, trainer_cpus=split[1] if split else None, **storage)
+
+
+def serving_cores(setup: FlywheelSetup) -> tuple[int, ...] | None:
+    """The cores live serving runs on under `setup`: all but the trainer's with `trainer_core` (every mode,
+    plain and static too, so a comparison gives each the same serving resources); None = no pinning."""
+    split = core_split() if setup.trainer_core else None
+    return split[0] if split else None
 
 
 @dataclass

@@ -190,11 +190,14 @@ def _stats(examples: list[Example], target_rows: torch.Tensor, logits: list[torc
     loss = 0.0
     correct = torch.zeros(steps, batch, t, dtype=torch.bool)
     valid = torch.zeros(steps, batch, t, dtype=torch.bool)
+    # the steps' positions overlap (root + s + 1 over s): the target distribution is computed once per position
+    read = torch.unique(torch.cat([root + s + 1 for s, root in enumerate(roots)]))  # [P] sorted
+    with torch.no_grad():
+        probs = _restricted_target(final[:, read], target_rows)  # [B, P, Vd]
     for s, (step_logits, root) in enumerate(zip(logits, roots)):
         position = root + s + 1  # [R] where the target distribution is read
         mask = position.unsqueeze(0) <= lengths - 1  # [B, R]
-        with torch.no_grad():
-            target_probs = _restricted_target(final[:, position], target_rows)
+        target_probs = probs[:, torch.searchsorted(read, position)]
         vocab = step_logits.shape[-1]
         loss = loss + soft_cross_entropy(step_logits.reshape(-1, vocab), target_probs.reshape(-1, vocab), mask.reshape(-1).float())
         correct[s][:, root] = draft_to_target[step_logits.detach().argmax(-1)] == greedy[:, position]

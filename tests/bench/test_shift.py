@@ -64,6 +64,11 @@ def test_small_replay_run_on_smollm2(tmp_path):
     report = json.loads(out.read_text())
     assert set(report["summary"]) == {"static", "online", "online_scratch"}
     assert len(report["requests"]["online"]) == 12 and report["summary"]["online"]["swaps"]["swaps"] >= 1
+    online = report["summary"]["online"]  # what the trainer cost against the decode time it ran beside
+    # one step after each of 12 requests but the first (a buffer of one trace is below min_traces 2)
+    assert online["trainer_steps"] == 11 and online["trainer_step_s"] == pytest.approx(online["trainer_s"] / 11, abs=2e-3)
+    assert online["trainer_core_load"] == pytest.approx(online["trainer_s"] / online["modelled_serve_s"], rel=0.02)
+    assert "trainer_core_load" not in report["summary"]["static"]
     assert (tmp_path / "shift.png").exists()
 
 

@@ -121,3 +121,16 @@ def test_a_checkpoint_that_cannot_be_read_stops_the_start(target, tmp_path, monk
     with pytest.raises(TandemError, match="no trainer checkpoint"):
         Flywheel(eagle_engine(target), target, process_options(checkpoint_dir=str(tmp_path / "ckpt")))
     assert len(made) == 1 and not os.path.exists(made[0]) and mp.active_children() == []
+
+
+def test_the_child_trains_on_the_cores_it_is_given(target, spawn):
+    """A core of its own (FlywheelOptions.trainer_cpus): the child pins itself before its threads start; a core
+    outside this machine's set stops the start with the reason."""
+    core = max(os.sched_getaffinity(0))
+    flywheel = spawn(process_options(trainer_cpus=(core,)))
+    assert os.sched_getaffinity(flywheel.trainer.process.pid) == {core}
+    flywheel.close()
+    assert ChildConfig.from_json(flywheel.trainer.config.to_json()).cpus == (core,)
+    with pytest.raises(TandemError, match="could not start: OSError"):
+        Flywheel(eagle_engine(target), target, process_options(trainer_cpus=(4095,)))
+    assert mp.active_children() == []

@@ -1,10 +1,13 @@
 """The flywheel's serving set-ups on a tiny model: replay with training, live serving of a stream, plain decoding."""
+import os
+
 import pytest
 
 from tandem.config import SamplingParams
 from tandem.errors import InvalidParameterError
 from tandem.flywheel.replay import replay_request, target_traces
-from tandem.flywheel.setups import MODES, FlywheelSetup, ReplayFlywheel, check_modes, live_engine, scratch_head, serve_stream
+from tandem.flywheel.setups import (MODES, FlywheelSetup, ReplayFlywheel, check_modes, core_split, live_engine, live_options, pinned, scratch_head, serve_stream,
+                                    serving_cores)
 from tandem.models.eagle import EagleConfig
 
 from flywheel_helpers import make_prompts, plain_outputs
@@ -76,3 +79,28 @@ def test_unknown_modes_and_replaying_plain_are_refused(target, heads):
     with pytest.raises(InvalidParameterError, match="no drafter"):
         ReplayFlywheel("plain", target, heads, FlywheelSetup())
     assert MODES["plain"] == (None, None) and MODES["online"] == ("static", {})
+
+
+def test_the_trainer_gets_the_highest_core_and_serving_the_rest():
+    assert core_split({0, 1}) == ((0,), (1,))
+    assert core_split({7, 2, 5}) == ((2, 5), (7,))
+    assert core_split({3}) is None  # one core: nothing to split
+
+
+def test_pinned_runs_a_block_on_the_given_cores_and_restores_the_mask():
+    before = os.sched_getaffinity(0)
+    core = min(before)
+    with pinned((core,)):
+        assert os.sched_getaffinity(0) == {core}
+    assert os.sched_getaffinity(0) == before
+    with pinned(None):
+        assert os.sched_getaffinity(0) == before
+
+
+def test_live_options_give_the_trainer_process_its_own_core():
+    split = core_split()
+    options = live_options(FlywheelSetup(trainer_process=True, trainer_core=True), "static", {})
+    assert options.trainer_cpus == (split[1] if split else None)
+    assert serving_cores(FlywheelSetup(trainer_process=True, trainer_core=True)) == (split[0] if split else None)
+    assert live_options(FlywheelSetup(trainer_process=True), "static", {}).trainer_cpus is None  # off by default
+    assert live_options(FlywheelSetup(trainer_core=True), "static", {}).trainer_cpus is None  # a thread cannot be pinned apart
