@@ -67,7 +67,7 @@ def run_demo(model: str, requests: int = 36, block: int = 6, max_tokens: int = 4
     import torch
 
     from tandem.config import SamplingParams
-    from tandem.flywheel.setups import FlywheelSetup, live_engine, serve_stream, trainer_process_pays
+    from tandem.flywheel.setups import FlywheelSetup, core_split, live_engine, pinned, serve_stream, serving_cores, trainer_process_pays
     from tandem.flywheel.stream import StreamSpec, build_stream, prompt_key
     from tandem.flywheel.stream_plot import plot_shift
     from tandem.flywheel.stream_stats import summarize
@@ -86,28 +86,31 @@ def run_demo(model: str, requests: int = 36, block: int = 6, max_tokens: int = 4
     longest = max(len(ids) for ids, _ in pairs) + max_tokens + 1
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     torch.set_num_threads(1)
-    setup = FlywheelSetup(publish_every=5, prompt_lookup=True, min_confidence=cut,
+    setup = FlywheelSetup(publish_every=5, prompt_lookup=True, min_confidence=cut, trainer_core=True,
                           trainer_process=trainer_process_pays() if trainer_process is None else trainer_process)
     print(f"tandem demo: {model}, {len(stream)} requests in blocks of {block} ({' -> '.join(domains)}), greedy, "
           f"{batch} in flight, {max_tokens} new tokens each\n")
-    where = "a child process" if setup.trainer_process else "a background thread"
+    split = core_split() if setup.trainer_process else None
+    where = (f"a child process on core {split[1][0]}, serving on {','.join(map(str, split[0]))}" if split else
+             "a child process" if setup.trainer_process else "a background thread")
     print(f"plain decoding, the static head and the flywheel (both starting from the {label}; trainer in {where})\n"
           "take turns, block by block, so all three see the same machine; the trainer rests while the others run\n")
     print(HEADER)
-    plain_engine, _ = live_engine("plain", target, heads, setup, batch, longest)
-    static_engine, static_fly = live_engine("static", target, heads, setup, batch, longest)
-    engine, flywheel = live_engine("online", target, heads, setup, batch, longest)
-    parts = {mode: [] for mode in MODES}
-    for first in range(0, len(pairs), block):
-        part = pairs[first : first + block]
-        if flywheel.trainer is not None:
-            flywheel.trainer.stop()
-        parts["plain"].append(_offset(serve_stream(plain_engine, None, part, params, batch, prefix=f"plain-{first}"), first))
-        parts["static"].append(_offset(serve_stream(static_engine, static_fly, part, params, batch, prefix=f"static-{first}"), first))
-        flywheel.start()
-        parts["flywheel"].append(_offset(serve_stream(engine, flywheel, part, params, batch, on_finish=lambda row, f=first: _show(row, flywheel, f), prefix=f"online-{first}"), first))
-    flywheel.close()
-    static_fly.close()
+    with pinned(serving_cores(setup)):  # the trainer's core is its own; the three modes serve on the same other cores
+        plain_engine, _ = live_engine("plain", target, heads, setup, batch, longest)
+        static_engine, static_fly = live_engine("static", target, heads, setup, batch, longest)
+        engine, flywheel = live_engine("online", target, heads, setup, batch, longest)
+        parts = {mode: [] for mode in MODES}
+        for first in range(0, len(pairs), block):
+            part = pairs[first : first + block]
+            if flywheel.trainer is not None:
+                flywheel.trainer.stop()
+            parts["plain"].append(_offset(serve_stream(plain_engine, None, part, params, batch, prefix=f"plain-{first}"), first))
+            parts["static"].append(_offset(serve_stream(static_engine, static_fly, part, params, batch, prefix=f"static-{first}"), first))
+            flywheel.start()
+            parts["flywheel"].append(_offset(serve_stream(engine, flywheel, part, params, batch, on_finish=lambda row, f=first: _show(row, flywheel, f), prefix=f"online-{first}"), first))
+        flywheel.close()
+        static_fly.close()
     metrics = flywheel.metrics()
     joined = {mode: _joined(parts[mode]) for mode in MODES}
     results = {mode: joined[mode].rows for mode in MODES}
