@@ -75,6 +75,8 @@ class ShiftConfig:
     window: int = 20  # rolling window (requests) of the recovery measure
     collapse_ratio: float = FlywheelSetup.collapse_ratio
     sample: str = FlywheelSetup.sample  # the trainer's replay draw: uniform | domains
+    recent_share: float = FlywheelSetup.recent_share  # share of each batch from the newest recent_window traces
+    recent_window: int = FlywheelSetup.recent_window
     shift_detect: bool = FlywheelSetup.shift_detect  # replay: boost steps / warm lr after a detected acceptance drop
     boost_steps_per_request: float = FlywheelSetup.boost_steps_per_request
     boost_requests: int = FlywheelSetup.boost_requests
@@ -94,7 +96,7 @@ class ShiftConfig:
     def setup(self) -> FlywheelSetup:
         return FlywheelSetup(num_draft_tokens=self.num_draft_tokens, batch_size=self.batch_size, lr=self.lr, finetune_lr=self.finetune_lr, anchor=self.anchor, publish_every=self.publish_every,
                              discard_weight=self.discard_weight, branch_weight=self.branch_weight, collapse_ratio=self.collapse_ratio, seed=self.seed,
-                             sample=self.sample, shift_detect=self.shift_detect, boost_steps_per_request=self.boost_steps_per_request,
+                             sample=self.sample, recent_share=self.recent_share, recent_window=self.recent_window, shift_detect=self.shift_detect, boost_steps_per_request=self.boost_steps_per_request,
                              boost_requests=self.boost_requests, boost_lr=self.boost_lr, shift_drop=self.shift_drop,
                              trainer_process=trainer_process_pays() if self.trainer_process is None else self.trainer_process,
                              trainer_core=self.trainer_core)

@@ -75,6 +75,8 @@ class FlywheelSetup:
     prompt_lookup: bool = False  # live: graft a prompt-lookup branch onto the head's draft (tandem.drafters.hybrid)
     min_confidence: float = 0.0  # live, from a trained head: chains end below this path confidence (EagleDrafter); replay models full chains
     sample: str = "uniform"  # the trainer's replay draw: "uniform" over traces or "domains" (balanced; FlywheelConfig.sample)
+    recent_share: float = 0.0  # ... of which this share of each batch comes from the newest recent_window traces (FlywheelConfig.recent_share)
+    recent_window: int = 32
     shift_detect: bool = False  # replay: a detected acceptance drop boosts the step rate and warms the lr (tandem.flywheel.schedule)
     boost_steps_per_request: float = 4.0  # ... right after a shift, decaying to the steady rate over boost_requests
     boost_requests: int = 64
@@ -101,7 +103,8 @@ class FlywheelSetup:
         trained = init == "static"
         base = {"unroll": self.num_draft_tokens, "batch_size": self.batch_size, "lr": self.finetune_lr if trained else self.lr,
                 "anchor": self.anchor if trained else 0.0, "publish_every": self.publish_every,
-                "discard_weight": self.discard_weight, "branch_weight": self.branch_weight, "sample": self.sample, "seed": self.seed}
+                "discard_weight": self.discard_weight, "branch_weight": self.branch_weight, "sample": self.sample,
+                "recent_share": self.recent_share, "recent_window": self.recent_window, "seed": self.seed}
         return FlywheelConfig(**(base | switches))
 
 

@@ -56,6 +56,8 @@ class FlywheelConfig:
     recent: int = 0  # sample only the newest traces; 0 = the whole buffer (one domain must not erase another)
     anchor: float = 0.0  # decoupled pull toward the weights training started from (L2-SP); 0 = off
     sample: str = "uniform"  # "uniform" over the buffer's traces, or "domains": a domain uniformly, then a trace of it
+    recent_share: float = 0.0  # share of each batch drawn from the newest `recent_window` traces (today's traffic); the rest as `sample` says
+    recent_window: int = 32
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -65,6 +67,8 @@ class FlywheelConfig:
             raise InvalidParameterError(f"sample must be one of {SAMPLERS}, got {self.sample!r}")
         if self.recent < 0:
             raise InvalidParameterError(f"recent must be >= 0, got {self.recent}")
+        if not 0.0 <= self.recent_share <= 1.0 or self.recent_window < 1:
+            raise InvalidParameterError(f"recent_share must be in [0, 1] and recent_window >= 1, got {self.recent_share}, {self.recent_window}")
         for name in ("unroll", "batch_size", "publish_every", "min_traces"):
             if getattr(self, name) < 1:
                 raise InvalidParameterError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -72,6 +76,15 @@ class FlywheelConfig:
             raise InvalidParameterError("discard_weight, branch_weight >= 0, lr > 0 and chain_fraction in (0, 1] are required")
         if not 0 <= self.anchor * self.lr < 1:
             raise InvalidParameterError(f"anchor must be >= 0 with anchor * lr < 1, got anchor {self.anchor}, lr {self.lr}")
+
+
+def draw_batch(buffer: TraceBuffer, cfg: FlywheelConfig, rng: random.Random) -> list:
+    """A training batch: round(batch_size x recent_share) traces from the newest `recent_window` (what is served
+    now: a new domain is learned at once), the rest from the whole buffer (or the `recent` newest), uniformly or
+    balanced over domains (what was served before is not forgotten)."""
+    fresh = round(cfg.batch_size * cfg.recent_share)
+    return (buffer.sample(fresh, rng, cfg.recent_window)
+            + buffer.sample(cfg.batch_size - fresh, rng, cfg.recent or None, by_domain=cfg.sample == "domains"))
 
 
 # ---- the trainer ------------------------------------------------------------------------------------------------------
@@ -120,7 +133,7 @@ class OnlineTrainer:
         """One optimiser step on a sampled batch; None when the buffer has too few traces."""
         if len(self.buffer) < self.cfg.min_traces:
             return None
-        batch = self.buffer.sample(self.cfg.batch_size, self.rng, self.cfg.recent or None, by_domain=self.cfg.sample == "domains")
+        batch = draw_batch(self.buffer, self.cfg, self.rng)
         with self._lock:
             self._apply_restore()
             for group in self.optimizer.param_groups:

@@ -146,3 +146,24 @@ def test_two_writers_of_one_shard_name_do_not_collide(traces, tmp_path):
         t.join()
     assert errors == [] and [p.name for p in tmp_path.iterdir()] == ["traces-000001.parquet"]
     assert [t.request_id for t in load_traces(tmp_path)] == [t.request_id for t in traces]
+
+
+def test_a_batch_mixes_the_newest_traces_with_balanced_replay(traces):
+    """recent_share 0.5 of a batch of 4: two traces from the newest recent_window, two balanced over domains."""
+    import dataclasses
+
+    from tandem.flywheel.trainer import FlywheelConfig, draw_batch
+
+    buffer = TraceBuffer(capacity_bytes=1 << 30)
+    for i in range(40):
+        buffer.put(dataclasses.replace(traces[i % len(traces)], request_id=f"r{i}", domain="code" if i < 36 else "sql"))
+    rng = random.Random(0)
+    cfg = FlywheelConfig(batch_size=4, recent_share=0.5, recent_window=4, sample="domains")
+    batches = [draw_batch(buffer, cfg, rng) for _ in range(500)]
+    assert all(len(b) == 4 and all(t.request_id in {"r36", "r37", "r38", "r39"} for t in b[:2]) for b in batches)
+    balanced = [t.domain for b in batches for t in b[2:]]
+    assert 0.45 < balanced.count("sql") / len(balanced) < 0.55  # 4 sql among 40, drawn half the time
+    plain = draw_batch(buffer, FlywheelConfig(batch_size=4), random.Random(0))  # recent_share 0: the draw it always was
+    assert [t.request_id for t in plain] == [t.request_id for t in buffer.sample(4, random.Random(0))]
+    with pytest.raises(InvalidParameterError):
+        FlywheelConfig(recent_share=1.5)

@@ -69,6 +69,8 @@ def test_a_trained_head_is_fine_tuned_gently_and_anchored_a_day0_head_is_not(tar
     scratch = ReplayFlywheel("online_scratch", target, heads, setup)
     assert (online.trainer.cfg.lr, online.trainer.cfg.anchor, scratch.trainer.cfg.lr, scratch.trainer.cfg.anchor) == (1e-4, 50.0, 1e-3, 0.0)
     assert online.trainer.anchor is not None and scratch.trainer.anchor is None
+    mixed = FlywheelSetup(sample="domains", recent_share=0.5, recent_window=16).loss({}, "static")
+    assert (mixed.sample, mixed.recent_share, mixed.recent_window) == ("domains", 0.5, 16)
 
 
 def test_unknown_modes_and_replaying_plain_are_refused(target, heads):
