@@ -134,46 +134,66 @@ def branch_batch(trace: SequenceTrace) -> BranchBatch | None:
     )
 
 
+def branch_hidden(head: EagleHead, batch: BranchBatch) -> torch.Tensor:  # [Nb, d] normed: what the LM head reads at the branch nodes
+    _, hidden = head(batch.ids, head.fuse([batch.features.float()]), batch.positions, tree_mask=batch.mask.unsqueeze(0), project=False)
+    return head.norm(hidden[0, batch.committed :])
+
+
 def branch_logits(head: EagleHead, batch: BranchBatch) -> torch.Tensor:  # [Nb, Vd]
-    logits, _ = head(batch.ids, head.fuse([batch.features.float()]), batch.positions, tree_mask=batch.mask.unsqueeze(0))
-    return logits[0, batch.committed :]
+    return head.lm_head(branch_hidden(head, batch))
+
+
+def branch_loss(logits: torch.Tensor, target_rows: torch.Tensor, batch: BranchBatch) -> torch.Tensor:
+    with torch.no_grad():
+        target = torch.softmax(batch.final.float() @ target_rows.T, dim=-1)
+    return soft_cross_entropy(logits, target)
 
 
 def branch_term(head: EagleHead, target_rows: torch.Tensor, trace: SequenceTrace) -> torch.Tensor:
     batch = branch_batch(trace)
     if batch is None:
         return head.fc.weight.sum() * 0.0
-    with torch.no_grad():
-        target = torch.softmax(batch.final.float() @ target_rows.T, dim=-1)
-    return soft_cross_entropy(branch_logits(head, batch), target)
+    return branch_loss(branch_logits(head, batch), target_rows, batch)
 
 
 # ---- the whole loss ---------------------------------------------------------------------------------------------
 def flywheel_loss(head: EagleHead, target_rows: torch.Tensor, traces: list[SequenceTrace], cfg, generator: torch.Generator) -> tuple[torch.Tensor, dict]:
     """Mean over traces of the switched-on terms (cfg: a FlywheelConfig). Each trace runs alone (no
     padding): its step-0 logits are read at the generated positions only, and its chains are a
-    `chain_fraction` sample of them plus every root a scored proposal past depth 0 needs."""
+    `chain_fraction` sample of them plus every root a scored proposal past depth 0 needs. The LM head runs
+    once over every row of every trace (EagleHead.lm_head_rows), after the per-trace passes of the layer."""
     traces = [t for t in traces if len(t.features) >= 2]
     if not traces:
         raise InvalidParameterError("no trace in the batch has two committed positions")
     to_draft = target_to_draft(head.draft_to_target.cpu(), head.cfg.target_vocab_size)
-    totals: dict[str, torch.Tensor] = {}
-    rejections = 0
-    for trace in traces:
+    plans, normed = [], []
+    for trace in traces:  # the layer, per trace
         roots = generated_roots(trace)
         events, normaliser = discard_events(trace, to_draft, cfg.unroll, roots)
-        rejections += len(events.root)
         sampled = roots[torch.randperm(len(roots), generator=generator)[: max(1, math.ceil(cfg.chain_fraction * len(roots)))]]
         chains = torch.unique(torch.cat([sampled, events.root[events.depth > 0]]))
         example = trace_example(trace)
-        logits, step_roots = eagle_logits(head, [example], cfg.unroll, chains, roots)
+        hidden, step_roots = eagle_logits(head, [example], cfg.unroll, chains, roots, project=False)
+        branch = branch_batch(trace) if cfg.branch_weight > 0 and len(trace.branch_token) else None
+        if branch is not None:
+            hidden = hidden + [branch_hidden(head, branch)]
+        plans.append((trace, example, events, normaliser, step_roots, branch, len(normed), len(hidden)))
+        normed += hidden
+    projected = head.lm_head_rows(normed)  # one LM-head GEMM for the whole batch
+    totals: dict[str, torch.Tensor] = {}
+    rejections = 0
+    for trace, example, events, normaliser, step_roots, branch, first, count in plans:
+        logits = projected[first : first + count]
+        if branch is not None:
+            logits, branch_rows = logits[:-1], logits[-1]
+        rejections += len(events.root)
         parts = {}
         if cfg.imitation:
             parts["imitation"] = step_stats([example], target_rows, logits, step_roots, head.draft_to_target).loss
         if cfg.discard_weight > 0:
             parts["discard"] = cfg.discard_weight * discard_term(logits, step_roots, events, normaliser, trace.sampling)
         if cfg.branch_weight > 0 and len(trace.branch_token):
-            parts["branch"] = cfg.branch_weight * branch_term(head, target_rows, trace)
+            parts["branch"] = cfg.branch_weight * (branch_loss(branch_rows, target_rows, branch) if branch is not None else head.fc.weight.sum() * 0.0)
         for name, value in parts.items():
             totals[name] = totals.get(name, 0.0) + value / len(traces)
     loss = sum(totals.values())

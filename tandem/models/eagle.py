@@ -279,7 +279,8 @@ class EagleHead(nn.Module):
         tree_mask: torch.Tensor | None = None,  # [B, T, T] among the new entries (cached entries all visible)
         cache_mask: torch.Tensor | None = None,  # [B, 1, T, S] over the whole cache (draft trees); overrides tree_mask
         logits_at: torch.Tensor | None = None,  # [B] long: the one position per row whose logits are wanted; None = all
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # logits [B, T, Vd] (or [B, 1, Vd] with logits_at), hidden [B, T, d]
+        project: bool = True,  # False: no logits (None), the hidden states only (a caller projecting selected rows itself)
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:  # logits [B, T, Vd] (or [B, 1, Vd] with logits_at), hidden [B, T, d]
         b, t = input_ids.shape
         batch = build_attention_batch(cache, rows, t, tree_mask, b, input_ids.device)
         if cache_mask is not None:
@@ -292,6 +293,8 @@ class EagleHead(nn.Module):
             hidden = self.residual(features, self.attn(self.layer_input(input_ids, features), cos, sin, cache, batch))
         if cache is not None:
             cache.lengths[batch.rows] += t
+        if not project:
+            return None, hidden
         read = hidden if logits_at is None else hidden[torch.arange(b), logits_at.to(hidden.device)].unsqueeze(1)
         normed = decode_glue.rms_norm(read, self.norm.weight, self.norm.eps) if fused else self.norm(read)
         return self.lm_head(normed), hidden
@@ -315,31 +318,50 @@ class EagleHead(nn.Module):
         steps: int,
         chain_roots: torch.Tensor | None = None,  # [R] increasing: roots whose chains go past step 0; None = all T
         first_roots: torch.Tensor | None = None,  # [R0]: roots whose step-0 logits are wanted; None = all T
+        project: bool = True,  # False: the normed hidden states [.., d] the LM head would read, for one LM-head pass over many (lm_head_rows)
     ) -> list[torch.Tensor]:  # [B, T or R0, Vd], then steps-1 x [B, R, Vd]: step s at root t predicts x_{t+s+2}
         """Training-time test: step s feeds step s-1's hidden states back in place of target features.
 
-        Step 0 runs over every position (its keys are the context of every chain); later steps are
+        Step 0 projects keys and values at every position (the context of every chain); later steps are
         independent per chain, so training may unroll only a sample of roots (`chain_roots`) and read
-        step-0 logits at a subset (`first_roots`, e.g. the generated part only).
+        step-0 logits at a subset (`first_roots`, e.g. the generated part only). Given both, step 0's
+        queries, attention output and MLP run only at the rows read afterwards (their union): the rows of a
+        prompt feed keys and values and nothing else, so the result and its gradient are the same.
         """
         t = fused.shape[1]
         roots = torch.arange(t)
+        read = torch.unique(torch.cat([first_roots.cpu(), chain_roots.cpu()])) if first_roots is not None and chain_roots is not None else None
         keys, values, logits = [], [], []
         features = fused
         for step in range(steps):
             if step == 1 and chain_roots is not None:
                 roots = chain_roots.cpu()
-                features = features[:, chain_roots.to(features.device)]
+                at = roots if read is None else torch.searchsorted(read, roots)
+                features = features[:, at.to(features.device)]
             index = (roots + step).to(fused.device)
             cos, sin = self.rope(index.unsqueeze(0))
             q, k, v = self.attn.project(self.layer_input(input_ids[:, index], features), cos, sin)
             keys.append(k.transpose(1, 2))
             values.append(v.transpose(1, 2))
-            mask = unroll_mask(roots, t, step).to(fused.device).view(1, 1, len(roots), -1)
+            mask = unroll_mask(roots, t, step)
+            if step == 0 and read is not None:
+                q, mask, features = q[:, read.to(q.device)], mask[read], features[:, read.to(features.device)]
+            mask = mask.to(fused.device).view(1, 1, q.shape[1], -1)
             features = self.residual(features, self.attn.attend(q, torch.cat(keys, 2), torch.cat(values, 2), mask, False))
-            wanted = features[:, first_roots.to(features.device)] if step == 0 and first_roots is not None else features
-            logits.append(self.lm_head(self.norm(wanted)))
+            wanted = features
+            if step == 0 and first_roots is not None:
+                wanted = features[:, (first_roots.cpu() if read is None else torch.searchsorted(read, first_roots.cpu())).to(features.device)]
+            normed = self.norm(wanted)
+            logits.append(self.lm_head(normed) if project else normed)
         return logits
+
+    def lm_head_rows(self, normed: list[torch.Tensor]) -> list[torch.Tensor]:  # [..., d] each -> [..., Vd] each
+        """The LM head over many tensors of normed hidden states in one GEMM: the 16k x d weight is read once
+        instead of once per tensor (at a few dozen rows a call, an LM-head call streams the weight from memory
+        and costs ~8x its arithmetic), in the forward and again in the backward."""
+        rows = torch.cat([h.reshape(-1, h.shape[-1]) for h in normed])
+        out = self.lm_head(rows).split([h[..., 0].numel() for h in normed])
+        return [o.view(*h.shape[:-1], o.shape[-1]) for o, h in zip(out, normed)]
 
     def layer_input(self, input_ids: torch.Tensor, features: torch.Tensor) -> torch.Tensor:  # -> [B, T, 2d]
         embeds = F.embedding(input_ids, self.embed_weight).to(features.dtype)

@@ -152,15 +152,17 @@ class StepStats:
 
 def eagle_logits(
     head: EagleHead, examples: list[Example], unroll: int, chain_roots: torch.Tensor | None = None, first_roots: torch.Tensor | None = None,
+    project: bool = True,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """The training-time-test unroll over a padded batch: logits per step ([B, T or R0, Vd], then [B, R, Vd])
     and the roots of each step. chain_roots [R]: roots unrolled past step 0 (a sample makes training
-    cheaper); first_roots [R0]: roots whose step-0 logits are computed; None = all."""
+    cheaper); first_roots [R0]: roots whose step-0 logits are computed; None = all. project=False: the normed hidden
+    states instead of logits (EagleHead.lm_head_rows projects many at once)."""
     length = max(len(e.tokens) for e in examples)
     t = length - 1  # chain roots 0 .. L-2 (entry t pairs feature t with token t+1)
     tokens = _pad(examples, "tokens", length + unroll)  # [B, L+S]
     fused = head.fuse([_pad(examples, "taps", t)])
-    logits = head.unroll(tokens[:, 1 : t + unroll], fused, unroll, chain_roots, first_roots)
+    logits = head.unroll(tokens[:, 1 : t + unroll], fused, unroll, chain_roots, first_roots, project)
     later = torch.arange(t) if chain_roots is None else chain_roots
     return logits, [torch.arange(t) if first_roots is None else first_roots] + [later] * (unroll - 1)
 

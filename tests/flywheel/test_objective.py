@@ -124,3 +124,51 @@ def test_greedy_events_are_the_rejections(served, target):
         keep = to_draft[trace.reject_token] >= 0
         assert events.root.tolist() == trace.reject_root[keep].tolist() and events.depth.tolist() == trace.reject_depth[keep].tolist()
         assert events.weight.tolist() == [1.0] * len(events.root) and normaliser == len(events.root)
+
+
+def _loss_trace_by_trace(head, target_rows, traces, cfg, generator):
+    """The flywheel loss as it was computed before the LM head was batched: every trace's own LM-head calls."""
+    import math
+
+    from tandem.flywheel.objective import branch_term, discard_term, trace_example
+    from tandem.training.offline import eagle_logits, step_stats
+
+    to_draft = target_to_draft(head.draft_to_target.cpu(), head.cfg.target_vocab_size)
+    total = 0.0
+    for trace in traces:
+        roots = generated_roots(trace)
+        events, normaliser = discard_events(trace, to_draft, cfg.unroll, roots)
+        sampled = roots[torch.randperm(len(roots), generator=generator)[: max(1, math.ceil(cfg.chain_fraction * len(roots)))]]
+        chains = torch.unique(torch.cat([sampled, events.root[events.depth > 0]]))
+        example = trace_example(trace)
+        logits, step_roots = eagle_logits(head, [example], cfg.unroll, chains, roots)
+        total = total + step_stats([example], target_rows, logits, step_roots, head.draft_to_target).loss / len(traces)
+        total = total + cfg.discard_weight * discard_term(logits, step_roots, events, normaliser, trace.sampling) / len(traces)
+        total = total + cfg.branch_weight * branch_term(head, target_rows, trace) / len(traces)
+    return total
+
+
+def test_one_lm_head_pass_for_the_batch_gives_the_per_trace_loss_and_gradient(served, target):
+    """flywheel_loss projects every trace's rows in one LM-head GEMM: the same loss and gradients as one call
+    per trace and unroll step (imitation, discard and branch terms all on)."""
+    from tandem.flywheel.objective import flywheel_loss
+    from tandem.flywheel.trainer import FlywheelConfig, target_lm_rows, trainer_copy
+    from tandem.models.head_state import make_trainable
+
+    head, traces = served
+    head = make_trainable(trainer_copy(head))
+    head.unpack()
+    rows = target_lm_rows(target, head).float()
+    cfg = FlywheelConfig(discard_weight=0.5, branch_weight=0.5)
+    params = [p for p in head.parameters() if p.requires_grad]
+    losses, grads = [], []
+    for compute in (lambda g: flywheel_loss(head, rows, traces, cfg, g)[0], lambda g: _loss_trace_by_trace(head, rows, traces, cfg, g)):
+        head.zero_grad(set_to_none=True)
+        loss = compute(torch.Generator().manual_seed(0))
+        loss.backward()
+        losses.append(loss.detach())
+        grads.append([p.grad.clone() for p in params])
+    assert any(len(t.branch_token) for t in traces)  # the branch term ran
+    torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=1e-6)
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)

@@ -276,3 +276,31 @@ def test_train_command_end_to_end(tiny_llama, tmp_path, drafter, capsys):
     target = load_transformer(tiny_llama)
     head = load_eagle(tmp_path / "head", target) if drafter == "eagle" else load_mtp(tmp_path / "head", target)
     assert head.draft_to_target.numel() == 64
+
+
+def test_step_zero_runs_only_the_rows_read_later_with_the_same_logits_and_gradients(target):
+    """With first_roots and chain_roots, step 0 computes queries, attention and MLP only at their union (a
+    prompt's rows give keys and values only): logits and the gradient of a loss on them are those of the
+    full unroll read at the same rows."""
+    head, ex = head_for(target), sequence(target)
+    t, steps = len(ex.tokens) - 1, 3
+    ids = torch.cat([ex.tokens[1:], torch.zeros(steps - 1, dtype=torch.long)]).unsqueeze(0)
+    first, chains = torch.arange(9, t), torch.tensor([4, 10, 13, 15])  # root 4 lies outside first_roots (a discard event's root)
+    params = [p for p in head.parameters() if p.requires_grad]
+    outputs, grads = [], []
+    for restricted in (True, False):
+        head.zero_grad(set_to_none=True)
+        fused = head.fuse([ex.taps[:t].unsqueeze(0)])
+        if restricted:
+            logits = head.unroll(ids, fused, steps, chains, first)
+        else:
+            full = head.unroll(ids, fused, steps, chains)
+            logits = [full[0][:, first]] + full[1:]
+        sum((l.float() ** 2).mean() * (s + 1) for s, l in enumerate(logits)).backward()
+        outputs.append([l.detach() for l in logits])
+        grads.append([p.grad.clone() for p in params])
+    for a, b in zip(*outputs):
+        assert a.shape == b.shape and torch.allclose(a, b, atol=TOL)
+    assert len(grads[0]) > 0
+    for a, b in zip(*grads):
+        assert torch.allclose(a, b, atol=1e-5, rtol=1e-4)
