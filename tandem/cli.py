@@ -311,6 +311,7 @@ def _bench_aurora_command(bench) -> None:
     p.add_argument("--steps", type=float, default=d["steps"].default, help="trainer steps per request from rung +steps on")
     p.add_argument("--lr", type=float, default=d["lr"].default, help="rung +lr: fine-tuning lr from the general head")
     p.add_argument("--anchor", type=float, default=d["anchor"].default, help="rung +lr: anchor toward the general head")
+    p.add_argument("--recent-share", type=float, default=d["recent_share"].default, help="rung +recent: share of each batch from the newest traces")
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--json", dest="json_out", default=None)
@@ -325,7 +326,7 @@ def _bench_aurora(args) -> int:
 
     torch.set_num_threads(args.threads)
     cfg = AuroraConfig(general_head=args.general_head, requests=args.requests, block=args.block, domains=tuple(x for x in args.domains.split(",") if x),
-                       prompts=args.prompts, max_tokens=args.max_tokens, steps=args.steps, lr=args.lr, anchor=args.anchor,
+                       prompts=args.prompts, max_tokens=args.max_tokens, steps=args.steps, lr=args.lr, anchor=args.anchor, recent_share=args.recent_share,
                        variants=tuple(x for x in args.variants.split(",") if x))
     report = run_aurora(cfg)
     if args.json_out:

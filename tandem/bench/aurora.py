@@ -11,8 +11,9 @@ target traces (tandem.flywheel.replay):
   `online_base` (the replay's former settings: 0.5 trainer steps per request, uniform replay, lr 1e-4,
   anchor 100), `+steps` (`steps` per request: what the trainer's own core affords), `+balance` (replay drawn
   to balance domains), `+detector` (a detected acceptance drop boosts the step rate and warms the lr),
-  `+lr` (the learning rate and anchor for a strong starting head chosen by measurement: `lr`, `anchor`).
-  The last rung is `online`.
+  `+lr` (the learning rate and anchor for a strong starting head chosen by measurement: `lr`, `anchor`),
+  `+recent` (a `recent_share` of each batch from the newest traces: today's traffic is learned at once while
+  the balanced rest keeps the other domains). The last rung is `online`.
 
 Reported per variant: mean acceptance length and its ratio to static, per domain, per block, per domain
 after its first block, recovery after each shift (the issue's measure: requests until the rolling mean is
@@ -44,8 +45,9 @@ class AuroraConfig:
     steps: float = 2.0  # trainer steps per request from rung `+steps` on
     lr: float = 3e-4  # rung `+lr` (and online): the fine-tuning lr from the general head
     anchor: float = 10.0  # rung `+lr`: its anchor
+    recent_share: float = 0.5  # rung `+recent`: share of each batch from the newest traces
     scratch_lr: float = 1e-3
-    variants: tuple[str, ...] = ("plain", "static", "online_base", "+steps", "+balance", "+detector", "+lr", "online_scratch")
+    variants: tuple[str, ...] = ("plain", "static", "online_base", "+steps", "+balance", "+detector", "+lr", "+recent", "online_scratch")
     window: int = 20
     seed: int = 0
 
@@ -64,14 +66,14 @@ class AuroraConfig:
                            modes=("static",))
 
 
-VARIANTS = ("plain", "static", "online_base", "+steps", "+balance", "+detector", "+lr", "online_scratch")
+VARIANTS = ("plain", "static", "online_base", "+steps", "+balance", "+detector", "+lr", "+recent", "online_scratch")
 
 
 def variant_config(name: str, cfg: AuroraConfig) -> tuple[str, ShiftConfig]:
     """(MODES entry, the ShiftConfig it replays under) of one variant; the ladder's rungs add up in order."""
     base = replace(cfg.shift_config(), train_steps_per_request=0.5, sample="uniform", shift_detect=False, finetune_lr=1e-4, anchor=100.0)
     rungs = {"+steps": {"train_steps_per_request": cfg.steps}, "+balance": {"sample": "domains"}, "+detector": {"shift_detect": True},
-             "+lr": {"finetune_lr": cfg.lr, "anchor": cfg.anchor}}
+             "+lr": {"finetune_lr": cfg.lr, "anchor": cfg.anchor}, "+recent": {"recent_share": cfg.recent_share}}
     if name in ("plain", "static"):
         return name, base
     if name == "online_scratch":
@@ -117,7 +119,8 @@ def run_aurora(cfg: AuroraConfig, log=print) -> dict:
         mode, vcfg = variant_config(name, cfg)
         begun = time.perf_counter()
         results[name], extras[name] = replay_mode(mode, target, stream, traces, heads, costs, vcfg)
-        settings[name] = {"mode": mode, "steps_per_request": vcfg.train_steps_per_request, "sample": vcfg.sample, "shift_detect": vcfg.shift_detect,
+        settings[name] = {"mode": mode, "steps_per_request": vcfg.train_steps_per_request, "sample": vcfg.sample, "recent_share": vcfg.recent_share,
+                          "shift_detect": vcfg.shift_detect,
                           "lr": vcfg.lr if mode == "online_scratch" else vcfg.finetune_lr, "anchor": 0.0 if mode == "online_scratch" else vcfg.anchor,
                           "seconds": round(time.perf_counter() - begun, 1)}
         log(f"{name}: mean acceptance {sum(r['acceptance_length'] for r in results[name]) / len(results[name]):.3f} ({settings[name]['seconds']} s)")

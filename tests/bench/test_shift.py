@@ -94,12 +94,14 @@ def test_aurora_ladder_adds_one_change_per_rung_and_the_recovery_window_fits_the
     from tandem.bench.aurora import AuroraConfig, recovery_window, variant_config
 
     cfg = AuroraConfig(general_head="h", requests=100, block=10, steps=2.0, lr=3e-4, anchor=10.0)
-    got = {name: variant_config(name, cfg) for name in ("online_base", "+steps", "+balance", "+detector", "+lr", "online_scratch")}
-    settings = {n: (m, c.train_steps_per_request, c.sample, c.shift_detect, c.finetune_lr, c.anchor) for n, (m, c) in got.items()}
+    got = {name: variant_config(name, cfg) for name in ("online_base", "+steps", "+balance", "+detector", "+lr", "+recent", "online_scratch")}
+    settings = {n: (m, c.train_steps_per_request, c.sample, c.shift_detect, c.finetune_lr, c.anchor, c.recent_share) for n, (m, c) in got.items()}
     assert settings == {
-        "online_base": ("online", 0.5, "uniform", False, 1e-4, 100.0), "+steps": ("online", 2.0, "uniform", False, 1e-4, 100.0),
-        "+balance": ("online", 2.0, "domains", False, 1e-4, 100.0), "+detector": ("online", 2.0, "domains", True, 1e-4, 100.0),
-        "+lr": ("online", 2.0, "domains", True, 3e-4, 10.0), "online_scratch": ("online_scratch", 2.0, "domains", True, 3e-4, 10.0)}
+        "online_base": ("online", 0.5, "uniform", False, 1e-4, 100.0, 0.0), "+steps": ("online", 2.0, "uniform", False, 1e-4, 100.0, 0.0),
+        "+balance": ("online", 2.0, "domains", False, 1e-4, 100.0, 0.0), "+detector": ("online", 2.0, "domains", True, 1e-4, 100.0, 0.0),
+        "+lr": ("online", 2.0, "domains", True, 3e-4, 10.0, 0.0), "+recent": ("online", 2.0, "domains", True, 3e-4, 10.0, 0.5),
+        "online_scratch": ("online_scratch", 2.0, "domains", True, 3e-4, 10.0, 0.5)}
+    assert got["+recent"][1].setup.loss({}, "static").recent_share == 0.5  # it reaches the trainer
     assert got["online_scratch"][1].lr == 1e-3  # a day-0 head trains at the scratch lr (anchor off for scratch in FlywheelSetup.loss)
     assert recovery_window(cfg) == 1 and recovery_window(AuroraConfig(general_head="h", requests=3000, block=300)) == 20
     with pytest.raises(InvalidParameterError):
