@@ -261,6 +261,8 @@ def _bench_shift_command(bench) -> None:
     p.add_argument("--lr", type=float, default=d.lr, help="online from a day-0 head (online_scratch*)")
     p.add_argument("--finetune-lr", type=float, default=d.finetune_lr, help="online from the static head")
     p.add_argument("--anchor", type=float, default=d.anchor, help="online from the static head: pull toward its weights (L2-SP strength; 0 = off)")
+    p.add_argument("--sample", default=d.sample, choices=["uniform", "domains"], help="the trainer's replay draw: uniform over traces, or balanced over domains")
+    p.add_argument("--recent-share", type=float, default=d.recent_share, help="share of each trainer batch from the newest traces")
     p.add_argument("--discard-weight", type=float, default=d.discard_weight)
     p.add_argument("--branch-weight", type=float, default=d.branch_weight)
     p.add_argument("--window", type=int, default=d.window)
@@ -285,6 +287,7 @@ def _bench_shift(args) -> int:
         replay=args.replay, max_tokens=args.max_tokens, num_draft_tokens=args.num_draft_tokens, draft_vocab=args.draft_vocab,
         static_prompts=args.static_prompts, static_steps=args.static_steps, static_head=args.static_head,
         train_steps_per_request=args.train_steps_per_request, publish_every=args.publish_every, lr=args.lr, finetune_lr=args.finetune_lr, anchor=args.anchor,
+        sample=args.sample, recent_share=args.recent_share,
         discard_weight=args.discard_weight, branch_weight=args.branch_weight, window=args.window, live_batch=args.live_batch, seed=args.seed,
         trainer_process=TRAINER_PLACES[args.trainer],
     )

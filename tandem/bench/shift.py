@@ -200,10 +200,15 @@ def live_mode(mode: str, target, stream: list[Prompt], stream_ids: dict[str, lis
                                   on_finish=lambda row: bar.update(1), prefix=mode)
         if flywheel is not None:
             flywheel.close()
-    extra = {"stream_tokens_per_s": round(result.tokens_per_s, 3), "serving_cores": list(serving) if serving else None}
+    extra = {"stream_tokens_per_s": round(result.tokens_per_s, 3), "serving_cores": list(serving) if serving else None,
+             "lost_requests": len(stream) - len(result.rows)}
     if flywheel is not None:
-        extra |= flywheel.metrics() | {"trainer_process": flywheel.options.trainer_process,
-                                       "trainer_cores": list(flywheel.options.trainer_cpus) if flywheel.options.trainer_cpus else None}
+        metrics = flywheel.metrics()
+        step_ms = 1000 * (metrics["median_step_s"] or 0.0)
+        extra |= metrics | {"trainer_process": flywheel.options.trainer_process,
+                            "trainer_cores": list(flywheel.options.trainer_cpus) if flywheel.options.trainer_cpus else None,
+                            # the longest weight install (the stall a swap adds to its step) in median decode steps
+                            "swap_stall_steps": round(metrics["swaps"]["max_swap_ms"] / step_ms, 3) if step_ms else None}
     return result.rows, extra
 
 

@@ -112,10 +112,14 @@ def allowed_cores() -> set[int]:
     return set(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
 
 
+START_CORES = frozenset(allowed_cores())  # the cores this process may use, read before any `pinned` block narrows them
+
+
 def core_split(cores: set[int] | None = None) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
     """(serving cores, trainer cores) when the trainer can have a core of its own: the highest of `cores`
-    (default: the ones this process may use) trains, the rest serve. None with fewer than 2 cores."""
-    cores = sorted(allowed_cores() if cores is None else cores)
+    (default: the ones this process was started with, also inside a `pinned` block) trains, the rest serve.
+    None with fewer than 2 cores."""
+    cores = sorted(START_CORES if cores is None else cores)
     return (tuple(cores[:-1]), tuple(cores[-1:])) if len(cores) >= 2 else None
 
 
@@ -137,7 +141,7 @@ def pinned(cores: tuple[int, ...] | None):
 def trainer_process_pays() -> bool:
     """Whether live serving should train in a child process: with 2 cores or more the engine and the trainer
     each get one (a trainer thread would share the engine's interpreter lock); on 1 core they share it anyway."""
-    return len(allowed_cores()) >= 2
+    return len(START_CORES) >= 2
 
 
 def check_modes(modes) -> None:

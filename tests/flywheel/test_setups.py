@@ -94,6 +94,7 @@ def test_pinned_runs_a_block_on_the_given_cores_and_restores_the_mask():
     core = min(before)
     with pinned((core,)):
         assert os.sched_getaffinity(0) == {core}
+        assert core_split() == core_split(before)  # the split is of the cores the process started with
     assert os.sched_getaffinity(0) == before
     with pinned(None):
         assert os.sched_getaffinity(0) == before
