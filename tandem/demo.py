@@ -32,6 +32,8 @@ STRONG_HEAD = HEADS / "eagle-smollm2"  # recipe eagle-smollm2: every built-in do
 DEMO_DOMAINS = ("code", "summary", "sql", "summary", "math", "summary")
 HEADER = f"{'req':>4} {'domain':<12} {'accept':>6} {'tok/s':>6} {'version':>7} {'swaps':>5} {'rollbk':>6} {'train':>6} {'loss':>7}"
 MODES = ("plain", "static", "flywheel")
+# the flywheel's settings from a general head (measured: docs/BENCHMARKS.md 10); from the strong head the gentle defaults
+FROM_GENERAL_HEAD = {"finetune_lr": 3e-4, "anchor": 0.0, "sample": "domains", "recent_share": 0.5}
 
 
 @dataclass(frozen=True)
@@ -87,7 +89,8 @@ def run_demo(model: str, requests: int = 36, block: int = 6, max_tokens: int = 4
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     torch.set_num_threads(1)
     setup = FlywheelSetup(publish_every=5, prompt_lookup=True, min_confidence=cut, trainer_core=True,
-                          trainer_process=trainer_process_pays() if trainer_process is None else trainer_process)
+                          trainer_process=trainer_process_pays() if trainer_process is None else trainer_process,
+                          **(FROM_GENERAL_HEAD if label.startswith("general") else {}))
     print(f"tandem demo: {model}, {len(stream)} requests in blocks of {block} ({' -> '.join(domains)}), greedy, "
           f"{batch} in flight, {max_tokens} new tokens each\n")
     split = core_split() if setup.trainer_process else None
@@ -136,7 +139,8 @@ def run_demo(model: str, requests: int = 36, block: int = 6, max_tokens: int = 4
     return {"head": label, "speedup": round(_ratio(speed["flywheel"], speed["plain"]), 4), "static_speedup": round(_ratio(speed["static"], speed["plain"]), 4),
             "flywheel_over_static": round(_ratio(speed["flywheel"], speed["static"]), 4),
             "tokens_per_s": {m: round(v, 3) for m, v in speed.items()}, "identical_outputs": same,
-            "summary": summary, "metrics": metrics, "plot": str(plot), "trainer_process": flywheel.options.trainer_process}
+            "summary": summary, "metrics": metrics, "plot": str(plot), "trainer_process": flywheel.options.trainer_process,
+            "flywheel_settings": {k: getattr(setup, k) for k in FROM_GENERAL_HEAD}}
 
 
 def _ratio(a: float, b: float) -> float:

@@ -31,3 +31,5 @@ def test_small_demo_run_on_smollm2(tmp_path, capsys):
     assert report["speedup"] == pytest.approx(report["tokens_per_s"]["flywheel"] / report["tokens_per_s"]["plain"], rel=2e-3)
     assert set(report["summary"]) == {"plain", "static", "flywheel"} and (tmp_path / "demo_flywheel.png").exists()
     assert "flywheel over static" in out and "on summary (no recipe trains on it)" in out
+    expected = demo.FROM_GENERAL_HEAD if report["head"].startswith("general") else {"finetune_lr": 1e-4, "anchor": 100.0, "sample": "uniform", "recent_share": 0.0}
+    assert report["flywheel_settings"] == expected  # a general head is fine-tuned as measured, the strong head gently

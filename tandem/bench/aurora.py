@@ -43,8 +43,8 @@ class AuroraConfig:
     prompts: str = "builtin"
     max_tokens: int = 64
     steps: float = 2.0  # trainer steps per request from rung `+steps` on
-    lr: float = 3e-4  # rung `+lr` (and online): the fine-tuning lr from the general head
-    anchor: float = 10.0  # rung `+lr`: its anchor
+    lr: float = 3e-4  # rung `+lr` (and online): the fine-tuning lr from the general head (sweep: docs/BENCHMARKS.md 10)
+    anchor: float = 0.0  # rung `+lr`: its anchor (10 cost 2 points from a general head; the shipped head's 100 more)
     recent_share: float = 0.5  # rung `+recent`: share of each batch from the newest traces
     scratch_lr: float = 1e-3
     variants: tuple[str, ...] = ("plain", "static", "online_base", "+steps", "+balance", "+detector", "+lr", "+recent", "online_scratch")
