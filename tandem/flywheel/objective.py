@@ -2,13 +2,14 @@
 
     L = [imitation] soft CE to the target over the committed sequence, with the training-time-test unroll
       + discard_weight * sum over evaluated proposals of r * -log(1 - q_theta(x)) / sum of r   (r: stop-gradient)
-      + branch_weight  * soft CE to the target at drafted nodes off the accepted path (one tree-masked pass)
+      + branch_weight  * soft CE to the target at drafted nodes off the accepted path (one tree-masked pass over the unroll's context)
 
 The imitation term is offline training's (tandem.training.offline) on the request's own committed
 tokens and target hidden states. A proposal at draft depth d whose chain began at committed position t
 was drafted by unroll step d at root t: the discard term reads exactly that row, with q_theta the
 distribution the drafter samples from for that request (temperature, top-k, top-p; the T = 1 softmax for
-greedy). The branch pass runs the head once over the committed entries plus every branch node; a branch
+greedy). The branch pass runs the head at every branch node over the committed entries' keys and values
+from the unroll's step 0 (they are the same entries): a branch
 node sees the committed entries before the point where its branch left the accepted path, its own branch
 ancestors and itself (teacher-forced with the target's hidden states at its parent).
 """
@@ -23,7 +24,7 @@ from tandem.errors import InvalidParameterError
 from tandem.flywheel.traces import SequenceTrace
 from tandem.models.eagle import EagleHead, target_to_draft
 from tandem.ops.losses import discard_loss, rejection_probability, soft_cross_entropy
-from tandem.training.offline import Example, eagle_logits, step_stats
+from tandem.training.offline import Example, eagle_states, step_stats
 
 
 def trace_example(trace: SequenceTrace) -> Example:
@@ -93,16 +94,16 @@ def discard_term(logits: list[torch.Tensor], step_roots: list[torch.Tensor], eve
 
 # ---- branches -------------------------------------------------------------------------------------------------
 class BranchBatch(NamedTuple):
-    ids: torch.Tensor  # [1, C + Nb]
-    features: torch.Tensor  # [1, C + Nb, taps * d] unfused target features
-    positions: torch.Tensor  # [1, C + Nb]
-    mask: torch.Tensor  # [C + Nb, C + Nb] bool: who sees whom
-    committed: int  # C
+    ids: torch.Tensor  # [1, Nb] each branch node's token
+    features: torch.Tensor  # [1, Nb, taps * d] unfused target features it reads (its parent's state)
+    positions: torch.Tensor  # [1, Nb]
+    mask: torch.Tensor  # [Nb, C + Nb] bool: which committed entries and which branch nodes each node sees
+    committed: int  # C: the committed entries 0..C-1 are the context (step 0 of the unroll computed their keys and values)
     final: torch.Tensor  # [Nb, d] the target's final hidden state at each branch node
 
 
 def branch_batch(trace: SequenceTrace) -> BranchBatch | None:
-    """Committed entries 0..C-1 plus the branch nodes inside the committed length, with the tree mask: a
+    """The branch nodes inside the committed length over the committed entries 0..C-1, with the tree mask: a
     node sees committed entries before its branch's top (the position where it left the accepted path:
     the committed entries from there on hold other tokens at the same positions), its ancestors, itself."""
     m = len(trace.features)
@@ -120,40 +121,36 @@ def branch_batch(trace: SequenceTrace) -> BranchBatch | None:
             ancestors[i] |= ancestors[int(parent[i])]
             top[i] = top[int(parent[i])]
     committed = int(top.max())
-    features = trace.features
-    branch_feats = features[pos]  # a node below a committed parent reads the committed state
+    branch_feats = trace.features[pos]  # a node below a committed parent reads the committed state
     if bool((parent >= 0).any()):  # deeper nodes read their branch parent's (kept when branch_depth > 1)
         branch_feats = torch.where((parent >= 0).unsqueeze(1), trace.branch_features[keep][parent.clamp(min=0)], branch_feats)
-    mask = torch.zeros(committed + nb, committed + nb, dtype=torch.bool)
-    mask[:committed, :committed] = torch.ones(committed, committed, dtype=torch.bool).tril()
-    mask[committed:, :committed] = torch.arange(committed).unsqueeze(0) < top.unsqueeze(1)
-    mask[committed:, committed:] = ancestors
-    return BranchBatch(
-        torch.cat([trace.tokens[1 : committed + 1], token]).unsqueeze(0), torch.cat([features[:committed], branch_feats]).unsqueeze(0),
-        torch.cat([torch.arange(committed), pos]).unsqueeze(0), mask, committed, trace.branch_final[keep],
-    )
+    mask = torch.cat([torch.arange(committed).unsqueeze(0) < top.unsqueeze(1), ancestors], dim=1)
+    return BranchBatch(token.unsqueeze(0), branch_feats.unsqueeze(0), pos.unsqueeze(0), mask, committed, trace.branch_final[keep])
 
 
-def branch_hidden(head: EagleHead, batch: BranchBatch) -> torch.Tensor:  # [Nb, d] normed: what the LM head reads at the branch nodes
-    _, hidden = head(batch.ids, head.fuse([batch.features.float()]), batch.positions, tree_mask=batch.mask.unsqueeze(0), project=False)
-    return head.norm(hidden[0, batch.committed :])
+def committed_context(head: EagleHead, trace: SequenceTrace, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of the committed entries 0..length-1 computed on their own (the flywheel loss takes
+    them from the unroll instead)."""
+    fused = head.fuse([trace.features[:length].float().unsqueeze(0)])
+    return head.context(trace.tokens[1 : length + 1].unsqueeze(0), fused, torch.arange(length).unsqueeze(0))
 
 
-def branch_logits(head: EagleHead, batch: BranchBatch) -> torch.Tensor:  # [Nb, Vd]
-    return head.lm_head(branch_hidden(head, batch))
+def branch_hidden(head: EagleHead, batch: BranchBatch, context: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:  # [Nb, d] normed
+    """What the LM head reads at the branch nodes. context: keys and values of at least the first C committed
+    entries ([1, Hkv, >= C, D]; the unroll's step 0 has them), so the pass costs the branch nodes only."""
+    keys, values = (c[:, :, : batch.committed] for c in context)
+    hidden = head.forward_on((keys, values), batch.ids, head.fuse([batch.features.float()]), batch.positions, batch.mask)
+    return head.norm(hidden[0])
+
+
+def branch_logits(head: EagleHead, batch: BranchBatch, context: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:  # [Nb, Vd]
+    return head.lm_head(branch_hidden(head, batch, context))
 
 
 def branch_loss(logits: torch.Tensor, target_rows: torch.Tensor, batch: BranchBatch) -> torch.Tensor:
     with torch.no_grad():
         target = torch.softmax(batch.final.float() @ target_rows.T, dim=-1)
     return soft_cross_entropy(logits, target)
-
-
-def branch_term(head: EagleHead, target_rows: torch.Tensor, trace: SequenceTrace) -> torch.Tensor:
-    batch = branch_batch(trace)
-    if batch is None:
-        return head.fc.weight.sum() * 0.0
-    return branch_loss(branch_logits(head, batch), target_rows, batch)
 
 
 # ---- the whole loss ---------------------------------------------------------------------------------------------
@@ -173,10 +170,10 @@ def flywheel_loss(head: EagleHead, target_rows: torch.Tensor, traces: list[Seque
         sampled = roots[torch.randperm(len(roots), generator=generator)[: max(1, math.ceil(cfg.chain_fraction * len(roots)))]]
         chains = torch.unique(torch.cat([sampled, events.root[events.depth > 0]]))
         example = trace_example(trace)
-        hidden, step_roots = eagle_logits(head, [example], cfg.unroll, chains, roots, project=False)
+        hidden, step_roots, context = eagle_states(head, [example], cfg.unroll, chains, roots, project=False)
         branch = branch_batch(trace) if cfg.branch_weight > 0 and len(trace.branch_token) else None
         if branch is not None:
-            hidden = hidden + [branch_hidden(head, branch)]
+            hidden = hidden + [branch_hidden(head, branch, context)]
         plans.append((trace, example, events, normaliser, step_roots, branch, len(normed), len(hidden)))
         normed += hidden
     projected = head.lm_head_rows(normed)  # one LM-head GEMM for the whole batch

@@ -311,7 +311,11 @@ class EagleHead(nn.Module):
         hidden, h = decode_glue.add_rms_norm(self.attn.o(attended), features, self.mlp_norm.weight, self.mlp_norm.eps)
         return hidden + self.mlp.down(decode_glue.silu_mul(self.mlp.gate_up(h)))
 
-    def unroll(
+    def unroll(self, *args, **kwargs) -> list[torch.Tensor]:
+        """`unroll_states` without the step-0 context."""
+        return self.unroll_states(*args, **kwargs)[0]
+
+    def unroll_states(
         self,
         input_ids: torch.Tensor,  # [B, T + steps - 1]: x_1 .. (token t+1 pairs with feature t)
         fused: torch.Tensor,  # [B, T, d] fused target features f_0 .. f_{T-1}
@@ -319,7 +323,7 @@ class EagleHead(nn.Module):
         chain_roots: torch.Tensor | None = None,  # [R] increasing: roots whose chains go past step 0; None = all T
         first_roots: torch.Tensor | None = None,  # [R0]: roots whose step-0 logits are wanted; None = all T
         project: bool = True,  # False: the normed hidden states [.., d] the LM head would read, for one LM-head pass over many (lm_head_rows)
-    ) -> list[torch.Tensor]:  # [B, T or R0, Vd], then steps-1 x [B, R, Vd]: step s at root t predicts x_{t+s+2}
+    ) -> tuple[list[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
         """Training-time test: step s feeds step s-1's hidden states back in place of target features.
 
         Step 0 projects keys and values at every position (the context of every chain); later steps are
@@ -327,6 +331,10 @@ class EagleHead(nn.Module):
         step-0 logits at a subset (`first_roots`, e.g. the generated part only). Given both, step 0's
         queries, attention output and MLP run only at the rows read afterwards (their union): the rows of a
         prompt feed keys and values and nothing else, so the result and its gradient are the same.
+
+        Returns the outputs per step ([B, T or R0, Vd], then steps-1 x [B, R, Vd]: step s at root t predicts
+        x_{t+s+2}; normed hidden states instead of logits with project=False) and step 0's keys and values
+        at every entry ([B, Hkv, T, D] each: the context `forward_on` extends, e.g. with branch nodes).
         """
         t = fused.shape[1]
         roots = torch.arange(t)
@@ -353,7 +361,29 @@ class EagleHead(nn.Module):
                 wanted = features[:, (first_roots.cpu() if read is None else torch.searchsorted(read, first_roots.cpu())).to(features.device)]
             normed = self.norm(wanted)
             logits.append(self.lm_head(normed) if project else normed)
-        return logits
+        return logits, (keys[0], values[0])
+
+    def context(self, input_ids: torch.Tensor, fused: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values [B, Hkv, T, D] of T entries (token x_{t+1} with fused feature f_t at position t): the
+        context other entries attend to, as step 0 of `unroll_states` computes it."""
+        cos, sin = self.rope(positions)
+        _, k, v = self.attn.project(self.layer_input(input_ids, fused), cos, sin)
+        return k.transpose(1, 2), v.transpose(1, 2)
+
+    def forward_on(
+        self,
+        context: tuple[torch.Tensor, torch.Tensor],  # keys, values [1, Hkv, C, D] of entries computed elsewhere
+        input_ids: torch.Tensor,  # [1, N] the new entries
+        fused: torch.Tensor,  # [1, N, d]
+        positions: torch.Tensor,  # [1, N]
+        mask: torch.Tensor,  # [N, C + N] bool: which context entries and new entries each new entry sees
+    ) -> torch.Tensor:  # hidden [1, N, d]
+        """The layer at N new entries over a context of C entries whose keys and values exist already: the
+        context costs nothing here, and its gradient flows into whatever computed it."""
+        cos, sin = self.rope(positions)
+        q, k, v = self.attn.project(self.layer_input(input_ids, fused), cos, sin)
+        keys, values = torch.cat([context[0], k.transpose(1, 2)], 2), torch.cat([context[1], v.transpose(1, 2)], 2)
+        return self.residual(fused, self.attn.attend(q, keys, values, mask.view(1, 1, *mask.shape), False))
 
     def lm_head_rows(self, normed: list[torch.Tensor]) -> list[torch.Tensor]:  # [..., d] each -> [..., Vd] each
         """The LM head over many tensors of normed hidden states in one GEMM: the 16k x d weight is read once

@@ -158,13 +158,22 @@ def eagle_logits(
     and the roots of each step. chain_roots [R]: roots unrolled past step 0 (a sample makes training
     cheaper); first_roots [R0]: roots whose step-0 logits are computed; None = all. project=False: the normed hidden
     states instead of logits (EagleHead.lm_head_rows projects many at once)."""
+    logits, roots, _ = eagle_states(head, examples, unroll, chain_roots, first_roots, project)
+    return logits, roots
+
+
+def eagle_states(
+    head: EagleHead, examples: list[Example], unroll: int, chain_roots: torch.Tensor | None = None, first_roots: torch.Tensor | None = None,
+    project: bool = True,
+) -> tuple[list[torch.Tensor], list[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """eagle_logits, and step 0's keys and values at every entry (EagleHead.unroll_states)."""
     length = max(len(e.tokens) for e in examples)
     t = length - 1  # chain roots 0 .. L-2 (entry t pairs feature t with token t+1)
     tokens = _pad(examples, "tokens", length + unroll)  # [B, L+S]
     fused = head.fuse([_pad(examples, "taps", t)])
-    logits = head.unroll(tokens[:, 1 : t + unroll], fused, unroll, chain_roots, first_roots, project)
+    logits, context = head.unroll_states(tokens[:, 1 : t + unroll], fused, unroll, chain_roots, first_roots, project)
     later = torch.arange(t) if chain_roots is None else chain_roots
-    return logits, [torch.arange(t) if first_roots is None else first_roots] + [later] * (unroll - 1)
+    return logits, [torch.arange(t) if first_roots is None else first_roots] + [later] * (unroll - 1), context
 
 
 def eagle_step(head: EagleHead, target_rows: torch.Tensor, examples: list[Example], unroll: int, chain_roots: torch.Tensor | None = None) -> StepStats:

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from tandem.flywheel.objective import branch_batch, branch_logits, discard_events, evaluated_proposals, generated_roots
+from tandem.flywheel.objective import branch_batch, branch_logits, committed_context, discard_events, evaluated_proposals, generated_roots
 from tandem.flywheel.traces import TraceAssembler
 from tandem.models.eagle import target_to_draft
 from tandem.ops.losses import discard_loss, rejection_probability
@@ -43,7 +43,7 @@ def test_branch_nodes_see_only_their_ancestors(served):
         batch = branch_batch(trace)
         if batch is None:
             continue
-        logits = branch_logits(head, batch)
+        logits = branch_logits(head, batch, committed_context(head, trace, batch.committed))
         kept = torch.nonzero(trace.branch_pos < len(trace.features)).flatten().tolist()
         for row, i in enumerate(kept):
             torch.testing.assert_close(logits[row], _path_logits(head, trace, i), atol=1e-4, rtol=1e-4)
@@ -130,7 +130,7 @@ def _loss_trace_by_trace(head, target_rows, traces, cfg, generator):
     """The flywheel loss as it was computed before the LM head was batched: every trace's own LM-head calls."""
     import math
 
-    from tandem.flywheel.objective import branch_term, discard_term, trace_example
+    from tandem.flywheel.objective import branch_loss, discard_term, trace_example
     from tandem.training.offline import eagle_logits, step_stats
 
     to_draft = target_to_draft(head.draft_to_target.cpu(), head.cfg.target_vocab_size)
@@ -144,13 +144,31 @@ def _loss_trace_by_trace(head, target_rows, traces, cfg, generator):
         logits, step_roots = eagle_logits(head, [example], cfg.unroll, chains, roots)
         total = total + step_stats([example], target_rows, logits, step_roots, head.draft_to_target).loss / len(traces)
         total = total + cfg.discard_weight * discard_term(logits, step_roots, events, normaliser, trace.sampling) / len(traces)
-        total = total + cfg.branch_weight * branch_term(head, target_rows, trace) / len(traces)
+        batch = branch_batch(trace)
+        if batch is None:
+            continue
+        total = total + cfg.branch_weight * branch_loss(_full_pass_branch_logits(head, trace, batch), target_rows, batch) / len(traces)
     return total
 
 
+def _full_pass_branch_logits(head, trace, batch):
+    """The branch logits as they were computed before the pass reused the unroll's keys and values: one
+    tree-masked forward over the committed entries and the branch nodes together, read at the nodes."""
+    c, nb = batch.committed, batch.ids.shape[1]
+    mask = torch.zeros(c + nb, c + nb, dtype=torch.bool)
+    mask[:c, :c] = torch.ones(c, c, dtype=torch.bool).tril()
+    mask[c:] = batch.mask
+    ids = torch.cat([trace.tokens[1 : c + 1].unsqueeze(0), batch.ids], 1)
+    features = torch.cat([trace.features[:c].unsqueeze(0), batch.features], 1).float()
+    positions = torch.cat([torch.arange(c).unsqueeze(0), batch.positions], 1)
+    logits, _ = head(ids, head.fuse([features]), positions, tree_mask=mask.unsqueeze(0))
+    return logits[0, c:]
+
+
 def test_one_lm_head_pass_for_the_batch_gives_the_per_trace_loss_and_gradient(served, target):
-    """flywheel_loss projects every trace's rows in one LM-head GEMM: the same loss and gradients as one call
-    per trace and unroll step (imitation, discard and branch terms all on)."""
+    """flywheel_loss projects every trace's rows in one LM-head GEMM, and its branch pass reuses the unroll's
+    keys and values: the same loss and gradients as one call per trace and unroll step with a full tree-masked
+    branch pass (imitation, discard and branch terms all on)."""
     from tandem.flywheel.objective import flywheel_loss
     from tandem.flywheel.trainer import FlywheelConfig, target_lm_rows, trainer_copy
     from tandem.models.head_state import make_trainable

@@ -306,3 +306,47 @@ def test_step_zero_runs_only_the_rows_read_later_with_the_same_logits_and_gradie
     assert all(g.abs().sum() > 0 for g in grads[1])  # the loss reaches each of them, so the comparison is not of zeros
     for a, b in zip(*grads):
         assert torch.allclose(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_new_entries_over_a_given_context_match_the_full_masked_pass_with_the_same_gradients(target):
+    """forward_on runs the layer at new entries over keys and values computed elsewhere (context): its hidden
+    states and the gradient of a loss on them are those of forward() over context and new entries together
+    under the same mask, read at the new entries."""
+    head, ex = head_for(target), sequence(target)
+    t, c = len(ex.tokens) - 1, 12
+    ids, positions = ex.tokens[1:].unsqueeze(0), torch.arange(t).unsqueeze(0)
+    positions[0, c:] -= 4  # the new entries sit at positions the context also holds, as branch nodes do
+    mask = torch.ones(t, t, dtype=torch.bool).tril()
+    mask[c:, 4:c] = False  # ... and skip the context entries their branch replaced
+    params = [p for p in head.parameters() if p.requires_grad]
+    outputs, grads = [], []
+    for split in (True, False):
+        head.zero_grad(set_to_none=True)
+        fused = head.fuse([ex.taps[:t].unsqueeze(0)])
+        if split:
+            context = head.context(ids[:, :c], fused[:, :c], positions[:, :c])
+            hidden = head.forward_on(context, ids[:, c:], fused[:, c:], positions[:, c:], mask[c:])
+        else:
+            hidden = head(ids, fused, positions, tree_mask=mask.unsqueeze(0), project=False)[1][:, c:]
+        (head.norm(hidden).float() ** 2).mean().backward()
+        outputs.append(hidden.detach())
+        grads.append([p.grad.clone() if p.grad is not None else None for p in params])
+    assert outputs[0].shape == (1, t - c, head.cfg.hidden_size) and torch.allclose(outputs[0], outputs[1], atol=TOL)
+    reached = [g for g in grads[1] if g is not None]
+    assert len(reached) == 9 and all(g.abs().sum() > 0 for g in reached)  # every tensor but the LM head's gets a gradient
+    for a, b in zip(*grads):
+        assert (a is None) == (b is None) and (a is None or torch.allclose(a, b, atol=1e-5, rtol=1e-4))
+
+
+def test_unroll_states_context_is_the_keys_and_values_of_every_entry(target):
+    """The context unroll_states returns is what context() computes over the same entries (all T, also with a
+    restricted step 0), so the branch pass may extend it."""
+    head, ex = head_for(target), sequence(target)
+    t, steps = len(ex.tokens) - 1, 3
+    ids = torch.cat([ex.tokens[1:], torch.zeros(steps - 1, dtype=torch.long)]).unsqueeze(0)
+    with torch.no_grad():
+        fused = head.fuse([ex.taps[:t].unsqueeze(0)])
+        _, (keys, values) = head.unroll_states(ids, fused, steps, torch.tensor([4, 10]), torch.arange(9, t))
+        want_keys, want_values = head.context(ids[:, :t], fused, torch.arange(t).unsqueeze(0))
+    assert keys.shape == (1, head.cfg.layer_config().num_kv_heads, t, head.cfg.layer_config().head_dim)
+    assert torch.equal(keys, want_keys) and torch.equal(values, want_values)
