@@ -47,25 +47,58 @@ class DemoConfig:
     replay: bool = False
 
 
-def demo_heads(target, draft_vocab: int = 8192, seed: int = 0) -> tuple[dict, str, float]:
-    """{"static": the head static serves and the flywheel starts from}, a label saying which one it is, and
-    its confidence cut (a trained head's chains end where it is unsure; an untrained head drafts full chains)."""
+@dataclass(frozen=True)
+class DemoHead:
+    """The head static serves and the flywheel starts from, and what is known of it."""
+
+    head: object  # EagleHead
+    label: str  # which head, for the printout
+    min_confidence: float  # a trained head's chains end where it is unsure; an untrained head drafts full chains
+    trained_on: tuple[str, ...] | None  # the domains its recipe trained on (its card); () untrained; None unknown (no card)
+
+    def knows_none_of(self, domains) -> bool:
+        """Whether the head never trained on any of `domains` (a general head facing specialised traffic, or a
+        day-0 head): the flywheel then fine-tunes it as measured from a general head (FROM_GENERAL_HEAD)."""
+        return self.trained_on is not None and not set(self.trained_on) & set(domains)
+
+
+def trained_domains(head_dir: Path) -> tuple[str, ...] | None:
+    """The domains a head's recipe trained on, from its card (None without one)."""
+    import json
+
+    from tandem.models.eagle import CARD_FILE
+    from tandem.training.recipes import RECIPES
+
+    card_path = head_dir / CARD_FILE
+    if not card_path.is_file():
+        return None
+    card = json.loads(card_path.read_text())
+    recipe = RECIPES.get(card.get("recipe"))
+    domains = card.get("settings", {}).get("domains") or (recipe.domains if recipe is not None else None)
+    return tuple(domains) if domains is not None else None
+
+
+def demo_head(target, path: str | Path | None = None, draft_vocab: int = 8192, seed: int = 0) -> DemoHead:
+    """`path` if given, else the shipped general head (recipe eagle-smollm2-general: Aurora's static drafter),
+    else the strong one (recipe eagle-smollm2), else an untrained day-0 head with a warning."""
     from tandem.drafters.eagle import TRAINED_MIN_CONFIDENCE
     from tandem.flywheel.setups import scratch_head
     from tandem.models.eagle import load_eagle
 
-    for path, what in ((GENERAL_HEAD, "general static EAGLE head"), (STRONG_HEAD, "strong static EAGLE head")):
-        if path.is_dir():  # load_eagle refuses a damaged or mismatched head with a clear error
-            return {"static": load_eagle(path, target)}, f"{what} ({path})", TRAINED_MIN_CONFIDENCE
+    candidates = [(Path(path), "EAGLE head")] if path is not None else [(GENERAL_HEAD, "general static EAGLE head"), (STRONG_HEAD, "strong static EAGLE head")]
+    for where, what in candidates:
+        if where.is_dir() or path is not None:  # load_eagle refuses a missing, damaged or mismatched head with a clear error
+            return DemoHead(load_eagle(where, target), f"{what} ({where})", TRAINED_MIN_CONFIDENCE, trained_domains(where))
     print(f"WARNING: no trained head at {STRONG_HEAD}; starting from an UNTRAINED day-0 head instead.\n"
           "         Expect acceptance near 1.0 and no speedup until the flywheel has learned (this is not the shipped demo).\n")
-    return {"static": scratch_head(target, draft_vocab, seed)}, "untrained day-0 EAGLE head (fallback: no shipped head yet)", 0.0
+    return DemoHead(scratch_head(target, draft_vocab, seed), "untrained day-0 EAGLE head (fallback: no shipped head yet)", 0.0, ())
 
 
 def run_demo(model: str, requests: int = 36, block: int = 6, max_tokens: int = 40, out_dir: str = "out", batch: int = 1,
-             trainer_process: bool | None = None, domains: tuple[str, ...] = DEMO_DOMAINS) -> dict:
+             trainer_process: bool | None = None, domains: tuple[str, ...] = DEMO_DOMAINS, head: str | Path | None = None) -> dict:
     """trainer_process: train in a child process (True) or a thread of this one (False); None: a process when
-    the machine has >= 2 cores (one for the engine, one for the trainer)."""
+    the machine has >= 2 cores (one for the engine, one for the trainer). head: a head directory (default:
+    the shipped one, `demo_head`)."""
     import torch
 
     from tandem.config import SamplingParams
@@ -82,15 +115,17 @@ def run_demo(model: str, requests: int = 36, block: int = 6, max_tokens: int = 4
     model_dir = Path(resolve_model(model))
     target = load_transformer(model_dir)
     target.pack()
-    heads, label, cut = demo_heads(target)
+    start_head = demo_head(target, head)
+    heads, label = {"static": start_head.head}, start_head.label
+    tuned = start_head.knows_none_of(domains)
     stream, stream_ids, _ = build_stream(StreamSpec(requests=requests, block=block, domains=domains), load_tokenizer(model_dir))
     pairs = [(stream_ids[prompt_key(p)], p.domain) for p in stream]
     longest = max(len(ids) for ids, _ in pairs) + max_tokens + 1
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     torch.set_num_threads(1)
-    setup = FlywheelSetup(publish_every=5, prompt_lookup=True, min_confidence=cut, trainer_core=True,
+    setup = FlywheelSetup(publish_every=5, prompt_lookup=True, min_confidence=start_head.min_confidence, trainer_core=True,
                           trainer_process=trainer_process_pays() if trainer_process is None else trainer_process,
-                          **(FROM_GENERAL_HEAD if label.startswith("general") else {}))
+                          **(FROM_GENERAL_HEAD if tuned else {}))
     print(f"tandem demo: {model}, {len(stream)} requests in blocks of {block} ({' -> '.join(domains)}), greedy, "
           f"{batch} in flight, {max_tokens} new tokens each\n")
     split = core_split() if setup.trainer_process else None
@@ -127,12 +162,13 @@ def run_demo(model: str, requests: int = 36, block: int = 6, max_tokens: int = 4
     for mode in MODES:
         accept = summary[mode]["mean_acceptance_length"]
         print(f"  {mode:<9} {speed[mode]:>6.1f} {_ratio(speed[mode], speed['plain']):>9.2f}x {_ratio(speed[mode], speed['static']):>10.2f}x {accept:>12.3f}")
-    unseen = [d for d in cfg.domains if d == "summary"]
-    for d in unseen:
+    print("\nper domain (all its blocks)      flywheel tok/s  static tok/s          flywheel accept  static accept")
+    for d in cfg.domains:
         mine = {m: [r for r in results[m] if r["domain"] == d] for m in MODES}
         tps = {m: sum(r["tokens_per_s"] for r in mine[m]) / max(1, len(mine[m])) for m in MODES}
-        print(f"  on {d} (no recipe trains on it): flywheel {tps['flywheel']:.1f} tok/s vs static {tps['static']:.1f} "
-              f"({_ratio(tps['flywheel'], tps['static']):.2f}x), acceptance {summary['flywheel']['per_domain'][d]:.3f} vs {summary['static']['per_domain'][d]:.3f}")
+        seen = "?" if start_head.trained_on is None else "trained on" if d in start_head.trained_on else "never seen"
+        print(f"  {d:<12} ({seen + ' by the head)':<22} {tps['flywheel']:>9.1f} {tps['static']:>13.1f}  ({_ratio(tps['flywheel'], tps['static']):.2f}x)"
+              f" {summary['flywheel']['per_domain'][d]:>15.3f} {summary['static']['per_domain'][d]:>14.3f}")
     print(f"SPEEDUP over plain decoding: flywheel {_ratio(speed['flywheel'], speed['plain']):.2f}x, static {_ratio(speed['static'], speed['plain']):.2f}x; "
           f"flywheel over static {_ratio(speed['flywheel'], speed['static']):.2f}x  (same stream, measured in this run; machine load affects all three)")
     print(f"plot: {plot}   ({time.perf_counter() - start:.0f} s in all)")
@@ -140,7 +176,7 @@ def run_demo(model: str, requests: int = 36, block: int = 6, max_tokens: int = 4
             "flywheel_over_static": round(_ratio(speed["flywheel"], speed["static"]), 4),
             "tokens_per_s": {m: round(v, 3) for m, v in speed.items()}, "identical_outputs": same,
             "summary": summary, "metrics": metrics, "plot": str(plot), "trainer_process": flywheel.options.trainer_process,
-            "flywheel_settings": {k: getattr(setup, k) for k in FROM_GENERAL_HEAD}}
+            "flywheel_settings": {k: getattr(setup, k) for k in FROM_GENERAL_HEAD}, "head_trained_on": start_head.trained_on}
 
 
 def _ratio(a: float, b: float) -> float:

@@ -11,16 +11,35 @@ def test_demo_starts_from_the_shipped_head_or_says_it_falls_back(tiny_llama, tmp
     target = load_packed(tiny_llama)
     monkeypatch.setattr(demo, "STRONG_HEAD", tmp_path / "missing")
     monkeypatch.setattr(demo, "GENERAL_HEAD", tmp_path / "missing-general")
-    heads, label, cut = demo.demo_heads(target, draft_vocab=200)
-    assert "untrained day-0" in label and "WARNING" in capsys.readouterr().out
-    assert cut == 0.0  # an untrained head drafts full chains
-    save_eagle(heads["static"], tmp_path / "shipped")
+    start = demo.demo_head(target, draft_vocab=200)
+    assert "untrained day-0" in start.label and "WARNING" in capsys.readouterr().out
+    assert start.min_confidence == 0.0 and start.trained_on == ()  # an untrained head drafts full chains and knows no domain
+    save_eagle(start.head, tmp_path / "shipped")
     monkeypatch.setattr(demo, "STRONG_HEAD", tmp_path / "shipped")
-    loaded, label, cut = demo.demo_heads(target, draft_vocab=200)
-    assert label.startswith("strong static EAGLE head") and capsys.readouterr().out == ""
-    assert cut > 0.0
-    for name, tensor in heads["static"].state_dict().items():
-        assert loaded["static"].state_dict()[name].equal(tensor)
+    loaded = demo.demo_head(target, draft_vocab=200)
+    assert loaded.label.startswith("strong static EAGLE head") and capsys.readouterr().out == ""
+    assert loaded.min_confidence > 0.0 and loaded.trained_on is None  # no card: what it trained on is unknown
+    for name, tensor in start.head.state_dict().items():
+        assert loaded.head.state_dict()[name].equal(tensor)
+
+
+def test_the_heads_card_says_which_domains_it_never_saw(tiny_llama, tmp_path, monkeypatch):
+    """A general head (card of recipe eagle-smollm2-general) trained on chat only: the specialised stream is new
+    to it, so the flywheel fine-tunes it with the general-head settings; the strong head knows code."""
+    from tandem.training.pipeline import export_head
+
+    target = load_packed(tiny_llama)
+    monkeypatch.setattr(demo, "STRONG_HEAD", tmp_path / "missing")
+    save_eagle(demo.demo_head(target, draft_vocab=200).head, tmp_path / "best")
+    export_head(tmp_path / "best", tmp_path / "general", "eagle-smollm2-general")
+    export_head(tmp_path / "best", tmp_path / "strong", "eagle-smollm2")
+    general = demo.demo_head(target, tmp_path / "general")
+    assert general.trained_on == ("chat",) and general.knows_none_of(("code", "sql")) and not general.knows_none_of(("chat", "code"))
+    strong = demo.demo_head(target, tmp_path / "strong")
+    assert strong.trained_on == ("code", "sql", "math", "chat", "translation") and not strong.knows_none_of(("code", "summary"))
+    assert strong.knows_none_of(("summary",)) and not demo.DemoHead(None, "", 0.0, None).knows_none_of(("summary",))
+    with pytest.raises(Exception, match="missing"):
+        demo.demo_head(target, tmp_path / "missing")
 
 
 @pytest.mark.slow
@@ -30,6 +49,7 @@ def test_small_demo_run_on_smollm2(tmp_path, capsys):
     assert report["identical_outputs"] == {"static": 6, "flywheel": 6} and "SPEEDUP over plain decoding" in out
     assert report["speedup"] == pytest.approx(report["tokens_per_s"]["flywheel"] / report["tokens_per_s"]["plain"], rel=2e-3)
     assert set(report["summary"]) == {"plain", "static", "flywheel"} and (tmp_path / "demo_flywheel.png").exists()
-    assert "flywheel over static" in out and "on summary (no recipe trains on it)" in out
-    expected = demo.FROM_GENERAL_HEAD if report["head"].startswith("general") else {"finetune_lr": 1e-4, "anchor": 100.0, "sample": "uniform", "recent_share": 0.0}
+    assert "flywheel over static" in out and "per domain (all its blocks)" in out
+    general = report["head_trained_on"] is not None and not {"code", "summary", "sql"} & set(report["head_trained_on"])
+    expected = demo.FROM_GENERAL_HEAD if general else {"finetune_lr": 1e-4, "anchor": 100.0, "sample": "uniform", "recent_share": 0.0}
     assert report["flywheel_settings"] == expected  # a general head is fine-tuned as measured, the strong head gently

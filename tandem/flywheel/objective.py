@@ -154,6 +154,18 @@ def branch_loss(logits: torch.Tensor, target_rows: torch.Tensor, batch: BranchBa
 
 
 # ---- the whole loss ---------------------------------------------------------------------------------------------
+class TracePlan(NamedTuple):
+    """One trace's part of a batch: what its loss terms read once the LM head has projected every row."""
+
+    trace: SequenceTrace
+    example: Example
+    events: Proposals  # the proposals the discard term scores
+    normaliser: float  # their sum of rejection weights
+    step_roots: list[torch.Tensor]  # the roots of each unroll step
+    branch: BranchBatch | None
+    rows: slice  # its tensors in the batch's list of normed hidden states (the unroll steps, then the branch nodes)
+
+
 def flywheel_loss(head: EagleHead, target_rows: torch.Tensor, traces: list[SequenceTrace], cfg, generator: torch.Generator) -> tuple[torch.Tensor, dict]:
     """Mean over traces of the switched-on terms (cfg: a FlywheelConfig). Each trace runs alone (no
     padding): its step-0 logits are read at the generated positions only, and its chains are a
@@ -174,23 +186,23 @@ def flywheel_loss(head: EagleHead, target_rows: torch.Tensor, traces: list[Seque
         branch = branch_batch(trace) if cfg.branch_weight > 0 and len(trace.branch_token) else None
         if branch is not None:
             hidden = hidden + [branch_hidden(head, branch, context)]
-        plans.append((trace, example, events, normaliser, step_roots, branch, len(normed), len(hidden)))
+        plans.append(TracePlan(trace, example, events, normaliser, step_roots, branch, slice(len(normed), len(normed) + len(hidden))))
         normed += hidden
     projected = head.lm_head_rows(normed)  # one LM-head GEMM for the whole batch
     totals: dict[str, torch.Tensor] = {}
     rejections = 0
-    for trace, example, events, normaliser, step_roots, branch, first, count in plans:
-        logits = projected[first : first + count]
-        if branch is not None:
+    for plan in plans:
+        logits = projected[plan.rows]
+        if plan.branch is not None:
             logits, branch_rows = logits[:-1], logits[-1]
-        rejections += len(events.root)
+        rejections += len(plan.events.root)
         parts = {}
         if cfg.imitation:
-            parts["imitation"] = step_stats([example], target_rows, logits, step_roots, head.draft_to_target).loss
+            parts["imitation"] = step_stats([plan.example], target_rows, logits, plan.step_roots, head.draft_to_target).loss
         if cfg.discard_weight > 0:
-            parts["discard"] = cfg.discard_weight * discard_term(logits, step_roots, events, normaliser, trace.sampling)
-        if cfg.branch_weight > 0 and len(trace.branch_token):
-            parts["branch"] = cfg.branch_weight * (branch_loss(branch_rows, target_rows, branch) if branch is not None else head.fc.weight.sum() * 0.0)
+            parts["discard"] = cfg.discard_weight * discard_term(logits, plan.step_roots, plan.events, plan.normaliser, plan.trace.sampling)
+        if cfg.branch_weight > 0 and len(plan.trace.branch_token):
+            parts["branch"] = cfg.branch_weight * (branch_loss(branch_rows, target_rows, plan.branch) if plan.branch is not None else head.fc.weight.sum() * 0.0)
         for name, value in parts.items():
             totals[name] = totals.get(name, 0.0) + value / len(traces)
     loss = sum(totals.values())

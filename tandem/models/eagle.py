@@ -532,14 +532,16 @@ CARD_FILE = "recipe.json"
 
 
 def shipped_eagle_path(cfg: ModelConfig) -> Path | None:
-    """The shipped head trained for this target, checksum-verified; None when no shipped head fits it."""
+    """The shipped head trained for this target, checksum-verified; None when no shipped head fits it. A head
+    whose card says `"default_drafter": false` (a baseline such as the general head) is never picked."""
     for path in sorted(SHIPPED_DIR.glob("*/" + CONFIG_FILE)):
         head_dir = path.parent
         try:
             config = json.loads(path.read_text())
+            card = json.loads((head_dir / CARD_FILE).read_text()) if (head_dir / CARD_FILE).is_file() else {}
         except (OSError, ValueError) as e:
-            raise ModelLoadError(f"unreadable shipped head config {path}: {e}") from e
-        if config.get("target_id") == target_identity(cfg):
+            raise ModelLoadError(f"unreadable shipped head config or card in {head_dir}: {e}") from e
+        if config.get("target_id") == target_identity(cfg) and card.get("default_drafter", True):
             verify_card(head_dir)
             return head_dir
     return None

@@ -201,7 +201,7 @@ def export_head(best: Path, dest: Path, recipe_name: str) -> Path:
         shutil.copy2(best / name, tmp / name)
     heldout = json.loads((best / "report.json").read_text()) if (best / "report.json").exists() else None
     card = {
-        "recipe": recipe_name, "settings": describe(get_recipe(recipe_name)),
+        "recipe": recipe_name, "settings": describe(get_recipe(recipe_name)), "default_drafter": get_recipe(recipe_name).default_drafter,
         "init": heldout.pop("init", None) if heldout else None,  # the exported head training started from, if any
         "sha256": hashlib.sha256((tmp / "model.safetensors").read_bytes()).hexdigest(),
         "heldout": heldout,

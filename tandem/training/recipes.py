@@ -36,6 +36,7 @@ class Recipe:
     domains: tuple[str, ...] = ("code", "sql", "math", "chat", "translation")  # what the head trains on (and is selected on)
     chatterbot: bool = False  # also chatterbot-corpus conversations as chat reference answers
     validation: bool = True  # select the best checkpoint on a validation split (test-split prompts disjoint from the reported held-out ones)
+    default_drafter: bool = True  # shipped, it is the head LLM(drafter="eagle") loads for its target; False: a baseline (its card says so)
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -56,7 +57,7 @@ RECIPES = {
     "eagle-smollm2": Recipe(),
     # Aurora's static drafter: general chat / instruction data only (alpaca, chatterbot, the extra English chat
     # prompts); no code, SQL, math or translation. Reported on every domain's held-out answers, selected on chat.
-    "eagle-smollm2-general": Recipe(domains=("chat",), chatterbot=True),
+    "eagle-smollm2-general": Recipe(domains=("chat",), chatterbot=True, default_drafter=False),
 }
 
 

@@ -180,6 +180,24 @@ def test_exported_head_is_found_for_its_target_and_a_tampered_one_refused(target
         eagle_module.shipped_eagle_path(target.cfg)
 
 
+def test_a_baseline_head_is_never_the_default_drafter(target, tmp_path, monkeypatch):
+    """The general head (recipe eagle-smollm2-general) ships beside the strong head and sorts before it
+    ("eagle-smollm2-general/" < "eagle-smollm2/"): its card marks it a baseline, so the strong head stays
+    the one LLM(drafter="eagle") loads."""
+    import tandem.models.eagle as eagle_module
+    from tandem.training.pipeline import export_head
+
+    best = tmp_path / "run" / "best"
+    save_eagle(head_for(target, shared=True), best, dtype=torch.float16)
+    shipped = tmp_path / "heads"
+    export_head(best, shipped / "eagle-smollm2-general", "eagle-smollm2-general")
+    monkeypatch.setattr(eagle_module, "SHIPPED_DIR", shipped)
+    assert json.loads((shipped / "eagle-smollm2-general" / "recipe.json").read_text())["default_drafter"] is False
+    assert eagle_module.shipped_eagle_path(target.cfg) is None  # the baseline alone: no default head
+    export_head(best, shipped / "eagle-smollm2", "eagle-smollm2")
+    assert eagle_module.shipped_eagle_path(target.cfg) == shipped / "eagle-smollm2"
+
+
 def test_a_copy_of_a_shared_head_trains_without_touching_the_original(target):
     from tandem.flywheel.trainer import trainer_copy
 
