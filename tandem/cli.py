@@ -267,6 +267,9 @@ def _bench_shift_command(bench) -> None:
     p.add_argument("--branch-weight", type=float, default=d.branch_weight)
     p.add_argument("--window", type=int, default=d.window)
     p.add_argument("--live-batch", type=int, default=d.live_batch)
+    p.add_argument("--min-confidence", type=float, default=d.min_confidence,
+                   help="live, from a trained head: chains end below this path confidence (the served default; 0 = full chains)")
+    p.add_argument("--prompt-lookup", action="store_true", help="live: graft a prompt-lookup branch onto the head's draft (eagle_ngram, as the demo)")
     _trainer_argument(p)
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--threads", type=int, default=2)
@@ -289,7 +292,7 @@ def _bench_shift(args) -> int:
         train_steps_per_request=args.train_steps_per_request, publish_every=args.publish_every, lr=args.lr, finetune_lr=args.finetune_lr, anchor=args.anchor,
         sample=args.sample, recent_share=args.recent_share,
         discard_weight=args.discard_weight, branch_weight=args.branch_weight, window=args.window, live_batch=args.live_batch, seed=args.seed,
-        trainer_process=TRAINER_PLACES[args.trainer],
+        trainer_process=TRAINER_PLACES[args.trainer], min_confidence=args.min_confidence, prompt_lookup=args.prompt_lookup,
     )
     report = run_shift_bench(config, args.plot)
     if args.json_out:

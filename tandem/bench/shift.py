@@ -39,6 +39,7 @@ from tandem.flywheel.stream import StreamSpec, prompt_key
 from tandem.flywheel.stream import build_stream as stream_build
 from tandem.flywheel.stream_stats import summarize
 from tandem.config import SamplingParams
+from tandem.drafters.eagle import TRAINED_MIN_CONFIDENCE
 from tandem.errors import InvalidParameterError
 from tandem.flywheel.replay import target_traces, trace_cache_dir
 from tandem.flywheel.setups import (MODES, FlywheelSetup, ReplayFlywheel, check_modes, live_engine, pinned, scratch_head, serve_stream, serving_copy,
@@ -84,6 +85,8 @@ class ShiftConfig:
     shift_drop: float = FlywheelSetup.shift_drop
     seed: int = 0
     live_batch: int = 4  # live mode: concurrent requests
+    min_confidence: float = TRAINED_MIN_CONFIDENCE  # live, a trained starting head: its chains end below this path confidence, as served by default (0: full chains)
+    prompt_lookup: bool = False  # live: graft a prompt-lookup branch onto every head's draft (the demo's drafter, eagle_ngram)
     trainer_process: bool | None = None  # live mode: train in a child process (True) or a thread (False); None: a process when there are >= 2 cores
     trainer_core: bool = True  # live mode, trainer process: it trains on a core of its own, every mode serves on the others
 
@@ -99,7 +102,7 @@ class ShiftConfig:
                              sample=self.sample, recent_share=self.recent_share, recent_window=self.recent_window, shift_detect=self.shift_detect, boost_steps_per_request=self.boost_steps_per_request,
                              boost_requests=self.boost_requests, boost_lr=self.boost_lr, shift_drop=self.shift_drop,
                              trainer_process=trainer_process_pays() if self.trainer_process is None else self.trainer_process,
-                             trainer_core=self.trainer_core)
+                             trainer_core=self.trainer_core, min_confidence=self.min_confidence, prompt_lookup=self.prompt_lookup)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "domains", tuple(self.domains))

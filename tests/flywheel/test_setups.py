@@ -107,3 +107,19 @@ def test_live_options_give_the_trainer_process_its_own_core():
     assert serving_cores(FlywheelSetup(trainer_process=True, trainer_core=True)) == (split[0] if split else None)
     assert live_options(FlywheelSetup(trainer_process=True), "static", {}).trainer_cpus is None  # off by default
     assert live_options(FlywheelSetup(trainer_core=True), "static", {}).trainer_cpus is None  # a thread cannot be pinned apart
+
+
+def test_a_trained_head_serves_with_the_confidence_cut_a_day0_head_drafts_full_chains(target, heads):
+    """live_engine gives the cut to modes starting from a trained head only, and grafts the prompt-lookup branch on
+    every drafting mode when asked; bench shift's live runs default to the cut every trained head is served with."""
+    from tandem.bench.shift import ShiftConfig
+    from tandem.drafters.eagle import TRAINED_MIN_CONFIDENCE
+    from tandem.drafters.hybrid import EagleNgramDrafter
+
+    assert ShiftConfig().setup.min_confidence == TRAINED_MIN_CONFIDENCE and not ShiftConfig().setup.prompt_lookup
+    setup = FlywheelSetup(min_confidence=0.3, prompt_lookup=True)
+    served = {"static": heads["scratch"], "scratch": heads["scratch"]}
+    for mode, cut in (("static", 0.3), ("online_scratch", 0.0)):
+        engine, flywheel = live_engine(mode, target, served, setup, batch=1, max_len=64)
+        assert isinstance(engine.drafter, EagleNgramDrafter) and engine.drafter.eagle.min_confidence == cut
+        flywheel.close()
