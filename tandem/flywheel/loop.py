@@ -137,7 +137,8 @@ class Flywheel:
             "swaps": self.swapper.stats.as_dict(),
             "trainer": None if trainer is None else {
                 "steps": trainer.steps, "alive": trainer.alive, "published": trainer.published,
-                "error": repr(trainer.error) if trainer.error else None, "last": trainer.losses[-1] if trainer.losses else None},
+                "error": repr(trainer.error) if trainer.error else None, "last": trainer.losses[-1] if trainer.losses else None,
+                "step_s": _mean_step_seconds(trainer.losses)},
             "median_step_s": round(times[len(times) // 2], 4) if times else None,
             "max_swap_step_s": round(max(swap_times), 4) if swap_times else None,
             # the slowest step of all: steps that admit a request also prefill its prompt, swap or not
@@ -153,3 +154,9 @@ class Flywheel:
         self.collector.close()
         self.buffer.close()
         self.swapper.close()
+
+
+def _mean_step_seconds(losses) -> float | None:
+    """Mean wall time of the newest trainer steps (their loss records; up to the last 200)."""
+    times = [r["seconds"] for r in list(losses) if "seconds" in r]
+    return round(sum(times) / len(times), 4) if times else None

@@ -133,6 +133,7 @@ class OnlineTrainer:
         """One optimiser step on a sampled batch; None when the buffer has too few traces."""
         if len(self.buffer) < self.cfg.min_traces:
             return None
+        began = time.perf_counter()
         batch = draw_batch(self.buffer, self.cfg, self.rng)
         with self._lock:
             self._apply_restore()
@@ -147,7 +148,7 @@ class OnlineTrainer:
             self.optimizer.step()
             self._pull_to_anchor()
             self.steps += 1
-            record = {"step": self.steps, "loss": float(loss.detach())} | parts
+            record = {"step": self.steps, "loss": float(loss.detach()), "seconds": round(time.perf_counter() - began, 4)} | parts
             self.losses.append(record)
             if self.steps % self.cfg.publish_every == 0:
                 self.publish()

@@ -19,6 +19,8 @@ def test_flywheel_trains_swaps_and_stays_lossless(target, tmp_path):
     assert metrics["swaps"]["swaps"] >= 1 and metrics["trainer"]["steps"] >= 2 and metrics["trainer"]["error"] is None
     assert metrics["buffer"]["added"] == 8 and metrics["collector_dropped_records"] == 0
     assert metrics["median_step_s"] > 0
+    timed = [r["seconds"] for r in flywheel.trainer.losses]
+    assert len(timed) == flywheel.trainer.steps and metrics["trainer"]["step_s"] == round(sum(timed) / len(timed), 4)
     assert metrics["max_step_s"] == round(max(flywheel.step_times), 4) >= metrics["max_swap_step_s"]
     steps = flywheel.trainer.steps
     assert flywheel.trainer.published == steps // 2  # versions 1, 2, ...: one every publish_every = 2 steps
