@@ -134,6 +134,9 @@ def _bench_commands(sub) -> None:
     _bench_decode_command(bench)
     _bench_shift_command(bench)
     _bench_aurora_command(bench)
+    from tandem.bench.trainer_step import add_bench_trainer_step_command
+
+    add_bench_trainer_step_command(bench)
     from tandem.bench.serve import add_bench_serve_command
 
     add_bench_serve_command(bench)

@@ -107,6 +107,11 @@ class TraceBuffer:
         names = sorted(groups)
         return [rng.choice(groups[rng.choice(names)]) for _ in range(n)]
 
+    def snapshot(self) -> list[SequenceTrace]:
+        """The traces held now, oldest first."""
+        with self._lock:
+            return list(self._items)
+
     def __len__(self) -> int:
         return len(self._items)
 

@@ -27,6 +27,17 @@ def test_bounded_by_bytes_drop_oldest(traces):
     assert kept <= {traces[-1].request_id, traces[-2].request_id}  # the newest survive
 
 
+def test_snapshot_is_every_held_trace_oldest_first(traces):
+    size = max(t.num_bytes for t in traces)
+    buffer = TraceBuffer(capacity_bytes=3 * size)
+    for trace in traces:
+        buffer.put(trace)
+    held = buffer.snapshot()
+    assert [t.request_id for t in held] == [t.request_id for t in traces[-len(held):]] and len(held) == len(buffer) >= 2
+    held.clear()
+    assert len(buffer.snapshot()) == len(buffer)  # a copy: the buffer keeps its traces
+
+
 def test_balance_domains_keeps_every_domain(traces):
     """A long run of one domain evicts its own oldest traces, not the other domain's."""
     import dataclasses
