@@ -103,14 +103,16 @@ def trace_cache_dir(home: Path, model_dir: Path, max_tokens: int, taps: tuple[in
 
 def target_traces(
     target, prompts: dict[str, list[int]], max_tokens: int, taps: tuple[int, ...], cache: Path | None = None, batch_size: int = 16,
+    shard_prompts: int = 256,
 ) -> dict[str, SequenceTrace]:
-    """Greedy target continuations with hidden states, keyed by prompt key; cached as Parquet shards."""
+    """Greedy target continuations with hidden states, keyed by prompt key; cached as Parquet shards, one per
+    `shard_prompts` prompts generated, so an interrupted run keeps what it finished."""
     found: dict[str, SequenceTrace] = {}
     if cache is not None and any(cache.glob("traces-*.parquet")):
         found = {t.request_id: t for t in load_traces(cache) if t.request_id in prompts}
     missing = [key for key in prompts if key not in found]
-    if missing:
-        fresh = _generate_traces(target, {key: prompts[key] for key in missing}, max_tokens, taps, batch_size)
+    for first in range(0, len(missing), shard_prompts):
+        fresh = _generate_traces(target, {key: prompts[key] for key in missing[first : first + shard_prompts]}, max_tokens, taps, batch_size)
         if cache is not None:
             cache.mkdir(parents=True, exist_ok=True)
             # a unique name: two runs filling one cache at once (e.g. benchmark variants side by side) must not collide

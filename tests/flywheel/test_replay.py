@@ -76,3 +76,16 @@ def _top2_gap(head, trace, root: int, depth: int) -> float:
     logits, _ = eagle_logits(head, [trace_example(trace)], depth + 1, roots, roots)
     top = logits[depth][0, root - int(roots[0])].topk(2).values
     return float(top[0] - top[1])
+
+
+def test_target_traces_are_cached_a_shard_per_group_of_prompts(target, tmp_path):
+    """One shard per shard_prompts prompts generated (an interrupted run keeps its finished shards); a later call
+    generates only the prompts no shard holds, and the cached traces equal fresh ones."""
+    taps = EagleConfig.for_target(target.cfg).taps
+    prompts = {str(i): p for i, p in enumerate(make_prompts(6, seed=5))}
+    first = target_traces(target, dict(list(prompts.items())[:5]), 8, taps, cache=tmp_path, shard_prompts=2)
+    assert len(list(tmp_path.glob("traces-*.parquet"))) == 3 and set(first) == {"0", "1", "2", "3", "4"}
+    every = target_traces(target, prompts, 8, taps, cache=tmp_path, shard_prompts=2)
+    assert len(list(tmp_path.glob("traces-*.parquet"))) == 4 and set(every) == set(prompts)
+    for key, trace in first.items():
+        assert torch.equal(every[key].tokens, trace.tokens) and torch.equal(every[key].features.float(), trace.features.float())
