@@ -49,7 +49,22 @@ def test_small_demo_run_on_smollm2(tmp_path, capsys):
     assert report["identical_outputs"] == {"static": 6, "flywheel": 6} and "SPEEDUP over plain decoding" in out
     assert report["speedup"] == pytest.approx(report["tokens_per_s"]["flywheel"] / report["tokens_per_s"]["plain"], rel=2e-3)
     assert set(report["summary"]) == {"plain", "static", "flywheel"} and (tmp_path / "demo_flywheel.png").exists()
-    assert "flywheel over static" in out and "per domain (all its blocks)" in out
+    assert "flywheel over static" in out and "per domain" in out and "last block" in out
     general = report["head_trained_on"] is not None and not {"code", "summary", "sql"} & set(report["head_trained_on"])
     expected = demo.FROM_GENERAL_HEAD if general else {"finetune_lr": 1e-4, "anchor": 100.0, "sample": "uniform", "recent_share": 0.0}
     assert report["flywheel_settings"] == expected  # a general head is fine-tuned as measured, the strong head gently
+
+
+def test_per_domain_lines_compare_all_blocks_and_the_last_block(capsys):
+    """Stream code, sql, code in blocks of 2: code's last block is its second visit (rows 4-5)."""
+    def rows(tps, accept):
+        return [{"domain": d, "tokens_per_s": t, "acceptance_length": a} for d, t, a in zip(["code"] * 2 + ["sql"] * 2 + ["code"] * 2, tps, accept)]
+
+    results = {"plain": rows([10] * 6, [1.0] * 6), "static": rows([20] * 6, [2.0] * 6),
+               "flywheel": rows([20, 20, 18, 18, 30, 30], [2.0, 2.0, 1.8, 1.8, 3.0, 3.0])}
+    demo._per_domain(results, 2, ("code", "sql"), ("chat",))
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[2] == "  code: the head never saw it"
+    assert lines[3].split() == ["all", "blocks", "25.0", "20.0", "(1.25x)", "2.500", "2.000"]
+    assert lines[4].split() == ["last", "block", "30.0", "20.0", "(1.50x)", "3.000", "2.000"]
+    assert lines[7].split() == ["last", "block", "18.0", "20.0", "(0.90x)", "1.800", "2.000"]
