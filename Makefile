@@ -61,17 +61,19 @@ head: assets
 	$(PY) -m tandem.cli train --recipe eagle-smollm2 --hours $(FT3_HOURS) --threads 1 --clock $(HEAD_CLOCK) --out $(HEAD_RUN)-ft3 --phase all --kinds regenerated --init $(HEAD_RUN)-ft2/best \
 		--export tandem/heads/eagle-smollm2
 
-# Aurora's static drafter: the same four stages on general chat / instruction data only (recipe
-# eagle-smollm2-general: alpaca outputs, chatterbot-corpus conversations, the target's own answers to the
-# English chat prompts; no code, SQL, math or translation), at the shipped head's hours. Every stage resumes
-# (features by document key, training from DIR/ckpt/LATEST); the best checkpoint is picked on a chat
-# validation split (tandem.training.pipeline.validation_prompts) and reported on every domain's held-out set.
+# Aurora's static drafter: recipe eagle-smollm2-general on general chat / instruction data only (alpaca outputs,
+# chatterbot-corpus conversations, the target's own answers to the English chat prompts; no code, SQL, math or
+# translation), features and training side by side for GENERAL_HOURS of CPU time each, the best checkpoint picked
+# on a chat validation split (tandem.training.pipeline.validation_prompts) and reported on every domain's held-out
+# set. This one stage is what made tandem/heads/eagle-smollm2-general: the shipped head's stages 2-4 (3.85 CPU-hours
+# more) were left out because a session on this box is 3 hours and keeps nothing outside the repository when it is
+# cut off; in an earlier run of all four (lost when its session was cut off in stage 3) the best checkpoint went from
+# chat validation 2.09 (step 1,440, 4.27M tokens) to only 2.11 (step 1,920, 5.57M tokens) (docs/BENCHMARKS.md 10).
+# Resumes (features by document key, training from DIR/ckpt/LATEST).
+GENERAL_HOURS ?= 2.3
 GENERAL_RUN = $${TANDEM_HOME:-$$HOME/.cache/tandem}/runs/eagle-smollm2-general
 head-general: assets
-	$(PY) -m tandem.cli train --recipe eagle-smollm2-general --hours $(HEAD_HOURS) --threads 1 --clock $(HEAD_CLOCK) --out $(GENERAL_RUN)
-	$(PY) -m tandem.cli train --recipe eagle-smollm2-general --hours $(REGEN_HOURS) --threads 1 --clock $(HEAD_CLOCK) --out $(GENERAL_RUN) --phase features --kinds regenerated
-	$(PY) -m tandem.cli train --recipe eagle-smollm2-general --hours $(REGEN_TRAIN_HOURS) --threads 1 --clock $(HEAD_CLOCK) --out $(GENERAL_RUN) --phase train --kinds regenerated
-	$(PY) -m tandem.cli train --recipe eagle-smollm2-general --hours $(MORE_HOURS) --threads 1 --clock $(HEAD_CLOCK) --out $(GENERAL_RUN) --phase all --kinds regenerated \
+	$(PY) -m tandem.cli train --recipe eagle-smollm2-general --hours $(GENERAL_HOURS) --threads 1 --clock $(HEAD_CLOCK) --out $(GENERAL_RUN) \
 		--export tandem/heads/eagle-smollm2-general
 
 test: assets

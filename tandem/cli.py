@@ -323,6 +323,8 @@ def _bench_aurora_command(bench) -> None:
     p.add_argument("--recent-share", type=float, default=d["recent_share"].default, help="rung +recent: share of each batch from the newest traces")
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--out", default=None, help="run directory: each finished variant is kept there and a rerun resumes (needed by --jobs)")
+    p.add_argument("--jobs", type=int, default=1, help="child processes (one thread each) filling the trace cache and replaying variants side by side")
     p.add_argument("--json", dest="json_out", default=None)
     p.add_argument("--plot", default=None)
     p.set_defaults(func=_bench_aurora)
@@ -337,7 +339,7 @@ def _bench_aurora(args) -> int:
     cfg = AuroraConfig(general_head=args.general_head, requests=args.requests, block=args.block, domains=tuple(x for x in args.domains.split(",") if x),
                        prompts=args.prompts, max_tokens=args.max_tokens, steps=args.steps, lr=args.lr, anchor=args.anchor, recent_share=args.recent_share,
                        variants=tuple(x for x in args.variants.split(",") if x))
-    report = run_aurora(cfg)
+    report = run_aurora(cfg, out=args.out, jobs=args.jobs)
     if args.json_out:
         Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json_out).write_text(json.dumps(report, indent=1) + "\n")

@@ -107,18 +107,31 @@ def target_traces(
 ) -> dict[str, SequenceTrace]:
     """Greedy target continuations with hidden states, keyed by prompt key; cached as Parquet shards, one per
     `shard_prompts` prompts generated, so an interrupted run keeps what it finished."""
-    found: dict[str, SequenceTrace] = {}
-    if cache is not None and any(cache.glob("traces-*.parquet")):
-        found = {t.request_id: t for t in load_traces(cache) if t.request_id in prompts}
-    missing = [key for key in prompts if key not in found]
+    if cache is None:
+        return _generate_traces(target, prompts, max_tokens, taps, batch_size)
+    fill_trace_cache(target, prompts, max_tokens, taps, cache, batch_size, shard_prompts)
+    return {t.request_id: t for t in load_traces(cache) if t.request_id in prompts}
+
+
+def cached_trace_ids(cache: Path) -> set[str]:
+    """The prompt keys whose traces `cache` holds (reads one column, not the hidden states)."""
+    import pyarrow.parquet as pq
+
+    return {key for shard in sorted(Path(cache).glob("traces-*.parquet")) for key in pq.read_table(shard, columns=["request_id"]).column(0).to_pylist()}
+
+
+def fill_trace_cache(
+    target, prompts: dict[str, list[int]], max_tokens: int, taps: tuple[int, ...], cache: Path, batch_size: int = 16, shard_prompts: int = 256,
+) -> int:
+    """Generate the traces of the `prompts` that `cache` lacks, a shard per `shard_prompts`; returns how many were
+    generated. Several processes may fill one cache at once with disjoint prompts (shard names are unique)."""
+    have = cached_trace_ids(cache) if cache.is_dir() else set()
+    missing = [key for key in prompts if key not in have]
     for first in range(0, len(missing), shard_prompts):
         fresh = _generate_traces(target, {key: prompts[key] for key in missing[first : first + shard_prompts]}, max_tokens, taps, batch_size)
-        if cache is not None:
-            cache.mkdir(parents=True, exist_ok=True)
-            # a unique name: two runs filling one cache at once (e.g. benchmark variants side by side) must not collide
-            write_shard(cache / f"traces-{len(list(cache.glob('traces-*.parquet'))):06d}-{os.getpid()}-{time.time_ns()}.parquet", list(fresh.values()))
-        found.update(fresh)
-    return found
+        cache.mkdir(parents=True, exist_ok=True)
+        write_shard(cache / f"traces-{len(list(cache.glob('traces-*.parquet'))):06d}-{os.getpid()}-{time.time_ns()}.parquet", list(fresh.values()))
+    return len(missing)
 
 
 def _generate_traces(target, prompts: dict[str, list[int]], max_tokens: int, taps: tuple[int, ...], batch_size: int) -> dict[str, SequenceTrace]:

@@ -89,3 +89,18 @@ def test_target_traces_are_cached_a_shard_per_group_of_prompts(target, tmp_path)
     assert len(list(tmp_path.glob("traces-*.parquet"))) == 4 and set(every) == set(prompts)
     for key, trace in first.items():
         assert torch.equal(every[key].tokens, trace.tokens) and torch.equal(every[key].features.float(), trace.features.float())
+
+
+def test_two_fillers_with_disjoint_prompts_fill_one_cache(target, tmp_path):
+    """`bench aurora --jobs N` fills the cache from N processes, each with every N-th missing prompt: together they
+    generate each trace once, and cached_trace_ids reads back exactly the keys filled."""
+    from tandem.flywheel.replay import cached_trace_ids, fill_trace_cache
+
+    taps = EagleConfig.for_target(target.cfg).taps
+    prompts = {str(i): p for i, p in enumerate(make_prompts(5, seed=6))}
+    keys = list(prompts)
+    assert fill_trace_cache(target, {k: prompts[k] for k in keys[0::2]}, 8, taps, tmp_path) == 3
+    assert cached_trace_ids(tmp_path) == {"0", "2", "4"}
+    assert fill_trace_cache(target, prompts, 8, taps, tmp_path) == 2  # only the two no shard holds
+    assert fill_trace_cache(target, prompts, 8, taps, tmp_path) == 0
+    assert cached_trace_ids(tmp_path) == set(prompts) and len(list(tmp_path.glob("traces-*.parquet"))) == 2
