@@ -30,6 +30,7 @@ def test_the_heads_card_says_which_domains_it_never_saw(tiny_llama, tmp_path, mo
 
     target = load_packed(tiny_llama)
     monkeypatch.setattr(demo, "STRONG_HEAD", tmp_path / "missing")
+    monkeypatch.setattr(demo, "GENERAL_HEAD", tmp_path / "missing")  # no shipped head: the day-0 fallback
     save_eagle(demo.demo_head(target, draft_vocab=200).head, tmp_path / "best")
     export_head(tmp_path / "best", tmp_path / "general", "eagle-smollm2-general")
     export_head(tmp_path / "best", tmp_path / "strong", "eagle-smollm2")
