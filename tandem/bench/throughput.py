@@ -116,7 +116,7 @@ def serve_all(engine, prompt_ids: list[list[int]], params: SamplingParams) -> tu
     ttft = sorted(r.metrics.first_token_time - start for r in requests)
     out_tokens = sum(len(r.output_ids) for r in requests)
     return {
-        "wall_s": round(wall, 2), "output_tokens": out_tokens, "output_tokens_per_s": round(out_tokens / wall, 2),
+        "wall_s": round(wall, 3), "output_tokens": out_tokens, "output_tokens_per_s": round(out_tokens / wall, 2),
         "prompt_tokens": sum(len(p) for p in prompt_ids), "steps": steps,
         "mean_batch": round((engine.stats.request_steps - request_steps_before) / max(1, steps), 2),
         "ttft_median_s": round(statistics.median(ttft), 3), "ttft_p90_s": round(ttft[int(0.9 * (len(ttft) - 1))], 3),
