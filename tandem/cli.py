@@ -413,10 +413,10 @@ def _demo_command(sub) -> None:
 
     p = sub.add_parser("demo", help="the main job: plain decoding, the static head and the flywheel on a domain-shifting stream")
     p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--requests", type=int, default=36)
+    p.add_argument("--requests", type=int, default=96)
     p.add_argument("--domains", default=",".join(DEMO_DOMAINS), help="block order (cycled; a domain may come back)")
-    p.add_argument("--block", type=int, default=6, help="requests per domain block")
-    p.add_argument("--max-tokens", type=int, default=40)
+    p.add_argument("--block", type=int, default=12, help="requests per domain block")
+    p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--batch", type=int, default=1, help="requests in flight")
     p.add_argument("--out", default="out", help="directory for the plot")
     p.add_argument("--head", default=None, help="an EAGLE head directory to start from (default: the shipped one)")
