@@ -10,7 +10,9 @@ target traces (tandem.flywheel.replay):
 - an ablation ladder from the general head, each rung adding one change to the one before:
   `online_base` (the replay's former settings: 0.5 trainer steps per request, uniform replay, lr 1e-4,
   anchor 100), `+steps` (`steps` per request: what the trainer's own core affords), `+balance` (replay drawn
-  to balance domains), `+detector` (a detected acceptance drop boosts the step rate and warms the lr),
+  to balance domains), `+detector` (a detected acceptance drop warms the lr: 2x, decaying over 64 requests; the step rate
+  stays at `steps`, since a trainer that already takes every step its core affords has none to add; a
+  step-rate boost took the trainer to 1.5 cores in the first 3,000-request replay),
   `+lr` (the learning rate and anchor for a strong starting head chosen by measurement: `lr`, `anchor`),
   `+recent` (a `recent_share` of each batch from the newest traces: today's traffic is learned at once while
   the balanced rest keeps the other domains). The last rung is `online`.
@@ -77,7 +79,7 @@ VARIANTS = ("plain", "static", "online_base", "+steps", "+balance", "+detector",
 def variant_config(name: str, cfg: AuroraConfig) -> tuple[str, ShiftConfig]:
     """(MODES entry, the ShiftConfig it replays under) of one variant; the ladder's rungs add up in order."""
     base = replace(cfg.shift_config(), train_steps_per_request=0.5, sample="uniform", shift_detect=False, finetune_lr=1e-4, anchor=100.0)
-    rungs = {"+steps": {"train_steps_per_request": cfg.steps}, "+balance": {"sample": "domains"}, "+detector": {"shift_detect": True},
+    rungs = {"+steps": {"train_steps_per_request": cfg.steps}, "+balance": {"sample": "domains"}, "+detector": {"shift_detect": True, "boost_steps_per_request": cfg.steps},
              "+lr": {"finetune_lr": cfg.lr, "anchor": cfg.anchor}, "+recent": {"recent_share": cfg.recent_share}}
     if name in ("plain", "static"):
         return name, base

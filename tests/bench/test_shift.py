@@ -102,6 +102,9 @@ def test_aurora_ladder_adds_one_change_per_rung_and_the_recovery_window_fits_the
         "+lr": ("online", 2.0, "domains", True, 3e-4, 10.0, 0.0), "+recent": ("online", 2.0, "domains", True, 3e-4, 10.0, 0.5),
         "online_scratch": ("online_scratch", 2.0, "domains", True, 3e-4, 10.0, 0.5)}
     assert got["+recent"][1].setup.loss({}, "static").recent_share == 0.5  # it reaches the trainer
+    schedule, detector = got["+detector"][1].setup.schedule(2.0)  # a detected shift warms the lr, adds no steps
+    schedule.shift()
+    assert detector is not None and (schedule.lr_scale(), schedule.after_request(), schedule.after_request()) == (2.0, 2, 2)
     assert got["online_scratch"][1].lr == 1e-3  # a day-0 head trains at the scratch lr (anchor off for scratch in FlywheelSetup.loss)
     assert recovery_window(cfg) == 1 and recovery_window(AuroraConfig(general_head="h", requests=3000, block=300)) == 20
     with pytest.raises(InvalidParameterError):

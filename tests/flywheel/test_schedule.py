@@ -86,3 +86,17 @@ def test_flywheel_setup_builds_a_flat_or_a_boosted_schedule():
     boosted.shift()
     assert (boosted.lr_scale(), boosted.after_request(), boosted.lr_scale(), boosted.after_request(), boosted.after_request()) == (2.0, 3, 1.5, 2, 1)
     assert FlywheelSetup(sample="domains").loss({}, "static").sample == "domains"
+
+
+def test_default_detector_ignores_per_request_noise_and_catches_a_real_drop():
+    """Per-request acceptance around 1.45 (sd ~0.3, as the general head serves the Aurora stream): the default
+    windows stay quiet for 600 requests where an 8-request window fires; a 20 % drop fires within 32 requests."""
+    import random
+
+    rng = random.Random(0)
+    noisy = [max(1.0, rng.gauss(1.45, 0.3)) for _ in range(600)]
+    assert fire_at(noisy, ShiftDetectorConfig())[0] == []
+    assert fire_at(noisy, ShiftDetectorConfig(fast=8, slow=48, cooldown=16))[0] != []  # the old windows: false alarms
+    dropped = noisy[:300] + [v * 0.8 for v in noisy[300:]]
+    fired = fire_at(dropped, ShiftDetectorConfig())[0]
+    assert len(fired) == 1 and 300 <= fired[0] < 332
