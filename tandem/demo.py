@@ -3,8 +3,8 @@
 SmolLM2-135M serves one stream of chat-rendered prompts in blocks per domain (code -> translation, four
 times each, by default: the shipped general head trained on chat only, so both are domains it never saw,
 and each comes back while the flywheel learns it), greedy, `batch` requests in flight, 1 torch thread for
-the engine. Block by
-block, the three serve the same block in turn, so machine load drifting over the run hits all alike:
+the engine. Block by block, the three serve the same block in turn, so machine load drifting over the run
+hits all alike:
 
 - plain decoding: the reference tokens/s; the trainer rests meanwhile;
 - static: the EAGLE head shipped in tandem/heads/ (the general head of recipe eagle-smollm2-general when

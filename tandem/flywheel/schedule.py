@@ -23,7 +23,7 @@ from tandem.errors import InvalidParameterError
 @dataclass(frozen=True)
 class ShiftDetectorConfig:
     # Per-request acceptance is noisy (sd ~0.3 at a mean of ~1.4 on this stream): a recent mean of 8 requests
-    # fired 19 times on the general head's 3,000 static requests (10 shifts, 4 of them drops), 13 of them inside a
+    # fired 19 times on the general head's 3,000 static requests (9 shifts, 4 of them drops), 13 of them inside a
     # block; 16 requests against up to 64 fired 5 times, all within 31 requests of a shift (docs/BENCHMARKS.md 10).
     fast: int = 16  # requests in the recent mean
     slow: int = 64  # requests (at most) in the baseline before them
