@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from tandem.bench.children import log_tail
-from tandem.bench.machine import machine_info
+from tandem.bench.machine import machine_info, source_sha256
 from tandem.bench.shift import ShiftConfig, calibrate, replay_mode
 from tandem.errors import InvalidParameterError, TandemError
 from tandem.flywheel.stream import SPECIALISED, build_stream, prompt_key
@@ -203,8 +203,8 @@ def _costs_json(costs: dict) -> dict:
 
 # ---- a run directory: finished variants kept, children side by side ----------------------------------------------
 class VariantRuns:
-    """OUT/config.json (the run's settings and the general head's sha256: a rerun with other settings is refused,
-    not mixed in), OUT/costs.json (one calibration for every variant), OUT/variants/NAME.json (a finished variant),
+    """OUT/config.json (the run's settings, the general head's sha256 and the sha256 of tandem's sources: a rerun
+    with other settings or other code is refused, not mixed in), OUT/costs.json (one calibration for every variant), OUT/variants/NAME.json (a finished variant),
     OUT/logs/ (the children's output)."""
 
     def __init__(self, out: Path, cfg: AuroraConfig):
@@ -279,6 +279,7 @@ def _run_settings(cfg: AuroraConfig) -> dict:
     settings["domains"] = list(settings["domains"])
     weights = Path(cfg.general_head) / "model.safetensors"
     settings["general_head_sha256"] = hashlib.sha256(weights.read_bytes()).hexdigest() if weights.is_file() else None
+    settings["source_sha256"] = source_sha256()  # a variant replayed by other code is not mixed in either
     return settings
 
 

@@ -1,9 +1,11 @@
 """What a benchmark ran on, and the memory bandwidth the roofline divides by (measured in the same run)."""
 from __future__ import annotations
 
+import hashlib
 import os
 import platform
 import time
+from pathlib import Path
 
 import torch
 
@@ -13,6 +15,15 @@ def machine_info() -> dict:
         "cpu": _cpu_model(), "cores": os.cpu_count(), "threads": torch.get_num_threads(),
         "torch": torch.__version__, "python": platform.python_version(),
     }
+
+
+def source_sha256() -> str:
+    """One digest of the tandem package's Python sources: two runs with the same digest ran the same code."""
+    root = Path(__file__).resolve().parents[1]
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()
 
 
 def _cpu_model() -> str:

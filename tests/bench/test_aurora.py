@@ -48,3 +48,14 @@ def test_jobs_replay_what_the_serial_run_replays_and_a_rerun_resumes(general_hea
         run_aurora(AuroraConfig(general_head=general_head, requests=10, block=1, max_tokens=6, variants=("plain",)), out=out)
     with pytest.raises(InvalidParameterError, match="output directory"):
         run_aurora(cfg, jobs=2)
+
+
+def test_a_run_directory_refuses_a_rerun_by_other_code(general_head, tmp_path, monkeypatch):
+    import tandem.bench.aurora as aurora
+
+    cfg = AuroraConfig(general_head=general_head, requests=10, block=1, max_tokens=8, variants=("plain",))
+    aurora.VariantRuns(tmp_path / "run", cfg)
+    aurora.VariantRuns(tmp_path / "run", cfg)  # the same code and settings: resumes
+    monkeypatch.setattr(aurora, "source_sha256", lambda: "0" * 64)  # as if a source file had changed since
+    with pytest.raises(InvalidParameterError, match="source_sha256"):
+        aurora.VariantRuns(tmp_path / "run", cfg)
