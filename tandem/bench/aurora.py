@@ -204,8 +204,8 @@ def _costs_json(costs: dict) -> dict:
 # ---- a run directory: finished variants kept, children side by side ----------------------------------------------
 class VariantRuns:
     """OUT/config.json (the run's settings, the general head's sha256 and the sha256 of tandem's sources: a rerun
-    with other settings or other code is refused, not mixed in), OUT/costs.json (one calibration for every variant), OUT/variants/NAME.json (a finished variant),
-    OUT/logs/ (the children's output)."""
+    with other settings or other code is refused, not mixed in), OUT/costs.json (one calibration for every
+    variant), OUT/variants/NAME.json (a finished variant), OUT/logs/ (the children's output)."""
 
     def __init__(self, out: Path, cfg: AuroraConfig):
         self.dir = out
