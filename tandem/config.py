@@ -66,6 +66,7 @@ class EngineConfig:
     record_steps: bool = False  # StepRecords carry target probs / hidden states (the flywheel needs them)
     record_topk: int = 8  # detailed records keep the top-k of the target's distribution per read position (0 = none)
     hidden_taps: tuple[int, ...] = field(default_factory=tuple)  # target layers whose hidden states are kept
+    ragged_verify: bool = True  # rows that draft different amounts verify without padding (fused CPU path); False: pad to the widest
     compile: bool = False  # torch.compile the decode / verify forward (tandem.models.compiled); eager where no compiler
     prefill_batch_tokens: int = 2048  # > 0: prompts admitted together (> 32 tokens each) prefill packed in shared forwards
     # of <= this many tokens, with the same outputs (Transformer.forward_packed; 60 prompts 1.07x faster end to end, the

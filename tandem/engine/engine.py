@@ -20,24 +20,18 @@ import torch
 from tandem.config import WEIGHTS, EngineConfig, SamplingParams
 from tandem.engine.admission import first_of_each_prompt, prefill_groups, take_waiting
 from tandem.engine.request import FinishReason, Request
+from tandem.engine.sampling_step import emitted_logprobs, step_target_probs, target_probs
 from tandem.engine.stats import EngineStats, add_position_counts
 from tandem.engine.policy_update import copy_named_, validate_named_tensors
 from tandem.errors import InvalidParameterError, PolicyUpdateError, PromptTooLongError
 from tandem.models.compiled import CompiledForward
 from tandem.models.kv_cache import KVCache
 from tandem.models.transformer import ForwardOutput, Transformer, packable
-from tandem.ops import tree as tree_ops
-from tandem.ops.sampling import draw_uniform, sampling_probs, token_logprobs
+from tandem.ops.sampling import draw_uniform
 from tandem.ops.verify import verify_greedy, verify_tree
 from tandem.engine.records import build_abort_record, build_prefill_record, build_step_record
+from tandem.engine.verify_inputs import pad_output, padded_inputs, ragged_inputs
 from tandem.types import DraftTree, StepRecord
-
-
-def _sampling_tensors(requests: list[Request]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """temperature [N], top_k [N] (long), top_p [N] of one request per row, as ops.sampling takes them."""
-    params = [r.params for r in requests]
-    return (torch.tensor([p.temperature for p in params], dtype=torch.float32), torch.tensor([p.top_k for p in params], dtype=torch.long),
-            torch.tensor([p.top_p for p in params], dtype=torch.float32))
 
 
 def _progress(message: str) -> None:
@@ -282,7 +276,7 @@ class Engine:
         request.metrics.prefill_time_s = time.perf_counter() - start
         request.metrics.first_token_time = time.perf_counter()
         self.stats.prefill_tokens += len(request.prompt_ids)
-        output = self._commit(request, [token], self._logprobs([request], [result], logits.unsqueeze(0))[0])
+        output = self._commit(request, [token], emitted_logprobs([request], [result], logits.unsqueeze(0))[0])
         if self.drafter is not None:
             self.drafter.on_prefill(request, out)
         if self.observers:
@@ -297,27 +291,44 @@ class Engine:
         drafts = self._propose(requests)
         t1 = time.perf_counter()
         starts = [int(self.cache.lengths[r.row]) for r in requests]
-        ids, positions, mask = self._verify_inputs(requests, drafts, starts)
-        if self.compiled is not None:
-            out = self.compiled(ids, positions, mask)
-        else:
-            out = self.model(ids, positions=positions, cache=self.cache, rows=slice(0, len(requests)), tree_mask=mask, taps=self.taps)
+        verified_before = self.stats.verified_tokens
+        out = self._verify_forward(requests, drafts, starts)
         results = []
         argmax = self._greedy_argmax(requests, out.logits)
-        probs = self._step_target_probs(requests, drafts, out.logits)
+        probs = step_target_probs(requests, drafts, out.logits, [self._needs_target_probs(r) for r in requests])
         for b, (request, draft) in enumerate(zip(requests, drafts)):
             logits = out.logits[b, : len(draft) + 1]
-            result, target_probs = self._verify(request, draft, logits, None if argmax is None else argmax[b, : len(draft) + 1], probs[b])
+            result, row_probs = self._verify(request, draft, logits, None if argmax is None else argmax[b, : len(draft) + 1], probs[b])
             self.cache.keep_path(request.row, starts[b], [0] + [1 + i for i in result.accepted_nodes])
-            results.append((result, target_probs))
-        logprobs = self._logprobs(requests, [result for result, _ in results], out.logits, [p for _, p in results])
+            results.append((result, row_probs))
+        logprobs = emitted_logprobs(requests, [result for result, _ in results], out.logits, [p for _, p in results])
         outputs = [self._commit(request, result.tokens, lp) for request, (result, _), lp in zip(requests, results, logprobs)]
         t2 = time.perf_counter()
-        self._account(requests, drafts, results, draft_s=t1 - t0, verify_s=t2 - t1)
+        self._account(requests, drafts, results, t1 - t0, t2 - t1, self.stats.verified_tokens - verified_before)
         self._notify(requests, drafts, results, out, starts)
         if self.drafter is not None:
             self.drafter.on_verified(requests, drafts, [r for r, _ in results], starts, out)
         return outputs
+
+    def _verify_forward(self, requests: list[Request], drafts: list[DraftTree], starts: list[int]) -> ForwardOutput:
+        """The one target forward over every row's pending token + draft (logits etc. [B, T, ...]). Rows that draft
+        different amounts go ragged where the model can (no padding: a row costs its own 1 + len(draft) tokens);
+        else every row is padded to the widest, as the compiled forward and the SDPA path need."""
+        pending = [r.pending_token for r in requests]
+        ragged = len({len(d) for d in drafts}) > 1 and self.compiled is None and self.config.ragged_verify and self.model.ragged_ready(self.cache)
+        if ragged:
+            inputs = ragged_inputs(pending, drafts, starts)
+            device = self.cache.k.device
+            out = self.model.forward_ragged(inputs.ids.to(device), inputs.positions.to(device), self.cache, inputs.lengths,
+                                            None if inputs.tree is None else inputs.tree.to(device), self.taps)
+            self.stats.ragged_steps += 1
+            self.stats.verified_tokens += len(inputs.ids)
+            return pad_output(out, inputs.lengths)
+        ids, positions, mask = (t if t is None else t.to(self.cache.k.device) for t in padded_inputs(pending, drafts, starts))
+        self.stats.verified_tokens += ids.numel()
+        if self.compiled is not None:
+            return self.compiled(ids, positions, mask)
+        return self.model(ids, positions=positions, cache=self.cache, rows=slice(0, len(requests)), tree_mask=mask, taps=self.taps)
 
     def _greedy_argmax(self, requests: list[Request], logits: torch.Tensor) -> torch.Tensor | None:  # [B, T, V] -> [B, T]
         """The target's argmax at every position of the step, in one op for the batch (one per row cost ~80 us each at
@@ -329,31 +340,17 @@ class Engine:
     def _needs_target_probs(self, request: Request) -> bool:
         return not request.params.greedy or self.config.record_steps
 
-    def _step_target_probs(self, requests: list[Request], drafts: list[DraftTree], logits: torch.Tensor) -> list[torch.Tensor | None]:
-        """Each request's target_probs [N+1, V] where its verify needs them (sampled, or recorded), from one
-        sampling_probs call over all those rows (a row's probabilities do not depend on the other rows)."""
-        needed = [b for b, r in enumerate(requests) if self._needs_target_probs(r)]
-        found: list[torch.Tensor | None] = [None] * len(requests)
-        if not needed:
-            return found
-        sizes = [len(drafts[b]) + 1 for b in needed]
-        rows = torch.cat([logits[b, :n] for b, n in zip(needed, sizes)])
-        owners = [requests[b] for b, n in zip(needed, sizes) for _ in range(n)]
-        for b, part in zip(needed, self._target_probs(owners, rows).split(sizes)):
-            found[b] = part
-        return found
-
     def _verify(self, request: Request, draft: DraftTree, logits: torch.Tensor, argmax: torch.Tensor | None = None,
-                target_probs: torch.Tensor | None = None):  # logits [N+1, V]
-        """Verify one request's draft (argmax [N+1] / target_probs [N+1, V]: already computed for the step, or None);
-        target_probs is returned only when it was needed or recorded."""
+                probs: torch.Tensor | None = None):  # logits [N+1, V]
+        """Verify one request's draft (argmax [N+1] / probs, its target_probs [N+1, V]: already computed for the step,
+        or None); the target_probs are returned only when they were needed or recorded."""
         if not self._needs_target_probs(request):
             return verify_greedy(draft.parents, draft.tokens, logits.argmax(-1).cpu() if argmax is None else argmax), None
         n = len(draft)
-        if target_probs is None:
-            target_probs = self._target_probs([request] * (n + 1), logits)
+        if probs is None:
+            probs = target_probs([request] * (n + 1), logits)
         uniform = draw_uniform([request.generator], n + 1)[0]
-        return verify_tree(draft.parents, draft.tokens, draft.probs(target_probs.shape[-1]), target_probs, uniform), target_probs
+        return verify_tree(draft.parents, draft.tokens, draft.probs(probs.shape[-1]), probs, uniform), probs
 
     def _propose(self, requests: list[Request]) -> list[DraftTree]:
         if self.drafter is None:
@@ -365,53 +362,6 @@ class Engine:
             budgets = [min(b, k) for b, k in zip(budgets, chosen)]
         self.drafter.attach_target_cache(self.cache)  # each step: a drafter may serve more than one engine
         return self.drafter.propose(requests, budgets)
-
-    def _verify_inputs(self, requests: list[Request], drafts: list[DraftTree], starts: list[int]):
-        """Token ids [B, T], positions [B, T] and a tree mask [B, T, T] (None when all are plain chains)."""
-        width = 1 + max(len(d) for d in drafts)
-        device = self.cache.k.device
-        if all(len(d) == width - 1 and d.is_chain for d in drafts):  # plain decoding, or chains of one length: no per-row work
-            pending = torch.tensor([[r.pending_token] for r in requests], dtype=torch.long)
-            ids = torch.cat([pending, *([torch.stack([d.tokens for d in drafts])] if width > 1 else [])], dim=1)
-            positions = torch.tensor(starts, dtype=torch.long).unsqueeze(1) + torch.arange(width)
-            return ids.to(device), positions.to(device), None
-        ids = torch.zeros(len(requests), width, dtype=torch.long)
-        positions = torch.zeros(len(requests), width, dtype=torch.long)
-        parents_with_root = []
-        for b, (request, draft) in enumerate(zip(requests, drafts)):
-            n = len(draft)
-            ids[b, 0] = request.pending_token
-            ids[b, 1 : n + 1] = draft.tokens
-            positions[b, : n + 1] = starts[b] + torch.cat([torch.zeros(1, dtype=torch.long), 1 + tree_ops.depths(draft.parents)])
-            positions[b, n + 1 :] = starts[b] + torch.arange(n + 1, width)
-            parents_with_root.append(torch.cat([torch.tensor([-1]), draft.parents + 1]))
-        return ids.to(device), positions.to(device), tree_ops.batch_tree_attention_mask(parents_with_root, width)
-
-    def _target_probs(self, requests: list[Request], logits: torch.Tensor) -> torch.Tensor:  # logits [N, V], one request per row
-        return sampling_probs(logits.float().cpu(), *_sampling_tensors(requests))
-
-    def _logprobs(self, requests: list[Request], results: list, logits: torch.Tensor,
-                  probs: list[torch.Tensor | None] | None = None) -> list[list[tuple[float, float]] | None]:
-        """Per request, (sampled, policy) log-prob of each emitted token, read from the verify forward (logits
-        [B, T, V]) at the position it was drawn (the root, then after each accepted node): the same rows plain
-        decoding would read; None where the request did not ask. One call for the step's requests; probs: the
-        verify's target_probs per request (reused for the sampled log-probs where all of them have them)."""
-        wanted = [b for b, r in enumerate(requests) if r.params.logprobs]
-        found: list[list[tuple[float, float]] | None] = [None] * len(requests)
-        if not wanted:
-            return found
-        rows = {b: [0] + [1 + j for j in results[b].accepted_nodes] for b in wanted}
-        picked = logits[[b for b in wanted for _ in rows[b]], [t for b in wanted for t in rows[b]]].float().cpu()  # [M, V]
-        tokens = torch.tensor([token for b in wanted for token in results[b].tokens])
-        if probs is not None and all(probs[b] is not None for b in wanted):
-            sampled = torch.cat([probs[b][rows[b]] for b in wanted]).gather(-1, tokens.view(-1, 1)).squeeze(-1).log()
-            policy = torch.log_softmax(picked, dim=-1).gather(-1, tokens.view(-1, 1)).squeeze(-1)
-        else:
-            sampled, policy = token_logprobs(picked, tokens, *_sampling_tensors([requests[b] for b in wanted for _ in rows[b]]))
-        pairs = list(zip(sampled.tolist(), policy.tolist()))
-        for b in wanted:
-            found[b], pairs = pairs[: len(rows[b])], pairs[len(rows[b]) :]
-        return found
 
     def _commit(self, request: Request, tokens: list[int], logprobs: list[tuple[float, float]] | None = None) -> StepOutput:
         """Append emitted tokens, stopping at EOS / a stop token / max_tokens (later tokens are dropped)."""
@@ -465,7 +415,7 @@ class Engine:
             self.prefilling.row = len(self.running)
 
     # ---- accounting ---------------------------------------------------------------------------------
-    def _account(self, requests, drafts, results, draft_s: float, verify_s: float) -> None:
+    def _account(self, requests, drafts, results, draft_s: float, verify_s: float, verified: int) -> None:
         share = 1.0 / len(requests)
         for request, draft, (result, _) in zip(requests, drafts, results):
             m = request.metrics
@@ -480,7 +430,7 @@ class Engine:
                 add_position_counts(m.drafted_per_position, m.accepted_per_position, draft.nodes_per_depth(), result.num_accepted)
         self.stats.record_step(requests, drafts, [r for r, _ in results], draft_s, verify_s)
         if self.draft_policy is not None:
-            self.draft_policy.observe(requests, drafts, [r for r, _ in results], draft_s, verify_s)
+            self.draft_policy.observe(requests, drafts, [r for r, _ in results], draft_s, verify_s, verified)
 
     def _notify(self, requests, drafts, results, out, starts) -> None:
         if not self.observers:

@@ -30,6 +30,8 @@ class EngineStats:
     drafted_per_position: list[int] = field(default_factory=list)
     draft_time_s: float = 0.0
     verify_time_s: float = 0.0
+    ragged_steps: int = 0  # verify forwards whose rows drafted different amounts, run without padding
+    verified_tokens: int = 0  # tokens the verify forwards ran (pending + draft per row; padded forwards count the padding)
 
     def record_step(self, requests, drafts, results, draft_s: float, verify_s: float) -> None:
         self.steps += 1
@@ -56,4 +58,5 @@ class EngineStats:
             "acceptance_length": round(self.acceptance_length, 4),
             "accepted_per_position": list(self.accepted_per_position), "drafted_per_position": list(self.drafted_per_position),
             "draft_time_s": round(self.draft_time_s, 4), "verify_time_s": round(self.verify_time_s, 4),
+            "ragged_steps": self.ragged_steps, "verified_tokens": self.verified_tokens,
         }

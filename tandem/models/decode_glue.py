@@ -142,7 +142,7 @@ def decode_layers(
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:  # the last layer's output [B, T, hidden], one per tap
     return torch.ops.tandem_cpu.decode_layers(
         x.contiguous(), weights, cos.contiguous(), sin_signed.contiguous(), eps, cache.k, cache.v, batch.rows.start or 0,
-        batch.starts, batch.tree, num_heads, num_kv_heads, list(taps),
+        batch.starts, batch.tree, num_heads, num_kv_heads, list(taps), batch.lengths,
     )
 
 
@@ -174,9 +174,10 @@ def attend_cached(
     tree: torch.Tensor | None,  # [B, T, T] bool; None: causal among the new tokens
     num_heads: int,
     num_kv_heads: int,
-) -> torch.Tensor:  # [B, T, H D]
+    lengths: torch.Tensor | None = None,  # [B] new tokens per row: ragged (qkv [N, 1, F], tree [N, longest row])
+) -> torch.Tensor:  # [B, T, H D] (ragged: [N, 1, H D])
     return torch.ops.tandem_cpu.attend_cached(
         qkv.contiguous(), cos.contiguous(), sin_signed.contiguous(),
         None if q_norm is None else q_norm.detach(), None if k_norm is None else k_norm.detach(), eps,
-        cache_k, cache_v, layer, row0, starts, tree, num_heads, num_kv_heads,
+        cache_k, cache_v, layer, row0, starts, tree, num_heads, num_kv_heads, lengths,
     )

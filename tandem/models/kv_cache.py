@@ -68,6 +68,7 @@ class AttentionBatch:
     row_groups: tuple[tuple[int, int, int], ...] = ()  # (first, end, keys) per group of ATTENTION_GROUP_ROWS rows
     tree: torch.Tensor | None = None  # [B, T, T] bool the mask was built from; None = causal among the new tokens
     segments: tuple[tuple[int, int, int], ...] = ()  # packed prefill: (offset, length, cache row) of each prompt in the one row
+    lengths: torch.Tensor | None = None  # [B] ragged verify: new tokens per row, row after row in one column of N tokens
 
     def groups(self) -> tuple[tuple[int, int, int], ...]:
         """Row ranges of the batch, each with the keys its longest row needs: attention per group reads
@@ -114,6 +115,24 @@ def packed_attention_batch(cache: KVCache, lengths: list[int], rows: list[int]) 
     positions = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)  # [1, N]
     return AttentionBatch(slice(0, 1), torch.zeros(1, dtype=torch.long), positions, max(lengths), None, True, None,
                           segments=tuple(zip(offsets, lengths, rows)))
+
+
+def ragged_attention_batch(
+    cache: KVCache,
+    lengths: list[int],  # [B] new tokens of rows 0..B-1, each >= 1
+    tree: torch.Tensor | None,  # [N, max(lengths)] bool: new token i sees new token u of its own row; None = causal
+) -> AttentionBatch:
+    """A verify whose rows bring different numbers of new tokens, packed as one column of N = sum(lengths) tokens
+    (x [N, 1, hidden]): row b's tokens are written at its slots starts[b] .. + lengths[b] and attend to its own
+    prefix and tree only. Only the fused CPU attention (decode_glue.attend_cached) reads this layout."""
+    rows = slice(0, len(lengths))
+    starts = cache.lengths[rows].clone()
+    ends = starts + torch.tensor(lengths)
+    if int(ends.max()) > cache.max_len:
+        raise PromptTooLongError(f"KV cache holds {cache.max_len} tokens per sequence; a forward needs {int(ends.max())}")
+    slots = torch.cat([int(s) + torch.arange(n) for s, n in zip(starts.tolist(), lengths)]).unsqueeze(1)  # [N, 1]
+    return AttentionBatch(rows, starts, slots, int(ends.max()), None, False, None, tree=tree,
+                          lengths=torch.tensor(lengths, dtype=torch.long))
 
 
 def _row_groups(starts: torch.Tensor, num_new: int) -> tuple[tuple[int, int, int], ...]:

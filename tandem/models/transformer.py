@@ -15,7 +15,7 @@ from torch import nn
 from tandem.errors import InvalidParameterError
 from tandem.models import cpu_gemm, decode_glue
 from tandem.models.config import ModelConfig
-from tandem.models.kv_cache import AttentionBatch, KVCache, build_attention_batch, packed_attention_batch
+from tandem.models.kv_cache import AttentionBatch, KVCache, build_attention_batch, packed_attention_batch, ragged_attention_batch
 from tandem.models.linear import Linear, pack_linears, unpack_linears
 from tandem.models.memory import release_freed_memory
 
@@ -143,8 +143,8 @@ class Attention(nn.Module):
         qn, kn = (self.q_norm.weight, self.k_norm.weight) if self.q_norm is not None else (None, None)
         out = decode_glue.attend_cached(
             self.qkv(x), cos, sin, qn, kn, cfg.rms_norm_eps, cache.k, cache.v, self.layer, batch.rows.start or 0,
-            batch.starts, batch.tree, cfg.num_heads, cfg.num_kv_heads,
-        )  # [B, T, H D]
+            batch.starts, batch.tree, cfg.num_heads, cfg.num_kv_heads, batch.lengths,
+        )  # [B, T, H D] (ragged: [N, 1, H D])
         return self.o(out)
 
     def project_qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
@@ -300,6 +300,37 @@ class Transformer(nn.Module):
             cache.lengths[row] = n
         return [ForwardOutput(out.logits[i : i + 1], tuple(h[:, o : o + n] for h in out.hidden), out.final_hidden[:, o : o + n])
                 for i, (o, n, _) in enumerate(batch.segments)]
+
+    def ragged_ready(self, cache: KVCache | None) -> bool:
+        """Whether forward_ragged runs here: the fused CPU decode path (fp32 activations and cache, kernels built,
+        inference). Where it does not, a verify pads its rows to the widest (Transformer.forward with a tree mask)."""
+        weight = self.embed.weight
+        return (self.fused_glue and decode_glue.enabled() and decode_glue.supports(self.cfg) and cache is not None
+                and weight.dtype == torch.float32 and weight.device.type == "cpu" and not torch.compiler.is_compiling()
+                and cache.k.dtype == torch.float32 and cache.k.is_contiguous())
+
+    def forward_ragged(
+        self,
+        input_ids: torch.Tensor,  # [N] new tokens of rows 0..B-1, row after row
+        positions: torch.Tensor,  # [N]
+        cache: KVCache,
+        lengths: list[int],  # [B] new tokens per row (>= 1 each, summing to N)
+        tree: torch.Tensor | None = None,  # [N, max(lengths)] bool; None = causal within each row
+        taps: tuple[int, ...] = (),
+    ) -> ForwardOutput:  # logits [N, 1, V], hidden / final_hidden [N, 1, hidden]
+        """A verify forward without padding: the GEMMs run over the N tokens as N rows (the small-M kernel, whose
+        rows do not depend on each other) and each row's tokens attend to their own prefix and tree, so every token
+        gets the bits it gets in a padded verify or in its row's own forward, and a row that drafts nothing costs
+        one token. Needs ragged_ready(cache); advances each row's cache length by its own count."""
+        if not self.ragged_ready(cache):
+            raise InvalidParameterError("forward_ragged needs the fused CPU decode path (fp32, kernels built, inference)")
+        if len(input_ids) != sum(lengths) or min(lengths) < 1:
+            raise InvalidParameterError(f"forward_ragged: {len(input_ids)} tokens for rows of {lengths}")
+        with torch.inference_mode():
+            batch = ragged_attention_batch(cache, lengths, tree)
+            out = self.forward_batch(input_ids.view(-1, 1), positions.view(-1, 1), cache, batch, taps)
+        cache.lengths[batch.rows] += batch.lengths.to(cache.lengths.device)
+        return out
 
     def forward_batch(
         self,

@@ -327,28 +327,51 @@ constexpr AttendHeads kAttendHeads[9] = {nullptr, attend_heads<1>, attend_heads<
 // [L, Bmax, Hkv, Smax, D], this forward's rows are row0 .. row0 + B - 1 of layer `layer`; starts [B] int64:
 // cached tokens per row before this forward; tree [B, T, T] bool (new token t sees new token u), undefined =
 // causal. New token t of row b sits at slot starts[b] + t and sees slots [0, starts[b]) and the new tokens its
-// tree row allows. Returns [B, T, H D].
+// tree row allows. Returns [B, T, H D]. Ragged (lengths [B] defined, a verify whose rows draft different amounts):
+// qkv [N, 1, F] holds row b's lengths[b] new tokens one after another (N = their sum), cos / sin_signed [N, 1, D],
+// tree [N, longest row] (token i sees its row's new token u) or undefined = causal; returns [N, 1, H D].
 at::Tensor attend_cached(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin_signed,
                          const c10::optional<at::Tensor>& q_norm, const c10::optional<at::Tensor>& k_norm, double eps,
                          at::Tensor cache_k, at::Tensor cache_v, int64_t layer, int64_t row0, const at::Tensor& starts,
-                         const c10::optional<at::Tensor>& tree, int64_t num_heads, int64_t num_kv_heads) {
+                         const c10::optional<at::Tensor>& tree, int64_t num_heads, int64_t num_kv_heads,
+                         const c10::optional<at::Tensor>& lengths) {
   TORCH_CHECK(qkv.dim() == 3 && qkv.scalar_type() == at::kFloat && qkv.is_contiguous(), "attend_cached: qkv must be contiguous fp32 [B, T, F]");
   TORCH_CHECK(cache_k.scalar_type() == at::kFloat && cache_k.is_contiguous() && cache_v.is_contiguous() && cache_k.dim() == 5 &&
               cache_v.sizes() == cache_k.sizes(), "attend_cached: the cache must be contiguous fp32 [L, B, Hkv, S, D]");
-  const int64_t B = qkv.size(0), T = qkv.size(1), H = num_heads, Hkv = num_kv_heads, D = cache_k.size(4), S_max = cache_k.size(3);
+  const int64_t N = qkv.size(0) * qkv.size(1), H = num_heads, Hkv = num_kv_heads, D = cache_k.size(4), S_max = cache_k.size(3);
   TORCH_CHECK(H % Hkv == 0 && qkv.size(2) == (H + 2 * Hkv) * D, "attend_cached: qkv width does not match the heads");
   TORCH_CHECK(D % 8 == 0 && D <= 512 && H / Hkv <= 8, "attend_cached: head_dim must be a multiple of 8 (<= 512), <= 8 query heads per kv head");
-  TORCH_CHECK(layer >= 0 && layer < cache_k.size(0) && row0 >= 0 && row0 + B <= cache_k.size(1) && cache_k.size(2) == Hkv, "attend_cached: layer / rows outside the cache");
-  TORCH_CHECK(cos.is_contiguous() && sin_signed.is_contiguous() && cos.numel() == B * T * D && sin_signed.numel() == B * T * D &&
+  TORCH_CHECK(cos.is_contiguous() && sin_signed.is_contiguous() && cos.numel() == N * D && sin_signed.numel() == N * D &&
               cos.scalar_type() == at::kFloat && sin_signed.scalar_type() == at::kFloat, "attend_cached: cos / sin must be fp32 [B, T, D]");
   const at::Tensor st = starts.to(at::kLong).contiguous();
-  TORCH_CHECK(st.numel() == B, "attend_cached: starts must have B entries");
+  const int64_t B = st.numel();
   const int64_t* sp = st.data_ptr<int64_t>();
-  for (int64_t b = 0; b < B; ++b) TORCH_CHECK(sp[b] >= 0 && sp[b] + T <= S_max, "attend_cached: row ", b, " would write past the cache");
+  // Each new token i: its row (rb), its index among its row's new tokens (tt) and how many new tokens its row has (tn).
+  // Padded: qkv [B, T, F], every row T tokens. Ragged (lengths [B]): qkv [N, 1, F], row b's lengths[b] tokens in a run.
+  std::vector<int64_t> rb(N), tt(N), tn(N);
+  int64_t width_new = qkv.size(1);  // the tree's row stride: T, or the longest row when ragged
+  if (lengths.has_value() && lengths->defined()) {
+    const at::Tensor ln = lengths->to(at::kLong).contiguous();
+    TORCH_CHECK(ln.numel() == B, "attend_cached: lengths must have one entry per start");
+    const int64_t* lp = ln.data_ptr<int64_t>();
+    int64_t i = 0;
+    width_new = 0;
+    for (int64_t b = 0; b < B; ++b) {
+      TORCH_CHECK(lp[b] >= 1 && i + lp[b] <= N, "attend_cached: lengths must be >= 1 and sum to the new tokens");
+      for (int64_t t = 0; t < lp[b]; ++t, ++i) { rb[i] = b; tt[i] = t; tn[i] = lp[b]; }
+      width_new = std::max(width_new, lp[b]);
+    }
+    TORCH_CHECK(i == N, "attend_cached: lengths must sum to the new tokens (", N, "), got ", i);
+  } else {
+    TORCH_CHECK(qkv.size(0) == B, "attend_cached: starts must have B entries");
+    for (int64_t i = 0; i < N; ++i) { rb[i] = i / width_new; tt[i] = i % width_new; tn[i] = width_new; }
+  }
+  TORCH_CHECK(layer >= 0 && layer < cache_k.size(0) && row0 >= 0 && row0 + B <= cache_k.size(1) && cache_k.size(2) == Hkv, "attend_cached: layer / rows outside the cache");
+  for (int64_t i = 0; i < N; ++i) TORCH_CHECK(sp[rb[i]] >= 0 && sp[rb[i]] + tn[i] <= S_max, "attend_cached: row ", rb[i], " would write past the cache");
   at::Tensor tree_c;
   if (tree.has_value() && tree->defined()) {
     tree_c = tree->to(at::kBool).contiguous();
-    TORCH_CHECK(tree_c.numel() == B * T * T, "attend_cached: tree must be [B, T, T]");
+    TORCH_CHECK(tree_c.numel() == N * width_new, "attend_cached: tree must be [B, T, T] (ragged: [N, longest row])");
   }
   const bool* tp = tree_c.defined() ? tree_c.data_ptr<bool>() : nullptr;
   const float* qn = q_norm.has_value() && q_norm->defined() ? q_norm->data_ptr<float>() : nullptr;
@@ -356,57 +379,57 @@ at::Tensor attend_cached(const at::Tensor& qkv, const at::Tensor& cos, const at:
   const float fe = static_cast<float>(eps);
 
   const int64_t width = (H + 2 * Hkv) * D;
-  at::Tensor q = at::empty({B, T, H, D}, qkv.options());  // rotated queries
+  at::Tensor q = at::empty({N, H, D}, qkv.options());  // rotated queries
   const float *src = qkv.data_ptr<float>(), *cp = cos.data_ptr<float>(), *sn = sin_signed.data_ptr<float>();
   float *qp = q.data_ptr<float>(), *kc = cache_k.data_ptr<float>(), *vc = cache_v.data_ptr<float>();
   auto slot = [&](float* base, int64_t b, int64_t g, int64_t s) { return base + (((layer * cache_k.size(1) + row0 + b) * Hkv + g) * S_max + s) * D; };
   float normed[512];  // a head after its q/k norm
-  for (int64_t b = 0; b < B; ++b) {
-    for (int64_t t = 0; t < T; ++t) {
-      const float* row = src + (b * T + t) * width;
-      const float *c = cp + (b * T + t) * D, *s = sn + (b * T + t) * D;
-      for (int64_t h = 0; h < H; ++h) {
-        const float* head = row + h * D;
-        if (qn) { norm_row(head, qn, fe, normed, D); head = normed; }
-        rope_head(head, c, s, qp + ((b * T + t) * H + h) * D, D);
-      }
-      for (int64_t g = 0; g < Hkv; ++g) {
-        const float* head = row + (H + g) * D;
-        if (kn) { norm_row(head, kn, fe, normed, D); head = normed; }
-        rope_head(head, c, s, slot(kc, b, g, sp[b] + t), D);
-        std::memcpy(slot(vc, b, g, sp[b] + t), row + (H + Hkv + g) * D, D * sizeof(float));
-      }
+  for (int64_t i = 0; i < N; ++i) {
+    const int64_t b = rb[i], at_slot = sp[b] + tt[i];
+    const float* row = src + i * width;
+    const float *c = cp + i * D, *s = sn + i * D;
+    for (int64_t h = 0; h < H; ++h) {
+      const float* head = row + h * D;
+      if (qn) { norm_row(head, qn, fe, normed, D); head = normed; }
+      rope_head(head, c, s, qp + (i * H + h) * D, D);
+    }
+    for (int64_t g = 0; g < Hkv; ++g) {
+      const float* head = row + (H + g) * D;
+      if (kn) { norm_row(head, kn, fe, normed, D); head = normed; }
+      rope_head(head, c, s, slot(kc, b, g, at_slot), D);
+      std::memcpy(slot(vc, b, g, at_slot), row + (H + Hkv + g) * D, D * sizeof(float));
     }
   }
 
-  at::Tensor out = at::empty({B, T, H * D}, qkv.options());
+  at::Tensor out = at::empty({qkv.size(0), qkv.size(1), H * D}, qkv.options());
   float* op = out.data_ptr<float>();
   const int64_t group = H / Hkv;
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
   int64_t longest = 0;
-  for (int64_t b = 0; b < B; ++b) longest = std::max(longest, sp[b] + T);
-  // Work items: (row, new token, kv head), each reading its keys and values once for the group's query heads;
+  for (int64_t i = 0; i < N; ++i) longest = std::max(longest, sp[rb[i]] + tn[i]);
+  // The keys token i scores: its row's prefix and, causal, the new tokens up to itself (the keys after it are invisible
+  // and would add exact zeros to the softmax sum and to each value sum, so stopping there gives the same bits with less
+  // work); with a tree, all of its row's new tokens, masked. A ragged row therefore gets the bits it gets padded or alone.
+  auto keys_of = [&](int64_t i) { return tp ? sp[rb[i]] + tn[i] : sp[rb[i]] + tt[i] + 1; };
+  // Work items: (new token, kv head), each reading its keys and values once for the group's query heads;
   // too few of them to share among the threads (a single decode stream) and each query head is its own item.
-  const int64_t split = B * T * Hkv < 2 * at::get_num_threads() ? group : 1;
-  const int64_t per_item = group / split, items = B * T * Hkv * split;
+  const int64_t split = N * Hkv < 2 * at::get_num_threads() ? group : 1;
+  const int64_t per_item = group / split, items = N * Hkv * split;
   const int64_t grain = std::max<int64_t>(1, (1 << 15) / std::max<int64_t>(1, per_item * longest * D));
   at::parallel_for(0, items, grain, [&](int64_t i0, int64_t i1) {
     std::vector<float> scores(per_item * longest);
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t part = i % split, g = (i / split) % Hkv, t = (i / (split * Hkv)) % T, b = i / (split * Hkv * T);
-      const int64_t prefix = sp[b], head = g * group + part * per_item;
-      const bool* allowed = tp ? tp + (b * T + t) * T : nullptr;
-      // Causal: the keys after t are invisible to it and would add exact zeros (to the softmax sum and to each value
-      // sum), so stopping at t gives the same bits with less work for the later rows of a chain. A tree may allow any slot.
-      const int64_t keys = allowed ? prefix + T : prefix + t + 1;
+    for (int64_t it = i0; it < i1; ++it) {
+      const int64_t part = it % split, g = (it / split) % Hkv, i = it / (split * Hkv);
+      const int64_t b = rb[i], prefix = sp[b], head = g * group + part * per_item;
+      const bool* allowed = tp ? tp + i * width_new : nullptr;
       const float* next_keys = nullptr;
       int64_t next_S = 0;
-      if (i + 1 < i1 && split == 1) {  // the next item's keys, brought toward the core while this one's values are summed
-        const int64_t gn = (i + 1) % Hkv, tn = ((i + 1) / Hkv) % T, bn = (i + 1) / (Hkv * T);
-        if (gn != g || bn != b) { next_keys = slot(kc, bn, gn, 0); next_S = tp ? sp[bn] + T : sp[bn] + tn + 1; }
+      if (it + 1 < i1 && split == 1) {  // the next item's keys, brought toward the core while this one's values are summed
+        const int64_t gn = (it + 1) % Hkv, in = (it + 1) / Hkv;
+        if (gn != g || rb[in] != b) { next_keys = slot(kc, rb[in], gn, 0); next_S = keys_of(in); }
       }
-      kAttendHeads[per_item](qp + ((b * T + t) * H + head) * D, slot(kc, b, g, 0), slot(vc, b, g, 0), keys, D, scale, prefix,
-                             allowed, t, scores.data(), op + ((b * T + t) * H + head) * D, split == 1, next_keys, next_S);
+      kAttendHeads[per_item](qp + (i * H + head) * D, slot(kc, b, g, 0), slot(vc, b, g, 0), keys_of(i), D, scale, prefix,
+                             allowed, tt[i], scores.data(), op + (i * H + head) * D, split == 1, next_keys, next_S);
     }
   });
   return out;
@@ -439,7 +462,7 @@ at::Tensor linear(const at::Tensor& x, const c10::optional<at::Tensor>& w, const
 std::tuple<at::Tensor, std::vector<at::Tensor>> decode_layers(
     const at::Tensor& x_in, const c10::List<c10::optional<at::Tensor>>& weights, const at::Tensor& cos, const at::Tensor& sin_signed,
     double eps, at::Tensor cache_k, at::Tensor cache_v, int64_t row0, const at::Tensor& starts, const c10::optional<at::Tensor>& tree,
-    int64_t num_heads, int64_t num_kv_heads, at::IntArrayRef taps) {
+    int64_t num_heads, int64_t num_kv_heads, at::IntArrayRef taps, const c10::optional<at::Tensor>& lengths) {
   TORCH_CHECK(weights.size() % kPerLayer == 0, "decode_layers: ", kPerLayer, " weights per layer, got ", weights.size());
   const int64_t layers = static_cast<int64_t>(weights.size()) / kPerLayer;
   for (const int64_t tap : taps) TORCH_CHECK(tap >= 0 && tap < layers, "decode_layers: tap ", tap, " outside the ", layers, " layers");
@@ -451,7 +474,7 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> decode_layers(
     const at::Tensor h = rms_norm(x, required(W(kAttnNorm), "attention norm"), eps);
     const at::Tensor qkv = linear(h, W(kQkv), W(kQkvScale), W(kQkvBias));
     const at::Tensor attended = attend_cached(qkv, cos, sin_signed, W(kQNorm), W(kKNorm), eps, cache_k, cache_v, l, row0, starts, tree,
-                                              num_heads, num_kv_heads);
+                                              num_heads, num_kv_heads, lengths);
     auto [residual, normed] = add_rms_norm(linear(attended, W(kO), W(kOScale), c10::nullopt), x, required(W(kMlpNorm), "MLP norm"), eps);
     const at::Tensor down = linear(silu_mul(linear(normed, W(kGateUp), W(kGateUpScale), c10::nullopt)), W(kDown), W(kDownScale), c10::nullopt);
     x = residual.add_(down);
@@ -468,9 +491,9 @@ TORCH_LIBRARY_FRAGMENT(tandem_cpu, m) {
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def("attend_cached(Tensor qkv, Tensor cos, Tensor sin_signed, Tensor? q_norm, Tensor? k_norm, float eps, Tensor(a!) cache_k, "
-        "Tensor(b!) cache_v, int layer, int row0, Tensor starts, Tensor? tree, int num_heads, int num_kv_heads) -> Tensor");
+        "Tensor(b!) cache_v, int layer, int row0, Tensor starts, Tensor? tree, int num_heads, int num_kv_heads, Tensor? lengths=None) -> Tensor");
   m.def("decode_layers(Tensor x, Tensor?[] weights, Tensor cos, Tensor sin_signed, float eps, Tensor(a!) cache_k, Tensor(b!) cache_v, "
-        "int row0, Tensor starts, Tensor? tree, int num_heads, int num_kv_heads, int[] taps) -> (Tensor, Tensor[])");
+        "int row0, Tensor starts, Tensor? tree, int num_heads, int num_kv_heads, int[] taps, Tensor? lengths=None) -> (Tensor, Tensor[])");
 }
 
 TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) {

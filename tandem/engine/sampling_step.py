@@ -1,0 +1,60 @@
+"""The sampling side of a verify step, batched over its requests: each request's target distribution where its
+verify needs one, and the log-probs of the tokens it emitted. Pure functions of the requests' sampling parameters
+and the verify forward's logits (a row's result never depends on the other rows)."""
+from __future__ import annotations
+
+import torch
+
+from tandem.engine.request import Request
+from tandem.ops.sampling import sampling_probs, token_logprobs
+from tandem.types import DraftTree
+
+
+def sampling_tensors(requests: list[Request]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """temperature [N], top_k [N] (long), top_p [N] of one request per row, as ops.sampling takes them."""
+    params = [r.params for r in requests]
+    return (torch.tensor([p.temperature for p in params], dtype=torch.float32), torch.tensor([p.top_k for p in params], dtype=torch.long),
+            torch.tensor([p.top_p for p in params], dtype=torch.float32))
+
+
+def target_probs(requests: list[Request], logits: torch.Tensor) -> torch.Tensor:  # logits [N, V], one request per row
+    return sampling_probs(logits.float().cpu(), *sampling_tensors(requests))
+
+
+def step_target_probs(requests: list[Request], drafts: list[DraftTree], logits: torch.Tensor, needed: list[bool]) -> list[torch.Tensor | None]:
+    """Each request's target_probs [N+1, V] where needed[b] (sampled, or recorded), from one sampling_probs call over
+    all those rows; logits [B, T, V] of the verify forward."""
+    rows_of = [b for b, need in enumerate(needed) if need]
+    found: list[torch.Tensor | None] = [None] * len(requests)
+    if not rows_of:
+        return found
+    sizes = [len(drafts[b]) + 1 for b in rows_of]
+    rows = torch.cat([logits[b, :n] for b, n in zip(rows_of, sizes)])
+    owners = [requests[b] for b, n in zip(rows_of, sizes) for _ in range(n)]
+    for b, part in zip(rows_of, target_probs(owners, rows).split(sizes)):
+        found[b] = part
+    return found
+
+
+def emitted_logprobs(requests: list[Request], results: list, logits: torch.Tensor,
+                     probs: list[torch.Tensor | None] | None = None) -> list[list[tuple[float, float]] | None]:
+    """Per request, (sampled, policy) log-prob of each emitted token, read from the verify forward (logits
+    [B, T, V]) at the position it was drawn (the root, then after each accepted node): the same rows plain
+    decoding would read; None where the request did not ask. One call for the step's requests; probs: the
+    verify's target_probs per request (reused for the sampled log-probs where all of them have them)."""
+    wanted = [b for b, r in enumerate(requests) if r.params.logprobs]
+    found: list[list[tuple[float, float]] | None] = [None] * len(requests)
+    if not wanted:
+        return found
+    rows = {b: [0] + [1 + j for j in results[b].accepted_nodes] for b in wanted}
+    picked = logits[[b for b in wanted for _ in rows[b]], [t for b in wanted for t in rows[b]]].float().cpu()  # [M, V]
+    tokens = torch.tensor([token for b in wanted for token in results[b].tokens])
+    if probs is not None and all(probs[b] is not None for b in wanted):
+        sampled = torch.cat([probs[b][rows[b]] for b in wanted]).gather(-1, tokens.view(-1, 1)).squeeze(-1).log()
+        policy = torch.log_softmax(picked, dim=-1).gather(-1, tokens.view(-1, 1)).squeeze(-1)
+    else:
+        sampled, policy = token_logprobs(picked, tokens, *sampling_tensors([requests[b] for b in wanted for _ in rows[b]]))
+    pairs = list(zip(sampled.tolist(), policy.tolist()))
+    for b in wanted:
+        found[b], pairs = pairs[: len(rows[b])], pairs[len(rows[b]) :]
+    return found
