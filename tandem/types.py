@@ -9,6 +9,30 @@ from tandem.errors import InvalidParameterError
 
 
 @dataclass(frozen=True)
+class DraftShape:
+    """One kind of draft a drafter can be asked for: `propose` with this budget gives at most `budget` nodes after
+    `depth` sequential drafting passes (drafter forwards; a lookup is one pass). The speculation controller prices
+    every offered shape by what it measured it to emit and to cost (tandem.engine.control)."""
+
+    budget: int  # the nodes asked of propose (>= 1)
+    depth: int  # sequential passes it takes (>= 1): what the drafter's time grows with besides the nodes
+    label: str = ""  # e.g. "chain3", "chain4+lookup3", "tree12": what metrics and reports call it
+
+    def __post_init__(self):
+        if self.budget < 1 or self.depth < 1:
+            raise InvalidParameterError(f"a draft shape needs budget >= 1 and depth >= 1, got {self.budget}, {self.depth}")
+
+    @property
+    def name(self) -> str:
+        return self.label or f"budget{self.budget}"
+
+
+def chain_shapes(max_nodes: int, depth_of=None, label: str = "chain") -> tuple[DraftShape, ...]:
+    """Budgets 1..max_nodes, each `depth_of(budget)` passes deep (default: a chain, one pass per node)."""
+    return tuple(DraftShape(n, depth_of(n) if depth_of else n, f"{label}{n}") for n in range(1, max_nodes + 1))
+
+
+@dataclass(frozen=True)
 class VerifyResult:
     """Outcome of verifying one draft (chain or tree) against the target.
 

@@ -89,8 +89,8 @@ def _measure(name: str, llm, wave: list[list[int]], params: SamplingParams) -> d
 def _wave_metrics(before: dict, after: dict) -> dict:
     """The controller persists across waves (as in a server): report this wave's decisions only."""
     out = {key: after[key] - before[key] for key in ("speculative_steps", "steps", "probes", "switches")}
-    hist = {k: v - before["budget_histogram"].get(k, 0) for k, v in after["budget_histogram"].items()}
-    out["budget_histogram"] = {k: v for k, v in sorted(hist.items()) if v}
+    hist = {k: v - before["shape_rows"].get(k, 0) for k, v in after["shape_rows"].items()}
+    out["shape_rows"] = {k: v for k, v in hist.items() if v}
     out["speculating_at_end"] = after["speculating"]
     out["acceptance_per_position"] = after["acceptance_per_position"]
     return out

@@ -12,7 +12,7 @@ import torch
 
 from tandem.config import SamplingParams
 from tandem.errors import InvalidParameterError
-from tandem.types import DraftTree, VerifyResult
+from tandem.types import DraftShape, DraftTree, VerifyResult, chain_shapes
 
 
 class DraftContext(Protocol):
@@ -41,6 +41,8 @@ class Drafter(Protocol):
     attach_target_cache(cache) right before each propose: the proposing engine's KV cache (rows 0..B-1 hold the
                                committed tokens of requests 0..B-1; a drafter may be shared by engines). A drafter
                                that is a copy of the target (self_draft) drafts over it instead of keeping its own.
+    shapes()                   the drafts it offers (DraftShape: the budget to ask for and the passes it takes); the
+                               speculation controller measures and prices each and asks every row for one per step.
     """
 
     name: str
@@ -54,6 +56,7 @@ class Drafter(Protocol):
     def release(self, request: DraftContext) -> None: ...
     def move_row(self, src_row: int, dst_row: int) -> None: ...  # the engine moved a request's row
     def attach_target_cache(self, cache) -> None: ...
+    def shapes(self) -> tuple[DraftShape, ...]: ...
 
 
 class DrafterBase:
@@ -78,6 +81,10 @@ class DrafterBase:
 
     def attach_target_cache(self, cache) -> None:
         pass
+
+    def shapes(self) -> tuple[DraftShape, ...]:
+        """Chains of 1..max_nodes nodes, one drafter pass per node (a model drafter's chain)."""
+        return chain_shapes(self.max_nodes)
 
 
 DrafterFactory = Callable[..., Drafter]

@@ -35,7 +35,7 @@ from tandem.models.eagle import EagleConfig, EagleHead, draft_vocab_from_tokens,
 from tandem.models.kv_cache import KVCache
 from tandem.ops import tree as tree_ops
 from tandem.ops.sampling import draw_uniform, sample_from_probs, sampling_probs
-from tandem.types import DraftTree
+from tandem.types import DraftShape, DraftTree, chain_shapes
 
 DAY0_DRAFT_VOCAB = 8192  # draft vocabulary of an untrained head (the target's lowest ids)
 PAD_LIMIT = 16  # longer queues (a new prompt) are written alone first, so a batched catch-up pads little
@@ -136,6 +136,15 @@ class EagleDrafter(DrafterBase):
 
     # ---- proposals ------------------------------------------------------------------------------------
     @torch.inference_mode()
+    def shapes(self) -> tuple[DraftShape, ...]:
+        """Chains of 1..k (one head pass per node); in tree modes also trees of k+1..max_nodes nodes, each as deep
+        as the tree grows (its levels; a chain of k for sampled requests)."""
+        chains = chain_shapes(self.k)
+        if self.tree.mode == "chain":
+            return chains
+        levels = self.tree.depth if self.tree.mode == "dynamic" else 1 + max(tree_ops.depths(torch.tensor(self.tree.parents)).tolist())
+        return chains + tuple(DraftShape(n, max(levels, self.k), f"tree{n}") for n in range(self.k + 1, self.max_nodes + 1))
+
     def propose(self, requests, budgets: list[int]) -> list[DraftTree]:
         if max(budgets, default=0) == 0:
             return [DraftTree.empty() for _ in requests]

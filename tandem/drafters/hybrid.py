@@ -19,7 +19,7 @@ from tandem.drafters.eagle import EagleDrafter
 from tandem.drafters.ngram import NgramDrafter
 from tandem.ops.ngram import ngram_candidates
 from tandem.ops.tree import graft_sequence
-from tandem.types import DraftTree
+from tandem.types import DraftShape, DraftTree
 
 
 class EagleNgramDrafter:
@@ -40,6 +40,14 @@ class EagleNgramDrafter:
     @version.setter
     def version(self, value: int) -> None:
         self.eagle.version = value
+
+    def shapes(self) -> tuple[DraftShape, ...]:
+        """The head's own shapes (the lookup branch grafted where it shares their nodes), then the head's largest
+        draft plus a lookup branch of 1..k more nodes: the same passes, more nodes. The controller measures what each
+        emits, the grafted branch included, which the head's per-depth acceptance alone does not see."""
+        head = self.eagle.shapes()
+        top = head[-1]
+        return head + tuple(DraftShape(top.budget + n, top.depth, f"{top.name}+lookup{n}") for n in range(1, self.ngram.k + 1))
 
     def propose(self, requests, budgets: list[int]) -> list[DraftTree]:
         """The head drafts first (up to its own max_nodes); greedy requests then get the n-gram branch in the

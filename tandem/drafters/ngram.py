@@ -12,7 +12,7 @@ from tandem.drafters.base import DrafterBase, register
 from tandem.errors import InvalidParameterError
 from tandem.ops.ngram import ngram_candidates
 from tandem.ops.tree import trie_from_sequences
-from tandem.types import DraftTree
+from tandem.types import DraftTree, chain_shapes
 
 
 class NgramDrafter(DrafterBase):
@@ -25,6 +25,10 @@ class NgramDrafter(DrafterBase):
             )
         self.k, self.n_min, self.n_max, self.candidates = num_draft_tokens, n_min, n_max, candidates
         self.max_nodes = max_nodes or num_draft_tokens * candidates
+
+    def shapes(self):
+        """One lookup per request whatever the length asked for."""
+        return chain_shapes(self.max_nodes, lambda n: 1, "lookup")
 
     def propose(self, requests, budgets: list[int]) -> list[DraftTree]:
         return [self._propose_one(np.asarray(r.all_ids), min(self.k, b)) for r, b in zip(requests, budgets)]

@@ -26,7 +26,7 @@ import torch
 from tandem.drafters.base import DrafterBase, register
 from tandem.errors import InvalidParameterError
 from tandem.ops.suffix_trie import SuffixTrie
-from tandem.types import DraftTree
+from tandem.types import DraftTree, chain_shapes
 
 
 class _Group:
@@ -177,6 +177,10 @@ class SuffixDrafter(DrafterBase):
                 "history_nodes": len(self._history.trie), "live": len(self._live)}
 
     # ---- proposing -------------------------------------------------------------------------------
+    def shapes(self):
+        """One walk of the trie per request whatever the length asked for."""
+        return chain_shapes(self.max_nodes, lambda n: 1, "suffix")
+
     def propose(self, requests, budgets: list[int]) -> list[DraftTree]:
         return [self._propose_one(r, min(b, self.max_nodes)) for r, b in zip(requests, budgets)]
 
@@ -244,6 +248,10 @@ class SuffixSelfDrafter:
 
     def resync(self) -> None:
         self.self_draft.resync()
+
+    def shapes(self):
+        """Chains, one self-draft pass per node (what a request costs when the suffix is not confident)."""
+        return chain_shapes(self.max_nodes)
 
     def propose(self, requests, budgets: list[int]) -> list[DraftTree]:
         found = [self.suffix.lookup(r, min(b, self.suffix.max_nodes)) for r, b in zip(requests, budgets)]

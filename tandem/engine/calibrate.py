@@ -120,7 +120,7 @@ class _FixedBudget:
     def choose_k(self, request) -> int:
         return self.budget
 
-    def observe(self, requests, drafts, results, draft_s: float, verify_s: float) -> None:
+    def observe(self, requests, drafts, results, draft_s: float, verify_s: float, verified_tokens: int | None = None) -> None:
         depth = max((len(d.nodes_per_depth()) for d in drafts), default=0)
         self.samples.append((depth, sum(len(d) for d in drafts), len(drafts), draft_s))
 

@@ -1,179 +1,239 @@
-"""The speculation controller: each step, predict the batch's throughput for plain decoding and for every
-draft size, and speculate only where it pays (the engine's `draft_policy`).
+"""The speculation controller: each step, ask every row for the draft shape that maximises the batch's emitted
+tokens per second, plain decoding included (the engine's `draft_policy`).
 
-Per step (`plan`, called once by Engine._propose): the batch of B requests at mean context C drafts
-budget n (0 = plain) each; the target verifies B x (1 + n) tokens (the engine pads every row to the
-widest draft, so that is the forward it pays for), the drafter costs draft(depth(n), B * n), and request
-r emits E_r(n) = 1 + sum_d prod_{j<=d} a_r,j tokens, with a_r,j its live acceptance per depth. The plan
-is the n with the highest sum_r E_r(n) / (draft + forward(B, 1 + n, C)). Costs come from the calibrated
-roofline, corrected online (tandem.engine.costs); acceptance is an EMA per request seeded from the
-engine-wide one; a depth not drafted drifts toward the one above it (never-measured ones start there).
-Hysteresis: speculation turns on when predicted >= (1 + ON_MARGIN) x plain and off when
-< (1 - OFF_MARGIN) x plain, each for PATIENCE steps in a row, or at once when the prediction is
-DECISIVE beyond 1 (the live batch moved: a rollout batch starting at 32 rows, its tail at 1). It
-starts on (an optimistic prior), so a drafter that pays is never judged on a prior alone; while off
-it probes, spaced so that probing costs at most PROBE_BUDGET of plain decoding time, and MAX_BACKOFF
-times further apart where not even a perfect draft would pay at this batch. Trees: the budget is a
-node count; the depth a budget reaches is learnt from the drafts the drafter returned.
+What it prices (per step, `plan`, called once by Engine._propose): the drafter's shapes (DraftShape: a budget
+and the passes it takes; `drafter.shapes()`), plus plain (budget 0). For row r and shape s:
+- emitted tokens E_r(s): measured. An EMA per shape engine-wide of what rows drafting s emitted (the recovered or
+  bonus token included, empty drafts included: a lookup that finds nothing emits 1), scaled per request by its
+  own ratio (an EMA of its accepted tokens over the engine-wide expectation at the shapes it used). A shape never
+  measured, or not drafted for STALE steps, is priced from (or drifts toward) the per-depth acceptance of every
+  draft seen so far, times the share of drafts that were not empty (an optimistic prior, so it gets tried again);
+  the grafted lookup branch of a hybrid, a tree's extra branches and a suffix match's length are all in what a
+  shape emits, which the per-depth acceptance of the head's chain alone does not see.
+- cost: the drafter's time, fitted from its measured times over (deepest pass, nodes, rows drafting), plus the
+  verify forward's, from the calibrated roofline refitted online, as a function of the rows and of the tokens
+  verified: the sum of 1 + nodes over the rows when the engine verifies ragged (no padding), rows x the widest
+  row otherwise. Nodes are what the shape was measured to yield (a lookup often yields fewer than its budget).
+The plan maximises sum_r E_r(s_r) / (draft + verify): for every cap on the passes (the draft's depth is shared by
+the batch), a few Dinkelbach rounds where each row independently takes the shape with the best E_r(s) - R x its
+marginal seconds at the current rate R; every candidate plan is then priced exactly and the best kept.
+Hysteresis: speculation turns on when the best plan is predicted >= (1 + ON_MARGIN) x plain and off below
+(1 - OFF_MARGIN), each for PATIENCE steps in a row, or at once when DECISIVE. While off it probes (the best plan
+for one step), spaced so that probing costs at most PROBE_BUDGET of plain decoding time, doubling the spacing
+after each probe that does not turn speculation back on, and MAX_BACKOFF times apart where not even drafts
+accepted in full would pay at this batch.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import asdict
 
+import numpy as np
+
 from tandem.engine.costs import DraftCostModel, ForwardCost
 from tandem.ops.cost import expected_tokens_per_step
+from tandem.types import DraftShape, chain_shapes
 
 ON_MARGIN = 0.05
 OFF_MARGIN = 0.02
 PATIENCE = 3
 DECISIVE = 0.15  # a prediction this far beyond 1 switches at once
-PROBE_BUDGET = 0.05
+PROBE_BUDGET = 0.02  # probes cost at most this share of plain decoding time
 PRIOR_ACCEPTANCE = 0.8
 MAX_BACKOFF = 8
-RELAX = 0.02  # per step: an undrafted depth's acceptance drifts toward the depth above it
+RELAX = 0.02  # per step: an undrafted depth's acceptance drifts toward the depth above it; a stale shape toward its prior
+SHAPE_EMA = 0.15  # per step, a shape's figure toward what the step measured of it (~12 steps of memory)
+STALE = 32  # steps a shape goes undrafted before its measured figure starts drifting back toward the prior
+ROUNDS = 3  # Dinkelbach rounds per cap
 
 
 class SpeculationController:
     def __init__(self, max_k: int, forward: ForwardCost | None = None, draft: DraftCostModel | None = None,
-                 max_nodes: int | None = None, ema: float = 0.25, prior_acceptance: float = PRIOR_ACCEPTANCE):
-        self.max_k = max_k  # deepest draft
-        self.max_nodes = max_nodes or max_k  # largest budget (> max_k for tree drafters)
+                 max_nodes: int | None = None, ema: float = 0.25, prior_acceptance: float = PRIOR_ACCEPTANCE,
+                 shapes: tuple[DraftShape, ...] | None = None):
+        self.shapes = tuple(sorted(shapes or chain_shapes(max_nodes or max_k), key=lambda s: s.budget))
+        self.max_k = max_k  # deepest chain the per-depth acceptance (the prior of unmeasured shapes) covers
+        self.max_nodes = self.shapes[-1].budget
         self.forward = forward or ForwardCost(refit=True)
         self.draft = draft or DraftCostModel()
         self.ema = ema
+        self.budgets = np.array([0] + [s.budget for s in self.shapes])  # [S]: column 0 is plain
+        self.depths = np.array([0] + [s.depth for s in self.shapes])
         self.global_alphas = [prior_acceptance] * max_k
-        self.alphas: dict[str, list[float]] = {}
         self.measured_depth = 0  # how many depths (engine-wide) have had their acceptance measured at least once
-        self.depth_of: dict[int, float] = {}  # budget -> EMA of the depth the drafter reached
+        self.emitted: dict[int, float] = {}  # budget -> EMA of tokens a row drafting it emitted (engine-wide)
+        self.yielded: dict[int, float] = {}  # budget -> EMA of the nodes the drafter returned for it
+        self.last_used: dict[int, int] = {}  # budget -> the step it was last drafted
+        self.fill = 1.0  # EMA: the share of drafts asked for that came back non-empty
+        self.request_ratio: dict[str, float] = {}  # request -> EMA of its accepted tokens / the engine-wide expectation
+        self.ragged = True  # the engine verifies rows without padding (learnt from what it reports)
         self.on, self._streak, self._idle, self._backoff = True, 0, 0, 1
         self._plan: dict[str, int] = {}
         self._drafted_last: dict[str, bool] = {}  # request -> did its previous step draft
-        self.fill = 1.0  # EMA: fraction of requests that got a non-empty draft when the budget was > 0
-        self._pending: tuple[int, float, float] | None = None  # (budget, predicted speedup, plain seconds)
+        self._pending: tuple[float, float, float] | None = None  # (predicted speedup, plain seconds, plain tokens)
         self.stats = {"steps": 0, "speculative_steps": 0, "probes": 0, "switches": 0, "plain_equiv_s": 0.0, "actual_s": 0.0,
-                      "predicted_sum": 0.0, "realised_sum": 0.0, "budget_hist": {}, "last": {}}
+                      "predicted_sum": 0.0, "realised_sum": 0.0, "shape_rows": {}, "last": {}}
 
     @classmethod
     def for_engine(cls, model, drafter, calibration=None, model_name: str | None = None, recalibrate: bool = False,
                    max_k: int | None = None, drafter_factory=None) -> "SpeculationController":
-        """A controller for this target + drafter: calibration = a Calibration, a JSON path, or None
-        (look up $TANDEM_HOME's record for model_name on this machine; re-measure it when missing or
-        stale if `recalibrate`, else fall back to an online-measured model and say so). drafter_factory:
-        the caller's builder of a drafter like `drafter` (same options), used only to measure its cost when
-        recalibrating (engine.calibrate.resolve_calibration); without it only the target is re-measured."""
+        """A controller for this target + drafter over the drafter's shapes: calibration = a Calibration, a JSON path,
+        or None (look up $TANDEM_HOME's record for model_name on this machine; re-measure it when missing or stale if
+        `recalibrate`, else fall back to an online-measured model and say so). drafter_factory: the caller's builder of
+        a drafter like `drafter` (same options), used only to measure its cost when recalibrating
+        (engine.calibrate.resolve_calibration); without it only the target is re-measured."""
         from tandem.engine.calibrate import resolve_calibration
         from tandem.sim.roofline import work_from_config
 
-        k = max_k or drafter.max_nodes
+        shapes = drafter.shapes()
+        k = max_k or max(s.depth for s in shapes)
         calib = resolve_calibration(model, drafter, calibration, model_name, recalibrate, drafter_factory)
         if calib is None:
             forward = ForwardCost(work_from_config(model.cfg, model_name or "target"), _prior_machine(), refit=True)
-            return cls(k, forward, DraftCostModel(), max_nodes=drafter.max_nodes)
+            return cls(k, forward, DraftCostModel(), shapes=shapes)
         prior = calib.drafters.get(drafter.name)
-        return cls(k, ForwardCost(calib.work, calib.machine), DraftCostModel(prior) if prior else DraftCostModel(),
-                   max_nodes=drafter.max_nodes)
+        return cls(k, ForwardCost(calib.work, calib.machine), DraftCostModel(prior) if prior else DraftCostModel(), shapes=shapes)
 
     # ---- the engine's draft_policy interface ---------------------------------------------------------
     def plan(self, requests) -> list[int]:
-        """Draft budget per request for this step (one decision for the whole batch)."""
+        """Draft budget per request for this step (0 = plain)."""
         batch = len(requests)
         context = round(sum(len(r.all_ids) for r in requests) / batch)
-        steps = [self._step(requests, n, context) for n in range(self.max_nodes + 1)]  # (tokens, seconds)
-        rates = [tokens / seconds for tokens, seconds in steps]
-        best = max(range(1, len(rates)), key=lambda n: (rates[n], -n))  # the best speculative budget
-        budget = self._decide(best, rates[best] / rates[0], steps, lambda: self._could_pay(requests, context, rates[0]))
-        self._plan = {r.request_id: min(budget, _remaining(r)) for r in requests}
-        self._pending = (budget, rates[budget] / rates[0], self.forward.predict(batch, 1, context))
-        return [self._plan[r.request_id] for r in requests]
+        emitted = self._emitted_matrix(requests)
+        price = lambda choice: self._price(choice, emitted, context)  # noqa: E731 - (tokens, seconds) of a plan
+        plain_tokens, plain_s = price(np.zeros(batch, dtype=int))
+        candidate = self._best_plan(emitted, context)  # the best plan in which some row drafts
+        tokens, seconds = price(candidate)
+        predicted = (tokens / seconds) / (plain_tokens / plain_s)
+        chosen = self._decide(candidate, predicted, price, lambda: self._could_pay(requests, context, plain_tokens / plain_s))
+        budgets = [int(self.budgets[c]) for c in chosen]
+        self._plan = {r.request_id: b for r, b in zip(requests, budgets)}
+        chosen_tokens, chosen_s = price(chosen)
+        self._pending = ((chosen_tokens / chosen_s) / (plain_tokens / plain_s), plain_s, plain_tokens)
+        return budgets
 
     def choose_k(self, request) -> int:
         if request.request_id not in self._plan:
             self.plan([request])
         return self._plan.pop(request.request_id)
 
-    def observe(self, requests, drafts, results, draft_s: float, verify_s: float) -> None:
+    def observe(self, requests, drafts, results, draft_s: float, verify_s: float, verified_tokens: int | None = None) -> None:
+        """What the step cost and emitted. verified_tokens: the tokens the verify forward ran (the engine's count;
+        None = rows x the widest row, a padded verify)."""
         batch = len(requests)
         width = 1 + max(len(d) for d in drafts)
+        verified = verified_tokens if verified_tokens is not None else batch * width
+        if len({len(d) for d in drafts}) > 1:
+            self.ragged = verified < batch * width
         context = round(sum(len(r.all_ids) - len(res.tokens) for r, res in zip(requests, results)) / batch)
-        self.forward.observe(batch, width, max(context, 0), verify_s)
-        depth = max((len(d.nodes_per_depth()) for d in drafts), default=0)
-        nodes = sum(len(d) for d in drafts)
-        if all(self._drafted_last.get(r.request_id, False) for r in requests):
-            self.draft.observe(depth, nodes, batch, draft_s)  # else a model drafter also caught up on skipped tokens
+        self.forward.observe_total(batch, verified, max(context, 0), verify_s)
+        planned = [self._plan.get(r.request_id, len(d)) for r, d in zip(requests, drafts)]
+        drafting = [b for b in planned if b > 0]
+        if drafting and all(self._drafted_last.get(r.request_id, False) for r in requests):  # else a model drafter also caught up
+            self.draft.observe(max(self._depth_of(b) for b in drafting), sum(len(d) for d in drafts), len(drafting), draft_s)
         self._drafted_last = {r.request_id: len(d) > 0 for r, d in zip(requests, drafts)}
-        if self._pending is not None and self._pending[0] > 0:
-            filled = sum(1 for d in drafts if len(d)) / batch
-            self.fill = (1 - self.ema) * self.fill + self.ema * filled
-        for request, draft, result in zip(requests, drafts, results):
-            if len(draft):
-                depth = len(draft.nodes_per_depth())
-                self.measured_depth = max(self.measured_depth, min(depth, result.num_accepted + 1, self.max_k))
-                self._learn_depth(len(draft), depth)
-                self._update(self.alphas.setdefault(request.request_id, list(self.global_alphas)), depth, result.num_accepted)
-                self._update(self.global_alphas, depth, result.num_accepted)
-        self._account(batch, sum(len(r.tokens) for r in results), draft_s + verify_s, nodes > 0)
+        self._learn(requests, drafts, results, planned)
+        self._relax_stale()
+        self._account(batch, sum(len(r.tokens) for r in results), draft_s + verify_s, any(len(d) for d in drafts))
 
     def release(self, request) -> None:
-        self.alphas.pop(request.request_id, None)
-        self._plan.pop(request.request_id, None)
-        self._drafted_last.pop(request.request_id, None)
+        for table in (self.request_ratio, self._plan, self._drafted_last):
+            table.pop(request.request_id, None)
 
     def metrics(self) -> dict:
-        """Decisions and predicted / realised speedups (for the server's /metrics and the RL loop)."""
+        """Decisions, per-shape use and what each emits, predicted and realised speedups (the server's /metrics,
+        `--json`, the RL loop)."""
         s = self.stats
         spec = max(s["speculative_steps"], 1)
+        names = {sh.budget: sh.name for sh in self.shapes} | {0: "plain"}
         return {
             "steps": s["steps"], "speculative_steps": s["speculative_steps"], "probes": s["probes"], "switches": s["switches"],
-            "speculating": self.on, "budget_histogram": dict(s["budget_hist"]),
+            "speculating": self.on, "ragged": self.ragged,
+            "shape_rows": {names[b]: n for b, n in sorted(s["shape_rows"].items())},
+            "shape_emitted": {names[b]: round(e, 4) for b, e in sorted(self.emitted.items())},
             "predicted_speedup_mean": s["predicted_sum"] / spec if s["speculative_steps"] else 1.0,
             "realised_speedup_mean": s["realised_sum"] / spec if s["speculative_steps"] else 1.0,
             "realised_speedup_overall": s["plain_equiv_s"] / s["actual_s"] if s["actual_s"] else 1.0,
-            "acceptance_per_position": [round(a, 4) for a in self.global_alphas], "draft_fill": round(self.fill, 4),
+            "acceptance_per_position": [round(a, 4) for a in self.global_alphas],
             "draft_cost": asdict(self.draft.current),
             "last": dict(s["last"]),
         }
 
     # ---- prediction -------------------------------------------------------------------------------
-    def _rate(self, requests, budget: int, context: int) -> float:
-        """Predicted tokens per second of the whole batch if every request drafts `budget` nodes."""
-        tokens, seconds = self._step(requests, budget, context)
-        return tokens / seconds
+    def _emitted_matrix(self, requests) -> np.ndarray:  # [B, S]: predicted tokens each row emits with each shape
+        extra = np.array([0.0] + [self._global_emitted(int(b)) - 1 for b in self.budgets[1:]])
+        rows = [1 + self.request_ratio.get(r.request_id, 1.0) * extra for r in requests]
+        room = np.array([[_remaining(r)] for r in requests])
+        return np.minimum(np.array(rows), 1 + np.minimum(self.budgets[None, :], room))  # a row near max_tokens emits no more than it may
 
-    def _step(self, requests, budget: int, context: int) -> tuple[float, float]:
-        """Predicted (tokens emitted, seconds) of one step of the batch at this budget."""
-        batch = len(requests)
-        depth = self._depth(budget)
-        if not budget:
-            return float(batch), self.forward.predict(batch, 1, context)
-        fill = self.fill  # a lookup drafter finds nothing to propose on some steps: those emit 1 token
-        tokens = sum(1 + fill * (expected_tokens_per_step(self.alphas.get(r.request_id, self.global_alphas), min(depth, _remaining(r))) - 1)
-                     for r in requests)
-        wide = 1 - (1 - fill) ** batch  # the verify is 1 + budget wide if any row drafted
-        seconds = (self.draft.seconds(depth, batch * budget, batch) + wide * self.forward.predict(batch, 1 + budget, context)
-                   + (1 - wide) * self.forward.predict(batch, 1, context))
+    def _global_emitted(self, budget: int) -> float:
+        return self.emitted.get(budget, self._prior(budget))
+
+    def _prior(self, budget: int) -> float:
+        """A chain at the per-depth acceptance measured so far, on the share of drafts that come back non-empty."""
+        return 1 + self.fill * (expected_tokens_per_step(self.global_alphas, min(budget, self.max_k)) - 1)
+
+    def _yield(self, budget: int) -> float:
+        return self.yielded.get(budget, float(budget))
+
+    def _depth_of(self, budget: int) -> int:
+        return int(self.depths[np.searchsorted(self.budgets, budget)]) if budget else 0
+
+    def _price(self, choice: np.ndarray, emitted: np.ndarray, context: int) -> tuple[float, float]:
+        """(tokens emitted, seconds) of the step where row r drafts shape choice[r] (0 = plain)."""
+        batch = len(choice)
+        tokens = float(emitted[np.arange(batch), choice].sum())
+        nodes = np.array([self._yield(int(b)) for b in self.budgets])[choice]
+        drafting = choice > 0
+        verified = batch + nodes.sum() if self.ragged else batch * (1 + nodes.max(initial=0.0))
+        seconds = self.forward.predict_total(batch, verified, context)
+        if drafting.any():
+            seconds += self.draft.seconds(int(self.depths[choice].max()), float(nodes.sum()), int(drafting.sum()))
         return tokens, seconds
 
-    def _depth(self, budget: int) -> int:
-        if budget <= self.max_k and budget not in self.depth_of:
-            return budget  # a chain until the drafter shows a tree
-        return min(self.max_k, max(1, round(self.depth_of.get(budget, self.max_k)))) if budget else 0
+    def _best_plan(self, emitted: np.ndarray, context: int) -> np.ndarray:
+        """The plan with the highest predicted tokens per second among those where some row drafts (see the module
+        docstring; whether it beats plain is _decide's call); every row at the shape nearest 3 nodes if none drafts."""
+        batch = emitted.shape[0]
+        best = np.full(batch, int(np.argmin(np.abs(self.budgets[1:] - 3))) + 1)
+        tokens, seconds = self._price(best, emitted, context)
+        best_rate = tokens / seconds
+        nodes = np.array([self._yield(int(b)) for b in self.budgets])
+        cost = self.draft.current
+        for cap in sorted(set(self.depths[1:].tolist())):
+            allowed = self.depths <= cap
+            rate, verified = best_rate, float(batch)
+            for _ in range(ROUNDS):
+                slope = self._verify_slope(batch, verified, context)
+                marginal = nodes * (slope + cost.per_node_s) + np.where(self.budgets > 0, cost.per_sequence_s, 0.0)
+                score = np.where(allowed, emitted - rate * marginal, -np.inf)
+                choice = score.argmax(axis=1)
+                tokens, seconds = self._price(choice, emitted, context)
+                rate, verified = tokens / seconds, float(batch + nodes[choice].sum())
+                if rate > best_rate and choice.any():
+                    best, best_rate = choice, rate
+        return best
+
+    def _verify_slope(self, batch: int, verified: float, context: int) -> float:
+        """Seconds one more verified token adds around `verified` (0 for a padded verify: its width is the cap's)."""
+        if not self.ragged:
+            return 0.0
+        return max(self.forward.predict_total(batch, verified + batch, context) - self.forward.predict_total(batch, verified, context), 0.0) / batch
 
     def _could_pay(self, requests, context: int, plain_rate: float) -> bool:
-        """Would some budget pay at this batch if every draft were accepted in full? (Else a probe,
-        which only re-measures acceptance, cannot change the decision.)"""
-        batch, fill = len(requests), self.fill
-        for n in range(1, self.max_nodes + 1):
-            depth = self._depth(n)
-            tokens = sum(1 + fill * min(depth, _remaining(r)) for r in requests)
-            seconds = self.draft.seconds(depth, batch * n, batch) + self.forward.predict(batch, 1 + n, context)
+        """Would some shape pay at this batch if every draft were accepted in full? (Else a probe, which only
+        re-measures acceptance, cannot change the decision.)"""
+        batch = len(requests)
+        perfect = np.array([[1.0 + min(float(b), _remaining(r)) for b in self.budgets] for r in requests])
+        for j in range(1, len(self.budgets)):
+            tokens, seconds = self._price(np.full(batch, j), perfect, context)
             if tokens / seconds >= (1 + ON_MARGIN) * plain_rate:
                 return True
         return False
 
-    def _decide(self, best: int, predicted: float, steps: list[tuple[float, float]], could_pay=lambda: True) -> int:
-        """Hysteresis on / off (predicted = best speculative rate / plain rate), then probes while off
-        (could_pay: whether a perfect draft would pay at this batch); returns this step's budget."""
+    def _decide(self, best: np.ndarray, predicted: float, price, could_pay=lambda: True) -> np.ndarray:
+        """Hysteresis on / off (predicted = the rate of `best`, the best plan that drafts, over plain's): on, it is the
+        plan; off, plain, and `best` once in a while as a probe. price(plan) -> (tokens, seconds) predicted."""
         wants_change = predicted < 1 - OFF_MARGIN if self.on else predicted >= 1 + ON_MARGIN
         decisive = predicted < 1 - DECISIVE if self.on else predicted >= 1 + DECISIVE
         self._streak = self._streak + 1 if wants_change else 0
@@ -183,57 +243,95 @@ class SpeculationController:
         if self.on:
             return best
         self._idle += 1
-        probe = min(3, self.max_nodes)
+        plan = best
         backoff = self._backoff if could_pay() else MAX_BACKOFF  # else only a wrong cost estimate could be corrected by a probe
-        if self._idle >= self._probe_interval(steps, probe) * backoff:
+        if self._idle >= self._probe_interval(price, plan) * backoff:
             self._idle, self._backoff = 0, min(self._backoff * 2, MAX_BACKOFF)
             self.stats["probes"] += 1
-            return probe
-        return 0
+            return plan
+        return np.zeros_like(best)
 
-    def _probe_interval(self, steps: list[tuple[float, float]], probe: int) -> int:
-        """Plain steps between probes so that a probe's net extra time (its time minus the plain time
-        its tokens would have taken) is <= PROBE_BUDGET of plain decoding time. Each probe that does not
-        turn speculation back on doubles the next interval (MAX_BACKOFF at most): a model drafter's probe
-        also catches up on every token skipped since its last draft, which the model does not price."""
-        (plain_tokens, plain_s), (probe_tokens, probe_s) = steps[0], steps[probe]
+    def _probe_interval(self, price, plan: np.ndarray) -> int:
+        """Plain steps between probes so that a probe's net extra time (its predicted time minus the plain time its
+        tokens would have taken) is <= PROBE_BUDGET of plain decoding time."""
+        plain_tokens, plain_s = price(np.zeros_like(plan))
+        probe_tokens, probe_s = price(plan)
         extra = max(probe_s - plain_s * probe_tokens / plain_tokens, 0.0) / plain_s
         return max(8, math.ceil(extra / PROBE_BUDGET))
 
     # ---- learning ---------------------------------------------------------------------------------
+    def _learn(self, requests, drafts, results, planned: list[int]) -> None:
+        """Each shape's figure moves once per step by SHAPE_EMA toward the mean of what this step's rows measured of it.
+        A chain also measures every smaller budget of the same drafter (its first b nodes are the draft at budget b:
+        min(accepted, b) + 1 tokens; budgets it had nodes to spare for give the same draft), which keeps the figures
+        of the shapes near the chosen one fresh. Request ratios are taken against the figures before this step."""
+        expected = {b: self._global_emitted(b) - 1 for b in set(planned) if b}
+        samples: dict[int, list[float]] = {}
+        yields: dict[int, list[float]] = {}
+        for request, draft, result, budget in zip(requests, drafts, results, planned):
+            if budget <= 0:
+                continue
+            emitted, accepted = len(result.tokens), result.num_accepted
+            if expected[budget] > 0.05:
+                ratio = (emitted - 1) / expected[budget]
+                self.request_ratio[request.request_id] = min(4.0, _ema(self.request_ratio.get(request.request_id, 1.0), ratio, self.ema))
+            yields.setdefault(budget, []).append(len(draft))
+            smaller = [int(b) for b in self.budgets[1:] if b <= budget] if draft.is_chain else [budget]
+            for b in smaller:
+                samples.setdefault(b, []).append(min(accepted, b) + 1 if b < len(draft) else emitted)
+            self.fill = _ema(self.fill, 1.0 if len(draft) else 0.0, self.ema)
+            if len(draft):
+                depth = len(draft.nodes_per_depth())
+                self.measured_depth = max(self.measured_depth, min(depth, accepted + 1, self.max_k))
+                self._update(self.global_alphas, depth, accepted)
+        for b, values in samples.items():
+            self.emitted[b] = _ema(self.emitted.get(b), sum(values) / len(values), SHAPE_EMA)
+            self.last_used[b] = self.stats["steps"]
+        for b, values in yields.items():
+            self.yielded[b] = _ema(self.yielded.get(b), sum(values) / len(values), SHAPE_EMA)
+
+    def _relax_stale(self) -> None:
+        """A shape not drafted for STALE steps drifts toward its prior, so one unlucky estimate does not keep it from
+        being tried again (its next measurement replaces the drift)."""
+        now = self.stats["steps"]
+        for budget, last in self.last_used.items():
+            if now - last >= STALE:
+                self.emitted[budget] += RELAX * (self._prior(budget) - self.emitted[budget])
+
     def _update(self, alphas: list[float], depth: int, accepted: int) -> None:
-        """EMA of the acceptance at each depth up to the first rejection (the depths observed). Depths deeper than
-        this draft relax toward the one above them: never-measured ones at once (else a drafter accepting 0.95 at
-        every measured depth is priced at the prior beyond them, the deeper budget never looks better and is never
-        measured: self_draft stayed at k = 4-6 of 8), measured ones by RELAX a step, so that one unlucky estimate does
-        not keep a depth from being tried again; its own measurements correct it from its next draft on."""
+        """EMA of the acceptance at each depth up to the first rejection (the depths observed). Deeper depths relax
+        toward the one above them: never-measured ones at once (else a drafter accepting 0.95 at every measured
+        depth is priced at the prior beyond them and the deeper shape never looks better), measured ones by RELAX
+        a step, so that one unlucky estimate does not keep a depth from being tried again."""
         for j in range(min(depth, accepted + 1, self.max_k)):
             alphas[j] = (1 - self.ema) * alphas[j] + self.ema * (1.0 if j < accepted else 0.0)
         for j in range(max(depth, 1), self.max_k):
             rate = 1.0 if j >= self.measured_depth else RELAX
             alphas[j] += rate * (alphas[j - 1] - alphas[j])
 
-    def _learn_depth(self, budget: int, depth: int) -> None:
-        old = self.depth_of.get(budget)
-        self.depth_of[budget] = depth if old is None else (1 - self.ema) * old + self.ema * depth
-
     def _account(self, batch: int, emitted: int, seconds: float, speculated: bool) -> None:
         s = self.stats
         s["steps"] += 1
+        for b in self._plan.values():
+            s["shape_rows"][b] = s["shape_rows"].get(b, 0) + 1
         if self._pending is None:
             return
-        budget, predicted, plain_s = self._pending
+        predicted, plain_s, plain_tokens = self._pending
         self._pending = None
-        plain_equiv = emitted / batch * plain_s
+        plain_equiv = emitted / plain_tokens * plain_s
         s["plain_equiv_s"] += plain_equiv
         s["actual_s"] += seconds
-        s["budget_hist"][budget] = s["budget_hist"].get(budget, 0) + 1
         realised = plain_equiv / seconds if seconds > 0 else 1.0
         if speculated:
             s["speculative_steps"] += 1
             s["predicted_sum"] += predicted
             s["realised_sum"] += realised
-        s["last"] = {"batch": batch, "budget": budget, "predicted_speedup": round(predicted, 4), "realised_speedup": round(realised, 4)}
+        s["last"] = {"batch": batch, "drafting_rows": sum(1 for b in self._plan.values() if b), "predicted_speedup": round(predicted, 4),
+                     "realised_speedup": round(realised, 4)}
+
+
+def _ema(old: float | None, value: float, weight: float) -> float:
+    return float(value) if old is None else (1 - weight) * old + weight * value
 
 
 def _remaining(request) -> int:

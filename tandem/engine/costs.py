@@ -1,8 +1,10 @@
 """The controller's cost model, kept true online: a roofline forward (calibrated or a prior) corrected by
 what the engine measures, and the drafter's cost fitted from its measured times.
 
-Forward: predict(B, T, C) = roofline(B, T, C) * scale(T), where scale(T) is an EMA of measured /
-predicted over steps whose verify width was T (nearest measured T when T was never run). Without a
+Forward: predict_total(B, N, C) = roofline(B, N / B, C) * scale(N) for a verify of N tokens over B rows (ragged:
+each row its own 1 + draft; padded: B x the widest), where scale(N) is an EMA of measured / predicted over steps
+that verified N tokens (nearest measured N when N was never run): the GEMMs' cost follows the tokens they run,
+whatever the rows. predict(B, T, C) is the padded case, N = B x T. Without a
 calibration the roofline is refitted from the engine's own timings once they span >= 4 token counts.
 Drafter: seconds = fixed + per_depth * depth + per_node * nodes + per_sequence * B, ridge least squares pulled toward the
 calibrated (or zero) cost, with exponential forgetting so it follows load changes.
@@ -33,7 +35,7 @@ UNIT_MACHINE = Machine("prior", bandwidth=1.0, peak_flops=4.0, source="prior: ri
 class ForwardCost:
     def __init__(self, work: ModelWork = UNIT_WORK, machine: Machine = UNIT_MACHINE, refit: bool = False):
         self.work, self.machine, self.refit = work, machine, refit
-        self.scales: dict[int, float] = {}  # verify width T -> EMA of measured / predicted
+        self.scales: dict[int, float] = {}  # tokens verified N -> EMA of measured / predicted
         self.timings: deque[Timing] = deque(maxlen=256)
         self._since_refit = 0
 
@@ -41,7 +43,12 @@ class ForwardCost:
         return forward_seconds(self.work, self.machine, batch, tokens, context)
 
     def predict(self, batch: int, tokens: int, context: int) -> float:
-        return self.roofline(batch, tokens, context) * self.scale(tokens)
+        """Seconds of a forward of `batch` rows x `tokens` new tokens each."""
+        return self.predict_total(batch, batch * tokens, context)
+
+    def predict_total(self, batch: int, total: float, context: int) -> float:
+        """Seconds of a forward of `total` new tokens over `batch` rows (any split among the rows)."""
+        return self.roofline(batch, total / batch, context) * self.scale(round(total))
 
     def scale(self, tokens: int) -> float:
         if not self.scales:
@@ -52,10 +59,13 @@ class ForwardCost:
         return self.scales[nearest]
 
     def observe(self, batch: int, tokens: int, context: int, seconds: float) -> None:
-        ratio = seconds / self.roofline(batch, tokens, context)
-        old = self.scales.get(tokens)
-        self.scales[tokens] = ratio if old is None else math.exp((1 - EMA) * math.log(old) + EMA * math.log(ratio))
-        self.timings.append(Timing(batch, tokens, context, seconds))
+        self.observe_total(batch, batch * tokens, context, seconds)
+
+    def observe_total(self, batch: int, total: int, context: int, seconds: float) -> None:
+        ratio = seconds / self.roofline(batch, total / batch, context)
+        old = self.scales.get(total)
+        self.scales[total] = ratio if old is None else math.exp((1 - EMA) * math.log(old) + EMA * math.log(ratio))
+        self.timings.append(Timing(batch, total / batch, context, seconds))
         self._since_refit += 1
         if self.refit and self._since_refit >= REFIT_EVERY:
             self._refit()

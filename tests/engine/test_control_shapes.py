@@ -1,0 +1,127 @@
+"""The controller prices every draft shape a drafter offers by what it measured each to emit and to cost, per row.
+
+Known answers: a fake clock (the toy roofline below, exact) and a fake drafter whose tokens emitted per shape are
+given; the controller must pick what a hand computation (exhaustive search over the plans) picks.
+"""
+import itertools
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tandem.engine.control import PATIENCE, PROBE_BUDGET, SpeculationController
+from tandem.engine.costs import DraftCostModel, ForwardCost
+from tandem.sim.roofline import Machine, ModelWork
+from tandem.sim.speculative import DraftCost
+from tandem.types import DraftShape, DraftTree, VerifyResult, chain_shapes
+
+# 1 GB of weights at 10 GB/s (0.1 s), 2 FLOP per parameter per token at 50 GFLOP/s (0.02 s a token): the ridge at 5 tokens
+WORK = ModelWork("toy", dense_params=0.5e9, bytes_per_param=2.0, kv_bytes_per_token=0.0, attn_flops_per_token_ctx=0.0)
+MACHINE = Machine("toy", bandwidth=10e9, peak_flops=50e9, overhead_s=0.01)
+DRAFT = DraftCost(per_depth_s=0.01)  # 10 ms a drafting pass
+
+
+def verify_s(tokens: int) -> float:  # the fake clock's verify: 0.01 + max(0.1, 0.02 x tokens)
+    return 0.01 + max(0.1, 0.02 * tokens)
+
+
+def req(i, context=64):
+    return SimpleNamespace(request_id=f"r{i}", all_ids=list(range(context)), params=SimpleNamespace(max_tokens=1000), output_ids=[])
+
+
+def result_emitting(n: int) -> VerifyResult:
+    return VerifyResult(list(range(n - 1)), list(range(n)), n - 1, False)
+
+
+def grafted(budget: int) -> DraftTree:
+    """The head's chain of 4 and a lookup branch of budget - 4 nodes from the root (a tree, as a hybrid drafts)."""
+    branch = budget - 4
+    return DraftTree(torch.arange(budget), torch.tensor([-1, 0, 1, 2] + [-1] + [4 + i for i in range(branch - 1)]))
+
+
+def feed(c, requests, budgets, emitted, steps=3):
+    """Steps where row r drafted budgets[r] nodes (a chain up to 4, grafted beyond) and emitted emitted[r] tokens,
+    timed by the fake clock."""
+    for _ in range(steps):
+        drafts = [DraftTree.chain(list(range(b))) if b <= 4 else grafted(b) for b in budgets]
+        depth = max((c._depth_of(b) for b in budgets), default=0)
+        verified = sum(1 + b for b in budgets)
+        c.observe(requests, drafts, [result_emitting(e) for e in emitted], DRAFT.seconds(depth, sum(budgets)), verify_s(verified), verified)
+
+
+HYBRID = chain_shapes(4) + tuple(DraftShape(4 + n, 4, f"chain4+lookup{n}") for n in (1, 2, 3))
+EMITS = {1: 2, 2: 3, 3: 3, 4: 3, 5: 4, 6: 5, 7: 5}  # the fake drafter: tokens emitted per step at each budget (the chain: 2 accepted)
+
+
+def test_hand_computed_shape_wins_for_a_hybrid_drafter():
+    """tokens / (verify + 10 ms x passes) per shape: plain 1/0.11 = 9.1; chain1 2/0.12 = 16.7; chain2 3/0.13 = 23.1;
+    chain3 3/0.14 = 21.4; chain4 3/0.15 = 20.0; +lookup1 4/0.17 = 23.5; +lookup2 5/0.19 = 26.3; +lookup3 5/0.21 = 23.8.
+    A per-depth chain model would price the lookup shapes from the head's acceptance; measured, +lookup2 wins."""
+    c = SpeculationController(4, ForwardCost(WORK, MACHINE), DraftCostModel(DRAFT), shapes=HYBRID)
+    r = req(0)
+    for budget, n in EMITS.items():
+        feed(c, [r], [budget], [n])
+    assert c.plan([r]) == [6]
+    assert c.metrics()["shape_emitted"]["chain4+lookup2"] == 5.0
+
+
+def best_by_search(requests_emits: list[dict[int, int]], budgets: list[int]) -> tuple[float, ...]:
+    """The highest tokens / second over every assignment of a budget (or 0) to each row: the hand computation."""
+    rates = {}
+    for plan in itertools.product([0] + budgets, repeat=len(requests_emits)):
+        tokens = sum(e.get(b, 1) for e, b in zip(requests_emits, plan))
+        seconds = verify_s(sum(1 + b for b in plan)) + DRAFT.seconds(max(plan), sum(plan))
+        rates[plan] = tokens / seconds
+    return max(rates, key=rates.get)
+
+
+def test_rows_that_accept_draft_and_rows_that_do_not_stay_plain():
+    """Batch 4, two rows accept every drafted token, two accept none: in a compute-bound verify the rows that accept
+    draft (as deep as pays) and the others cost one token each. The plan equals the exhaustive search's."""
+    c = SpeculationController(4, ForwardCost(WORK, MACHINE), DraftCostModel(DRAFT), shapes=chain_shapes(4))
+    requests = [req(i) for i in range(4)]
+    emits = [{b: 1 + b for b in range(1, 5)}, {b: 1 + b for b in range(1, 5)}, {b: 1 for b in range(1, 5)}, {b: 1 for b in range(1, 5)}]
+    for b in range(1, 5):
+        feed(c, requests, [b] * 4, [e[b] for e in emits])
+    plan = c.plan(requests)
+    assert tuple(plan) == best_by_search(emits, [1, 2, 3, 4])
+    assert plan[2:] == [0, 0] and min(plan[:2]) >= 1
+
+
+def test_probes_cost_at_most_the_probe_budget_when_nothing_pays():
+    """A drafter whose drafts are never accepted, at batch 1 on the fake clock: over 2,000 steps the time spent beyond
+    plain decoding's (for the same tokens) is at most PROBE_BUDGET, the first steps (on, from the prior) included."""
+    c = SpeculationController(4, ForwardCost(WORK, MACHINE), DraftCostModel(DRAFT), shapes=chain_shapes(4))
+    r = req(0)
+    spent, plain = 0.0, 0.0
+    for _ in range(2000):
+        [budget] = c.plan([r])
+        feed(c, [r], [budget], [1], steps=1)
+        spent += verify_s(1 + budget) + DRAFT.seconds(budget, budget)
+        plain += verify_s(1)
+    assert spent / plain - 1 <= PROBE_BUDGET
+    assert not c.on and c.stats["probes"] >= 3
+
+
+@pytest.mark.parametrize("ragged", [True, False])
+def test_padding_is_priced_when_the_engine_pads(ragged):
+    """The same batch as above, but the engine reports a padded verify (rows x the widest row): then a row that
+    drafts makes every row pay its width, and at this compute-bound point the best plan drafts less than ragged."""
+    c = SpeculationController(4, ForwardCost(WORK, MACHINE), DraftCostModel(DRAFT), shapes=chain_shapes(4))
+    requests = [req(i) for i in range(4)]
+    emits = [{b: 1 + b for b in range(1, 5)}] * 2 + [{b: 1 for b in range(1, 5)}] * 2
+    for b in (1, 2, 3, 4):
+        drafts = [DraftTree.chain(list(range(b)))] * 4
+        c.observe(requests, drafts, [result_emitting(e[b]) for e in emits], DRAFT.seconds(b, 4 * b), verify_s(4 * (1 + b)), 4 * (1 + b))
+    budgets = [1, 1, 0, 0]  # a step whose rows drafted different amounts tells whether the engine padded them
+    verified = 6 if ragged else 8
+    c.observe(requests, [DraftTree.chain(list(range(x))) for x in budgets], [result_emitting(e.get(x, 1)) for e, x in zip(emits, budgets)],
+              DRAFT.seconds(1, 2), verify_s(verified), verified)
+    assert c.ragged is ragged
+    plan = [c.plan(requests) for _ in range(PATIENCE + 1)][-1]  # past the hysteresis, if the best plan is plain
+    padded_search = {}
+    for plan_ in itertools.product([0, 1, 2, 3, 4], repeat=4):
+        tokens = sum(e.get(b, 1) for e, b in zip(emits, plan_))
+        verified = sum(1 + b for b in plan_) if ragged else 4 * (1 + max(plan_))
+        padded_search[plan_] = tokens / (verify_s(verified) + DRAFT.seconds(max(plan_), sum(plan_)))
+    assert tuple(plan) == max(padded_search, key=padded_search.get)
