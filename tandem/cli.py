@@ -143,6 +143,9 @@ def _bench_commands(sub) -> None:
     from tandem.bench.soak import add_bench_soak_command
 
     add_bench_soak_command(bench)
+    from tandem.bench.control import add_bench_control_command
+
+    add_bench_control_command(bench)
     from tandem.bench.batch import add_bench_batch_command
 
     add_bench_batch_command(bench)

@@ -1,0 +1,32 @@
+"""`tandem bench control` end to end on a tiny model, and its summary's arithmetic on known rates."""
+import json
+
+import pytest
+
+from tandem.bench.control import summarize
+from tandem.cli import main
+
+
+def test_summary_picks_the_best_fixed_shape_by_median():
+    rates = {"plain": [10.0, 20.0, 10.0], "lookup2": [15.0, 24.0, 12.0], "lookup4": [12.0, 30.0, 14.0], "controller": [15.0, 30.0, 12.0]}
+    s = summarize("ngram", 4, rates)
+    assert s["best_fixed"] == "lookup2"
+    assert s["controller_vs_plain_rounds"] == [1.5, 1.5, 1.2] and s["controller_vs_plain"] == 1.5
+    assert s["controller_vs_best_fixed_rounds"] == [1.0, 1.25, 1.0] and s["controller_vs_best_fixed"] == 1.0
+
+
+def test_bench_control_on_a_tiny_model(tiny_llama, tmp_path, monkeypatch):
+    monkeypatch.setenv("TANDEM_HOME", str(tmp_path / "home"))
+    prompts = tmp_path / "p.jsonl"
+    domains = ("code", "sql", "math", "chat", "translation")
+    prompts.write_text("\n".join(json.dumps({"domain": d, "prompt": f"{d} {i} a b a b a b"}) for d in domains for i in range(2)))
+    out = tmp_path / "c.json"
+    assert main(["bench", "control", "--model", tiny_llama, "--drafters", "ngram", "--batch-sizes", "1,4", "--budgets", "1,3",
+                 "--max-tokens", "6", "--rounds", "2", "--prompts", str(prompts), "--json", str(out), "--threads", "1"]) == 0
+    report = json.loads(out.read_text())
+    assert [(s["drafter"], s["batch"]) for s in report["settings"]] == [("ngram", 1), ("ngram", 4)]
+    for s in report["settings"]:
+        assert set(s["tok_s"]) == {"plain", "lookup1", "lookup3", "controller"}
+        assert len(s["controller_vs_plain_rounds"]) == 2 and s["best_fixed"] in ("lookup1", "lookup3")
+    metrics = report["settings"][-1]["controller_metrics"]
+    assert set(metrics["shape_rows"]) <= {"plain", "lookup1", "lookup2", "lookup3", "lookup4"}
