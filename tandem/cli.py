@@ -129,6 +129,8 @@ def _bench_commands(sub) -> None:
     fwd.add_argument("--gemm-ab", action="store_true", help="also time decoding with oneDNN's prepacked GEMMs against the small-M kernel, interleaved")
     fwd.add_argument("--glue-ab", action="store_true", help="also time decoding with the layers in one fused call, the fused glue per layer and the torch-op glue, interleaved")
     fwd.add_argument("--profile", action="store_true", help="also report the per-op profile of a decode step: torch-op glue, fused glue per layer, all layers in one call")
+    fwd.add_argument("--strict-probe", action="store_true", help="refuse the run (exit 1, naming the row) when the memory bandwidth measured "
+                     "before and after a roofline row differs by > 15 %%, instead of flagging it (bandwidth_probes[row].steady false)")
     fwd.add_argument("--json", dest="json_out", default=None, help="write the results here")
     fwd.set_defaults(func=_bench_forward)
     _bench_decode_command(bench)
@@ -169,12 +171,15 @@ def _bench_commands(sub) -> None:
 def _bench_forward(args) -> int:
     import torch
 
-    from tandem.bench.forward import run_forward_bench
+    from tandem.bench.forward import run_forward_bench, unsteady_rows
 
     torch.set_num_threads(args.threads)
     result = run_forward_bench(args.model, args.max_tokens, with_hf=not args.no_hf, pack=not args.no_pack, compile=args.compile, gemm_ab=args.gemm_ab,
-                               glue_ab=args.glue_ab, profile=args.profile, weights=args.weights)
-    return _emit(result, args.json_out)
+                               glue_ab=args.glue_ab, profile=args.profile, weights=args.weights, strict_probe=args.strict_probe)
+    code = _emit(result, args.json_out)
+    for line in unsteady_rows(result):
+        print(f"! flagged: {line}; its fraction of the roofline is not comparable", file=sys.stderr)
+    return code
 
 
 def _bench_decode_command(bench) -> None:

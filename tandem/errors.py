@@ -31,3 +31,7 @@ class PromptTooLongError(TandemError, ValueError):
 class PolicyUpdateError(InvalidParameterError):
     """New target (policy) weights were refused: unknown name, wrong shape or dtype, non-finite values,
     or requests still running on the old weights. Nothing was changed."""
+
+
+class UnsteadyMachineError(TandemError):
+    """A benchmark row ran while the machine's memory bandwidth moved beyond the tolerance (`--strict-probe`)."""

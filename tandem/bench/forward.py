@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import statistics
 import time
+from typing import Callable
 
 import torch
 
-from tandem.bench.machine import machine_info, memory_bandwidth_gbps, resident_mb
+from tandem.bench.machine import (BandwidthProbe, bracketed, describe_unsteady, machine_info, probe_bandwidth_gbps, require_steady,
+                                  resident_mb)
 from tandem.models import cpu_gemm
 from tandem.models.kv_cache import KVCache
 from tandem.models.transformer import Transformer
@@ -284,19 +286,34 @@ def model_resident_mb(model_dir, pack: bool, weights: str = "fp32") -> float:
     return added
 
 
+ROWS = {"ar": "plain decoding vs the roofline", "forward": "1-token forward vs the roofline",
+        "compiled": "compiled 1-token forward vs the roofline"}  # the rows whose fraction of the roofline divides by bandwidth
+
+
 def run_forward_bench(model: str, max_tokens: int = 64, with_hf: bool = True, pack: bool = True, compile: bool = False, gemm_ab: bool = False,
-                      glue_ab: bool = False, profile: bool = False, weights: str = "fp32") -> dict:
+                      glue_ab: bool = False, profile: bool = False, weights: str = "fp32", strict_probe: bool = False,
+                      probe: Callable[[], float] | None = None) -> dict:
+    """Each row that divides by memory bandwidth runs between two probes (`probe`, default probe_bandwidth_gbps) and
+    divides by their mean; `bandwidth_probes` records both per row. A row whose probes differ by more than 15 % is
+    flagged (`steady` false), or with `strict_probe` refused (UnsteadyMachineError naming the row)."""
     from tandem.llm import LLM
 
     llm = LLM(model=model, pack_weights=pack, weights=weights)
     rss_model = model_resident_mb(llm.model_dir, pack, weights)  # at the served weights (an int4 run measured fp32's before)
     hf = load_hf(llm.model_dir) if with_hf else None
     prompts = list(BENCH_PROMPTS)
-    bandwidth = memory_bandwidth_gbps()
+    probes: dict[str, BandwidthProbe] = {}
+
+    def timed(row: str, section):
+        result, probes[row] = bracketed(section, probe or probe_bandwidth_gbps)
+        require_steady(ROWS[row], probes[row], strict_probe)
+        return result
+
     weight_bytes = weight_bytes_per_token(llm.target)
+    rates = timed("ar", lambda: ar_comparison(llm, hf, prompts, max_tokens))
+    cost = timed("forward", lambda: forward_cost_ms(llm.target))
+    bandwidth = probes["ar"].mean_gbps
     roofline = bandwidth * 1e9 / weight_bytes
-    rates = ar_comparison(llm, hf, prompts, max_tokens)
-    cost = forward_cost_ms(llm.target)
     ours = rates["ours"]
     result = {
         "model": model, "weights": weights, "max_tokens": max_tokens, "packed_weights": pack, "machine": machine_info(), "gemm_kernel": cpu_gemm.describe(),
@@ -304,18 +321,19 @@ def run_forward_bench(model: str, max_tokens: int = 64, with_hf: bool = True, pa
         "fraction_of_roofline": round(ours / roofline, 3), "memory_bandwidth_gbps": round(bandwidth, 2),
         "weight_bytes_per_token": weight_bytes, "resident_model_mb": round(rss_model),
         "resident_over_weights": round(rss_model * 2**20 / weight_bytes_total(llm.target), 2), "forward_ms_per_token": round(cost[1], 2),
-        "forward_fraction_of_roofline": round(weight_bytes / bandwidth / 1e9 * 1000 / cost[1], 3),
+        "forward_fraction_of_roofline": _forward_fraction(weight_bytes, probes["forward"], cost[1]),
         "cost_ms": {k: round(v, 3) for k, v in cost.items()},
         "cost_ratio": {k: round(v / cost[1], 3) for k, v in cost.items()},
     }
     if compile:
-        pair = forward_cost_pair_ms(llm.target, ks=(1, 2, 4, 5))
+        pair = timed("compiled", lambda: forward_cost_pair_ms(llm.target, ks=(1, 2, 4, 5)))
         result["compiled"] = {
             "ar": compiled_ar_comparison(llm, prompts, max_tokens),
             "cost_ms": {name: {k: round(v, 3) for k, v in c.items()} for name, c in pair.items()},
             "cost_ratio": {name: {k: round(v / c[1], 3) for k, v in c.items()} for name, c in pair.items()},
-            "forward_fraction_of_roofline": {name: round(weight_bytes / bandwidth / 1e9 * 1000 / c[1], 3) for name, c in pair.items()},
+            "forward_fraction_of_roofline": {name: _forward_fraction(weight_bytes, probes["compiled"], c[1]) for name, c in pair.items()},
         }
+    result["bandwidth_probes"] = {row: p.as_dict() for row, p in probes.items()}
     if gemm_ab:
         result["gemm"] = gemm_comparison(llm, prompts, max_tokens)
     if glue_ab:
@@ -326,3 +344,14 @@ def run_forward_bench(model: str, max_tokens: int = 64, with_hf: bool = True, pa
         result |= {"hf_ar_tokens_per_s": round(rates["hf"], 2), "speedup_vs_hf": round(ours / rates["hf"], 3),
                    "greedy_matches_hf": rates["greedy_matches_hf"]}
     return result
+
+
+def _forward_fraction(weight_bytes: int, probe: BandwidthProbe, ms: float) -> float:
+    """The roofline's time for one forward (the weights at the probes' mean bandwidth) over the measured `ms`."""
+    return round(weight_bytes / probe.mean_gbps / 1e9 * 1000 / ms, 3)
+
+
+def unsteady_rows(result: dict) -> list[str]:
+    """The rows of a forward result whose bandwidth probes were not steady, as `describe_unsteady` lines."""
+    probes = result.get("bandwidth_probes", {})
+    return [describe_unsteady(ROWS[row], p["before_gbps"], p["after_gbps"]) for row, p in probes.items() if not p["steady"]]

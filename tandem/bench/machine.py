@@ -5,9 +5,16 @@ import hashlib
 import os
 import platform
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, TypeVar
 
 import torch
+
+from tandem.errors import UnsteadyMachineError
+
+T = TypeVar("T")
+PROBE_TOLERANCE = 0.15  # |after / before - 1| beyond this: the machine changed under the timed section
 
 
 def machine_info() -> dict:
@@ -54,6 +61,60 @@ def memory_bandwidth_gbps(size_mb: int = 512, reps: int = 5) -> float:
             read()
             best = min(best, time.perf_counter() - t)
     return x.numel() * 4 / best / 1e9
+
+
+def probe_bandwidth_gbps() -> float:
+    """The probe run before and after each timed section: memory_bandwidth_gbps with 3 reps of each read (8 passes
+    over 512 MB, still far beyond the caches). Measured: 2.1-4.0 s a call on a loaded 2-vCPU EPYC box reading ~5 GB/s
+    (5 reps: 3.2-3.6 s). At a quiet box's ~30 GB/s the 8 reads come to ~0.15 s, plus writing the buffer once.
+    It runs twice per roofline row."""
+    return memory_bandwidth_gbps(reps=3)
+
+
+@dataclass(frozen=True)
+class BandwidthProbe:
+    """Memory bandwidth (GB/s) measured right before and right after one timed section. Not `steady`: the
+    machine's bandwidth moved by more than PROBE_TOLERANCE across it, so a fraction of the roofline computed
+    for that section is not comparable with other rows'."""
+
+    before_gbps: float
+    after_gbps: float
+
+    @property
+    def ratio(self) -> float:
+        return self.after_gbps / self.before_gbps
+
+    @property
+    def steady(self) -> bool:
+        return abs(self.ratio - 1) <= PROBE_TOLERANCE
+
+    @property
+    def mean_gbps(self) -> float:
+        """What the section's roofline divides by: neither end alone stands for the whole section."""
+        return (self.before_gbps + self.after_gbps) / 2
+
+    def as_dict(self) -> dict:
+        return {"before_gbps": round(self.before_gbps, 2), "after_gbps": round(self.after_gbps, 2), "mean_gbps": round(self.mean_gbps, 2),
+                "ratio": round(self.ratio, 3), "steady": self.steady}
+
+
+def bracketed(section: Callable[[], T], probe: Callable[[], float] = probe_bandwidth_gbps) -> tuple[T, BandwidthProbe]:
+    """Run `section` between two bandwidth probes; its result and the probes."""
+    before = probe()
+    result = section()
+    return result, BandwidthProbe(before, probe())
+
+
+def describe_unsteady(row: str, before_gbps: float, after_gbps: float) -> str:
+    return (f"row {row!r}: memory bandwidth {before_gbps:.1f} GB/s before, {after_gbps:.1f} GB/s after "
+            f"({after_gbps / before_gbps - 1:+.0%}, beyond the {PROBE_TOLERANCE:.0%} tolerance)")
+
+
+def require_steady(row: str, probe: BandwidthProbe, strict: bool) -> None:
+    """--strict-probe: refuse a row whose probes differ by more than the tolerance (else it is only flagged)."""
+    if strict and not probe.steady:
+        raise UnsteadyMachineError(f"{describe_unsteady(row, probe.before_gbps, probe.after_gbps)}; --strict-probe refuses it: "
+                                   "rerun on a quiet machine, or drop --strict-probe to keep the row flagged")
 
 
 def resident_mb() -> float:

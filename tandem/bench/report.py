@@ -1,7 +1,7 @@
 """`tandem bench report` (`make bench`): the headline benchmarks on this machine, one report.
 
 Runs, one after the other, with the same thread count:
-1. `bench forward`: plain decoding, batch 1, against the roofline (memory bandwidth measured in the same run)
+1. `bench forward`: plain decoding, batch 1, against the roofline (memory bandwidth probed right before and after)
    and, in the full mode, HF transformers interleaved;
 2. `bench decode`: single-stream tokens/s per drafter, interleaved prompt by prompt, with onnxruntime-genai
    (plain and n-gram) interleaved too where the peer harness's venv and its ONNX model exist;
@@ -47,6 +47,7 @@ class ReportConfig:
     drafters: tuple[str, ...] = DEFAULT_DRAFTERS
     peers: bool = True  # False: no peer even where its environment exists
     peers_dir: str | None = None  # run_peers.py's directory (default: $TANDEM_PEERS_DIR or ../shared/peers)
+    strict_probe: bool = False  # refuse (not flag) a roofline row whose bandwidth probes differ by > 15 %
 
     def __post_init__(self) -> None:
         if self.threads < 1:
@@ -116,14 +117,15 @@ def plan(cfg: ReportConfig, env: PeerEnv) -> dict:
     """The three tandem benchmarks' settings and the equivalent commands (the report prints them)."""
     prompts = str(env.prompts) if env.prompts else "builtin"
     q = cfg.quick
-    forward = {"model": cfg.model, "max_tokens": 16 if q else 64, "with_hf": not q}
+    forward = {"model": cfg.model, "max_tokens": 16 if q else 64, "with_hf": not q, "strict_probe": cfg.strict_probe}
     decode = DecodeBenchConfig(model=cfg.model, drafters=cfg.drafters, prompts=prompts, per_domain=1 if q else (12 if env.prompts else 4),
                                max_tokens=32 if q else 96, peers=("ortg",) if env.ortg else ())
     n = 10 if q else 60
     throughput = ThroughputConfig(model=cfg.model, prompts=prompts, num_prompts=n, concurrency=n, max_tokens=32 if q else 96, stop_at_eos=not q)
     t = f"--threads {cfg.threads}"
     commands = {
-        "forward": f"tandem bench forward --model {cfg.model} --max-tokens {forward['max_tokens']}{'' if forward['with_hf'] else ' --no-hf'} {t}",
+        "forward": (f"tandem bench forward --model {cfg.model} --max-tokens {forward['max_tokens']}{'' if forward['with_hf'] else ' --no-hf'}"
+                    f"{' --strict-probe' if cfg.strict_probe else ''} {t}"),
         "decode": (f"tandem bench decode --model {cfg.model} --prompts {prompts} --per-domain {decode.per_domain} --drafters {','.join(decode.drafters)}"
                    f"{' --peers ortg' if decode.peers else ''} --max-tokens {decode.max_tokens} {t}"),
         "throughput": (f"tandem bench throughput --model {cfg.model} --prompts {prompts} --num-prompts {n} --concurrency {n} "
@@ -198,12 +200,15 @@ def add_bench_report_command(bench) -> None:
     p.add_argument("--drafters", default=",".join(DEFAULT_DRAFTERS), help="single-stream runners, comma list (must include ar)")
     p.add_argument("--no-peers", action="store_true", help="skip the peers even where their environment exists")
     p.add_argument("--peers-dir", default=None, help=f"the peer harness's scripts (default ${PEERS_DIR_ENV} or ../shared/peers)")
+    p.add_argument("--strict-probe", action="store_true", help="refuse the run (exit 1, naming the row) when the memory bandwidth measured "
+                   "before and after a roofline row differs by > 15 %%, instead of flagging the row with '!'")
     p.set_defaults(func=_run)
 
 
 def _run(args) -> int:
     cfg = ReportConfig(out=args.out, model=args.model, quick=args.quick, threads=args.threads,
-                       drafters=tuple(d for d in args.drafters.split(",") if d), peers=not args.no_peers, peers_dir=args.peers_dir)
+                       drafters=tuple(d for d in args.drafters.split(",") if d), peers=not args.no_peers, peers_dir=args.peers_dir,
+                       strict_probe=args.strict_probe)
     paths = run_report(cfg)
     print(paths["markdown"].read_text())
     return 0

@@ -17,6 +17,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from tandem.bench.forward import unsteady_rows
+
 PEER_NAMES = {"ortg": "onnxruntime-genai plain", "ortg_ngram": "onnxruntime-genai n-gram",
               "hf": "HF transformers plain", "hf_prompt_lookup": "HF transformers prompt lookup", "hf_assisted": "HF transformers assisted"}
 
@@ -43,9 +45,10 @@ def headline_rows(results: dict) -> list[Row]:
 
 
 def _forward_rows(f: dict, command: str) -> list[Row]:
+    flag = "" if f.get("bandwidth_probes", {}).get("ar", {}).get("steady", True) else " !"  # footnoted under the table
     rows = [Row("plain decoding, batch 1, fp32, vs the roofline", f"{f['ar_tokens_per_s']:.2f} tok/s",
                 f"{f['fraction_of_roofline']:.2f} of the roofline ({f['roofline_tokens_per_s']:.2f} tok/s = "
-                f"{f['memory_bandwidth_gbps']:.1f} GB/s / {f['weight_bytes_per_token'] / 1e6:.1f} MB per token)", command)]
+                f"{f['memory_bandwidth_gbps']:.1f} GB/s / {f['weight_bytes_per_token'] / 1e6:.1f} MB per token){flag}", command)]
     if "hf_ar_tokens_per_s" in f:
         same = "greedy-identical" if f.get("greedy_matches_hf") else "outputs differ"
         rows.append(Row("plain decoding vs HF transformers generate (interleaved)", f"{f['ar_tokens_per_s']:.2f} vs {f['hf_ar_tokens_per_s']:.2f} tok/s",
@@ -100,12 +103,22 @@ def markdown(results: dict) -> str:
     lines += [f"| {label} | {_cell(value)} |" for label, value in _machine_rows(m)]
     lines += ["", "## Headline", "", "| claim | figure | ratio | command |", "|---|---|---|---|"]
     lines += [f"| {r.claim} | {r.figure} | {r.ratio or '-'} | `{r.command}` |" for r in headline_rows(results)]
+    lines += _probe_footnotes(results.get("forward"))
     if results.get("decode"):
         lines += ["", "## Single stream per domain (tok/s)", ""] + _domain_table(results["decode"])
     notes = results.get("notes") or []
     if notes:
         lines += ["", "## Notes", ""] + [f"- {n}" for n in notes]
     return "\n".join(lines) + "\n"
+
+
+def _probe_footnotes(forward: dict | None) -> list[str]:
+    """Under the table: each forward row whose bandwidth probes (before / after it) differ by more than the tolerance."""
+    unsteady = unsteady_rows(forward or {})
+    if not unsteady:
+        return []
+    return ["", "! The machine's memory bandwidth moved during a row, so its fraction of the roofline is not comparable with other "
+            "rows' (`--strict-probe` refuses such a run):"] + [f"- {line}" for line in unsteady]
 
 
 def _machine_rows(m: dict) -> list[tuple[str, object]]:
