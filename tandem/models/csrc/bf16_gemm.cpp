@@ -3,8 +3,9 @@
 //
 // Layout (quant_gemm.pack_bf16 builds it): rows in groups of 4, and within a group the k axis in chunks of 8, so that
 // a pass over a group reads its weights as one sequential stream and feeds 4 independent FMA chains per row of x:
-// packed bf16 [ceil(N/4), ceil(K/8), 4, 8] (the chunk of 4 rows x 8 k is one 64-byte line); scale fp32 [N] is a per-row factor (ones from pack_bf16: multiplying by 1 is exact) that also
-// names N. The passes are templates over the weight's decoder (`W`: load, scales, tail), with one decoder today.
+// packed bf16 [ceil(N/4), ceil(K/8), 4, 8] (the chunk of 4 rows x 8 k is one 64-byte line); scale fp32 [N] is a per-row
+// factor (ones from pack_bf16: multiplying by 1 is exact) that also names N. The passes are templates over the weight's
+// decoder (`W`: load, scales, tail), with one decoder today.
 //
 // Batch invariance, as in small_gemm.cpp: each weight is widened to the same fp32 value whatever the block, each
 // output is summed in one order (8 lanes over k, lane_sum, the K % 8 tail in one compiled copy, then the row factor
