@@ -49,7 +49,7 @@ def _check(ok: bool, message: str) -> None:
 
 
 # served target weights -> Linear.pack's gemm: "auto" keeps the fp32 weights (small-M kernel or oneDNN, exact);
-# "bf16", "int8" (weight-only rows) and "int4" (groups of 32 with an fp16 scale and min, int8 activations) serve a different, smaller model through
+# "bf16", "int8" (rows with one scale each) and "int4" (groups of 32 with an fp16 scale and min), both with int8 activations, serve a different, smaller model through
 # their own batch-invariant kernels: speculation stays lossless w.r.t. it (tandem.models.quant_gemm)
 WEIGHTS = {"fp32": "auto", "bf16": "bf16", "int8": "int8", "int4": "int4"}
 

@@ -4,12 +4,13 @@ Decode and verify multiply a few rows of activations by every weight: on this 2-
 prepacked GEMM streamed those weights at ~60 % of the memory bandwidth, the kernel at ~90 % (docs/BENCHMARKS.md
 1.4). It reads the plain row-major weight, so a model keeps one copy of each weight (a tied LM head shares
 the embedding's), and each output row is summed in an order that does not depend on the other rows, so a
-k-token verify computes exactly what k single-token steps would. `small_gemm_q8` is the same kernel over
-weight-only int8 rows (one fp32 scale per row, fp32 activations), stored interleaved in groups of 4 rows so that
-one sequential stream feeds 4 FMA chains (`pack_q8`): a quarter of the bytes, the same invariance.
+k-token verify computes exactly what k single-token steps would. `small_gemm_q8` (csrc/q8_gemm.cpp) serves int8 rows
+(one fp32 scale per row) on integers: each row of activations is quantized to int8 per group of 32, as the int4
+kernel does (tandem.models.quant_gemm), and the dots run on VNNI (AVX2: maddubs + madd), the same integers on both: a
+quarter of the fp32 bytes, the same invariance (`pack_q8`, blocks of 16 rows).
 `wide_gemm` (csrc/wide_gemm.cpp) serves inputs of many tokens per sequence (prefill) from the same weight: packed
 panels and an outer-product register block, compute-bound rather than bandwidth-bound, invariant in the number of
-rows too, but in its own summation order (Linear uses it for prefill, never for decode or verify, and with its
+rows too, but in its own summation order (Linear uses it for fp32 prefill, never for decode or verify, and with its
 backward for unpacked forwards of many rows: the GRPO learner, the head trainers; `linear`). Where the
 CPU has AVX-512 the wide kernel and small_gemm's many-row blocks run on 512-bit registers (the same fused
 multiply-adds in the same order, so the same bits as the AVX2 blocks; `set_isa`).
@@ -30,9 +31,9 @@ from pathlib import Path
 import torch
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = (CSRC / "small_gemm.cpp", CSRC / "wide_gemm.cpp", CSRC / "q4_gemm.cpp", CSRC / "bf16_gemm.cpp", CSRC / "decode_glue.cpp")  # one extension: the GEMMs
-# (q4_gemm.cpp: int4 weights with int8 activations; bf16_gemm.cpp: bf16 weights; tandem.models.quant_gemm) and the per-layer glue (decode_glue.py)
-HEADERS = (CSRC / "simd.h", CSRC / "gemm.h")
+SOURCES = (CSRC / "small_gemm.cpp", CSRC / "wide_gemm.cpp", CSRC / "q8_gemm.cpp", CSRC / "q4_gemm.cpp", CSRC / "bf16_gemm.cpp", CSRC / "decode_glue.cpp")  # one extension: the GEMMs
+# (q8_gemm.cpp / q4_gemm.cpp: int8 / int4 weights with int8 activations; bf16_gemm.cpp: bf16 weights; tandem.models.quant_gemm) and the per-layer glue (decode_glue.py)
+HEADERS = (CSRC / "simd.h", CSRC / "gemm.h", CSRC / "act_quant.h")
 ENV = "TANDEM_CPU_GEMM"  # "onednn": never use the kernel (A/B runs, a suspected kernel problem)
 MAX_ROWS = 512  # measured here up to 512 rows: the register-blocked path beats F.linear (MKL) 1.1-1.5x from 64 rows on
 # (BENCHMARKS 1.5); larger inputs (long prefills) go to F.linear, whose cache blocking should win there and on other CPUs
@@ -95,10 +96,8 @@ def _load() -> bool:
     torch.library.register_fake("tandem_cpu::small_gemm_q4")(_small_gemm_q4_fake)
     torch.library.register_fake("tandem_cpu::small_gemm_bf16")(_small_gemm_q8_fake)
     torch.library.register_fake("tandem_cpu::wide_gemm")(_small_gemm_fake)
-    torch.library.register_fake("tandem_cpu::wide_gemm_q8")(_small_gemm_q8_fake)
     torch.library.register_fake("tandem_cpu::wide_gemm_kn")(_wide_gemm_kn_fake)
     torch.library.register_fake("tandem_cpu::wide_gemm_silu")(_wide_gemm_silu_fake)
-    torch.library.register_fake("tandem_cpu::wide_gemm_silu_q8")(_wide_gemm_silu_q8_fake)
     torch.library.register_fake("tandem_cpu::prefill_attention")(_prefill_attention_fake)
     return True
 
@@ -113,10 +112,6 @@ def _wide_gemm_kn_fake(x: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def _wide_gemm_silu_fake(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], w.shape[0] // 2))
-
-
-def _wide_gemm_silu_q8_fake(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return x.new_empty((*x.shape[:-1], scale.shape[0] // 2))
 
 
 def _prefill_attention_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -190,10 +185,6 @@ def wide_gemm_silu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # x 
     return torch.ops.tandem_cpu.wide_gemm_silu(x, weight)
 
 
-def wide_gemm_silu_q8(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:  # the same over pack_q8's rows
-    return torch.ops.tandem_cpu.wide_gemm_silu_q8(x, packed, scale)
-
-
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:  # q [n, H, D], k, v [Hkv, n, D] -> [n, H D]
     """Causal attention of one fresh prompt on the wide kernel's blocks (GQA: query head h reads kv head h // (H / Hkv));
     SDPA's result within fp32 rounding, and the same bits for a prompt alone or packed with others."""
@@ -223,13 +214,8 @@ def isa() -> str:
     return torch.ops.tandem_cpu.current_isa()
 
 
-def wide_gemm_q8(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """wide_gemm over the dequantized int8 weight (dequantize_q8), bit for bit, without materialising it."""
-    return torch.ops.tandem_cpu.wide_gemm_q8(x, packed, scale, bias)
-
-
 def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [N, K] -> int8 [N, K], fp32 scale [N]
-    """Symmetric weight-only int8, one scale per output row: weight ~ scale[:, None] * q (round half to even)."""
+    """Symmetric int8 rows, one scale per output row: weight ~ scale[:, None] * q (round half to even)."""
     return torch.ops.tandem_cpu.quantize_rows(weight.detach())
 
 
@@ -239,15 +225,27 @@ def quantize_rows_reference(weight: torch.Tensor) -> tuple[torch.Tensor, torch.T
     return torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8), scale
 
 
-def pack_q8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [N, K] -> (int8 [ceil(N/4), ceil(K/8), 4, 8], scale [N])
-    """quantize_rows, in small_gemm_q8's interleaved layout (rows in groups of 4, k in chunks of 8)."""
+GROUP_SIZE = 32  # activations per int8 scale (quant_gemm.GROUP_SIZE: the same groups as int4's)
+BLOCK = 16  # rows of w per block of small_gemm_q8's layout (one 32-bit lane each in a 512-bit register)
+LINE = 64  # bytes per line: 16 rows x 4 inputs
+
+
+def pack_q8(weight: torch.Tensor, group_size: int = GROUP_SIZE) -> tuple[torch.Tensor, torch.Tensor]:  # [N, K] -> (int8 [ceil(N/16), ng, G/4, 64], scale [N])
+    """quantize_rows in small_gemm_q8's layout: per block of 16 rows and group of G inputs, line c holds inputs
+    4c .. 4c + 3 of the group, byte 4r + i row r's q of input 4c + i (zeros in the padding)."""
+    if not (isinstance(group_size, int) and group_size >= 8 and group_size % 8 == 0 and (group_size // 8) & (group_size // 8 - 1) == 0):
+        raise ValueError(f"group_size must be 8 times a power of two (8, 16, 32, 64, 128, ...), got {group_size!r}")
     q, scale = quantize_rows(weight)
-    return torch.ops.tandem_cpu.interleave_q8(q), scale
+    n, k = q.shape
+    nb, ng = -(-n // BLOCK), -(-k // group_size)
+    padded = torch.nn.functional.pad(q, (0, ng * group_size - k, 0, nb * BLOCK - n))
+    lines = padded.view(nb, BLOCK, ng, group_size // 4, 4).permute(0, 2, 3, 1, 4)  # [nb, ng, lines, 16 rows, 4 inputs]
+    return lines.reshape(nb, ng, group_size // 4, LINE).contiguous(), scale
 
 
 def unpack_q8(packed: torch.Tensor, scale: torch.Tensor, in_features: int) -> torch.Tensor:  # -> int8 [N, K] row-major
-    groups, chunks = packed.shape[:2]
-    rows = packed.permute(0, 2, 1, 3).reshape(groups * 4, chunks * 8)
+    nb, ng, lines = packed.shape[:3]
+    rows = packed.view(nb, ng, lines, BLOCK, 4).permute(0, 3, 1, 2, 4).reshape(nb * BLOCK, ng * lines * 4)
     return rows[: scale.numel(), :in_features]
 
 
@@ -256,7 +254,7 @@ def dequantize_q8(packed: torch.Tensor, scale: torch.Tensor, in_features: int) -
 
 
 def small_gemm_q8(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:  # x [..., K] -> [..., N]
-    """x @ (scale * q)^T (+ bias) with (packed, scale) = pack_q8(w)."""
+    """x @ (scale * q)^T (+ bias) with (packed, scale) = pack_q8(w), x quantized to int8 per group (batch-invariant)."""
     return torch.ops.tandem_cpu.small_gemm_q8(x, packed, scale, bias)
 
 

@@ -255,8 +255,8 @@ class EagleHead(nn.Module):
     def pack(self, int8: bool = True) -> None:
         """Set the Linears up for CPU inference; call again after the weights changed.
 
-        Every Linear goes weight-only int8 where the small-M kernel runs (tandem.models.cpu_gemm): a drafter need
-        not be exact (it reports what it drew from), and a draft step reads a quarter of the bytes. The LM head
+        Every Linear goes int8 where the CPU kernels run (cpu_gemm.small_gemm_q8: int8 rows, int8 activations): a
+        drafter need not be exact (it reports what it drew from), and a draft step reads a quarter of the bytes. The LM head
         alone (16k x 576, ~70 % of the fp32 bytes) made a step ~2x cheaper for about the same acceptance
         (docs/BENCHMARKS.md 3.2); the layer's Linears too: the same greedy acceptance on the peer prompts, ~20 %
         less drafting time (BENCHMARKS 1.6). `int8=False` keeps fp32 (the small-M kernel or oneDNN)."""

@@ -1,5 +1,5 @@
 """The Linear layer and its inference paths: the small-M kernel on the dense weight, a oneDNN prepacked copy, or a
-weight-only int8 / int4 / bf16 copy (see `Linear`), with `pack_linears` / `unpack_linears` over a module."""
+int8 / int4 / bf16 copy (see `Linear`), with `pack_linears` / `unpack_linears` over a module."""
 from __future__ import annotations
 
 import torch
@@ -23,10 +23,10 @@ class Linear(nn.Module):
       order), other large ones F.linear;
     - "onednn": a prepacked oneDNN copy of W (5 tokens ~1.3x the cost of 1), for other dtypes / machines,
       or when asked for (`pack(gemm="onednn")`);
-    - "int8": weight-only int8 rows with one scale each (cpu_gemm.pack_q8) next to the dense weight, run
-      by the same kernel (prefill-shaped inputs: the wide kernel over panels widened from them): a quarter of
-      the bytes, batch-invariant, but not the fp32 weight's numbers (drafter modules, whose outputs need not be
-      the target's; the int8 target, the user's choice);
+    - "int8": int8 rows with one scale each (cpu_gemm.pack_q8) next to the dense weight, run on integers with
+      the activations quantized to int8 per group of 32 (cpu_gemm.small_gemm_q8) for every inference input
+      (prefill too: the same bits as decode): a quarter of the bytes, batch-invariant, but not the fp32 weight's
+      numbers (drafter modules, whose outputs need not be the target's; the int8 target, the user's choice);
     - "int4" / "bf16": group-wise int4 or bf16 weights (tandem.models.quant_gemm) next to the dense weight, run by
       their own batch-invariant kernels for every inference input (prefill too: the same bits as decode); an eighth /
       half of the bytes, another model than the fp32 one, the user's choice.
@@ -49,7 +49,7 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None  # [out]
         self.packed: torch.Tensor | None = None  # oneDNN blocked layout of weight, CPU only
         self.small_gemm = False  # inference runs tandem.models.cpu_gemm's kernel on the dense weight
-        self.int8: tuple[torch.Tensor, torch.Tensor] | None = None  # cpu_gemm.pack_q8's (interleaved int8, fp32 scale [out]) for gemm="int8"
+        self.int8: tuple[torch.Tensor, torch.Tensor] | None = None  # cpu_gemm.pack_q8's (int8 blocks, fp32 scale [out]) for gemm="int8"
         self.compact: Compact | None = None  # int4 / bf16 weights for gemm="int4" / "bf16"
         self.batch_hint = 8
         self._weight_requires_grad = True  # restored on unpack() when the dense Parameter was dropped
@@ -160,11 +160,8 @@ class Linear(nn.Module):
         """decode_glue.silu_mul(self(x)) for a fused gate/up projection (gate rows first). A prefill-shaped inference
         input on the wide kernel gets it from the GEMM's epilogue (cpu_gemm.wide_gemm_silu: the same bits, without
         writing and re-reading the [..., out] product)."""
-        if self.bias is None and not torch.is_grad_enabled() and decode_glue.prefill_shaped(x):
-            if self.int8 is not None:
-                return cpu_gemm.wide_gemm_silu_q8(x.float(), *self.int8)
-            if self.small_gemm and x.dtype == torch.float32:
-                return cpu_gemm.wide_gemm_silu(x, self._parameters["weight"])
+        if self.bias is None and not torch.is_grad_enabled() and decode_glue.prefill_shaped(x) and self.small_gemm and x.dtype == torch.float32:
+            return cpu_gemm.wide_gemm_silu(x, self._parameters["weight"])
         return decode_glue.silu_mul(self(x))
 
     def _small_input(self, x: torch.Tensor) -> bool:
@@ -179,12 +176,7 @@ class Linear(nn.Module):
                 return F.linear(x.float(), self.compact.dense(self.in_features), self.bias)
             return self.compact(x, bias)
         if self.int8 is not None and not torch.is_grad_enabled():
-            bias = None if self.bias is None else self.bias.detach()
-            if decode_glue.prefill_shaped(x):
-                return cpu_gemm.wide_gemm_q8(x.float(), *self.int8, bias)
-            if self._small_input(x):
-                return cpu_gemm.small_gemm_q8(x.float(), *self.int8, bias)
-            return F.linear(x.float(), cpu_gemm.dequantize_q8(*self.int8, self.in_features), bias)  # wide inputs: dequantized, same weights
+            return cpu_gemm.small_gemm_q8(x.float(), *self.int8, None if self.bias is None else self.bias.detach())
         if self.small_gemm and not torch.is_grad_enabled() and x.dtype == torch.float32:
             bias = None if self.bias is None else self.bias.detach()
             if decode_glue.prefill_shaped(x):

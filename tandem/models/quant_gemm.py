@@ -1,5 +1,5 @@
 """Weights in fewer bytes than fp32 for the decode / verify kernels: group-wise int4 (csrc/q4_gemm.cpp) and bf16
-(csrc/bf16_gemm.cpp).
+(csrc/bf16_gemm.cpp); int8 rows (cpu_gemm.pack_q8, csrc/q8_gemm.cpp) share int4's activations (`reference_q8`).
 
 - int4 (`pack_q4`): asymmetric, one (scale, min) pair per group of `group_size` inputs of each output row, both fp16
   (llama.cpp Q4_1's numbers): min = the group's smallest weight rounded down to fp16, scale = (max - min) / 15 rounded up,
@@ -123,6 +123,22 @@ def reference_q4(x: torch.Tensor, packed: torch.Tensor, factor: torch.Tensor) ->
     center = (8 * scale.double() + sm[..., 1].double()).float().double()  # 8 scale is exact: one fp32 rounding, as fma
     y = (dots * scale.double()[None] * d.double()[:, None, :] + center[None] * xsum[:, None, :]).sum(-1)
     return (y * factor.double()).float()
+
+
+def reference_q8(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """cpu_gemm.small_gemm_q8's result from the same integers and float steps (x [M, K] -> [M, N]): per group j in order,
+    acc = fma(q . xq, d_j, acc) in fp32 (the exact product in fp64, one rounding to fp32), then acc * scale."""
+    k = x.shape[1]
+    group_size = 4 * packed.shape[2]
+    q = cpu_gemm.unpack_q8(packed, scale, k)
+    xq, d, _ = quantize_activations(x, group_size)
+    ng = xq.shape[1]
+    grouped = F.pad(q, (0, ng * group_size - k)).view(q.shape[0], ng, group_size)
+    dots = torch.einsum("mjg,njg->mnj", xq.double(), grouped.double())  # exact: |dot| < 2^19
+    acc = torch.zeros(x.shape[0], q.shape[0])
+    for j in range(ng):
+        acc = (dots[:, :, j] * d[:, j, None].double() + acc.double()).float()
+    return acc * scale
 
 
 def pack_bf16(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

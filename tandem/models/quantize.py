@@ -1,8 +1,8 @@
 """Weight-quantized copies of a target for self-speculation (EfficientRollout-style).
 
 int8: symmetric weights, one scale per output row. Where tandem's CPU kernels built, every Linear of the copy
-is a `Linear` packed with gemm="int8": weight-only int8 rows with fp32 activations, run by the small-M kernel
-(decode: a quarter of the fp32 weight bytes, ~0.3x the fp32 layers' time at one row) and, as all its Linears
+is a `Linear` packed with gemm="int8": int8 rows with the activations quantized to int8 per group of 32, run on integers
+(cpu_gemm.small_gemm_q8; decode: a quarter of the fp32 weight bytes) and, as all its Linears
 run the kernel, all layers in one `decode_layers` call. Elsewhere `Int8Linear`: fbgemm's dynamic-activation
 int8 GEMM (int4 has no good AVX2 kernel in torch, see RESOURCES.md). The fbgemm copy was the only one until
 stop 30; a drafted token cost ~0.7x a target step with it (docs/BENCHMARKS.md section 2, stop 30). The copy

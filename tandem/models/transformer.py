@@ -251,7 +251,7 @@ class Transformer(nn.Module):
 
         Reads of `.weight` / `state_dict()` still work (fresh dense copies); to change weights in place,
         `unpack()` (restores the dense Parameters exactly), write, `pack()` again. gemm="int8" serves
-        weight-only int8 copies instead, "int4" / "bf16" group-wise int4 / bf16 ones (each another model than the fp32 one;
+        int8 copies instead (int8 activations too), "int4" / "bf16" group-wise int4 / bf16 ones (each another model than the fp32 one;
         the user's choice, never a default)."""
         pack_linears(self, batch_hint, keep_dense, gemm)
         if self.cfg.tie_embeddings and self.lm_head.dense_dropped:  # the embedding still holds it: keep them tied

@@ -1,4 +1,4 @@
-"""bf16 and int4 targets (EngineConfig.weights), and int4 self-drafting: speculative output equals plain output of the same
+"""bf16, int8 and int4 targets (EngineConfig.weights), and int8 / int4 self-drafting: speculative output equals plain output of the same
 served model, token for token, on every architecture."""
 import pytest
 import torch
@@ -34,8 +34,8 @@ def _plain(path, weights):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-@pytest.mark.parametrize("weights", ["bf16", "int4"])
-@pytest.mark.parametrize("drafter", ["ngram", "self_draft"])
+@pytest.mark.parametrize("weights", ["bf16", "int8", "int4"])
+@pytest.mark.parametrize("drafter", ["ngram", "self_draft"])  # self_draft: an int8 copy of the target
 def test_speculation_equals_plain_decoding_of_the_same_weights(tiny_dirs, arch, weights, drafter):
     plain = _plain(tiny_dirs[arch], weights)
     target = _target(tiny_dirs[arch], weights)

@@ -1,6 +1,7 @@
-"""The int4 and bf16 weight kernels (tandem.models.quant_gemm): values, batch invariance, ISA invariance, round trips.
-int4 runs on int8-quantized activations: its values are checked against `reference_q4` (the same integers in fp64), and
-its distance from the fp32-activation product is bounded separately."""
+"""The int8, int4 and bf16 weight kernels (cpu_gemm.small_gemm_q8, tandem.models.quant_gemm): values, batch invariance,
+ISA invariance, round trips. int8 and int4 run on int8-quantized activations: their values are checked against
+`reference_q8` (bit for bit) and `reference_q4` (the same integers in fp64), and their distance from the
+fp32-activation product is bounded separately."""
 import pytest
 import torch
 
@@ -30,7 +31,12 @@ def _bf16(w, group_size):
     return (packed, factor), lambda x: x @ dense.T
 
 
-KERNELS = {"int4": (_q4, qg.small_gemm_q4), "bf16": (_bf16, qg.small_gemm_bf16)}
+def _q8(w, group_size):
+    packed, scale = cpu_gemm.pack_q8(w, group_size)
+    return (packed, scale), lambda x: qg.reference_q8(x, packed, scale)
+
+
+KERNELS = {"int8": (_q8, cpu_gemm.small_gemm_q8), "int4": (_q4, qg.small_gemm_q4), "bf16": (_bf16, qg.small_gemm_bf16)}
 
 
 @pytest.mark.parametrize("k,n,group_size", SHAPES)
@@ -120,7 +126,54 @@ def test_int4_on_exact_activations_is_the_exact_product(isa):
 
 
 @needs_kernel
-def test_int4_tiny_activation_groups_quantize_to_zero_not_nan():
+@pytest.mark.parametrize("isa", ["avx2", "avx512"] if has_avx512 else ["avx2"])
+@pytest.mark.parametrize("k,n,group_size", SHAPES)
+def test_int8_kernel_is_its_reference_bit_for_bit(isa, k, n, group_size):
+    """The integer dots are exact and the float steps (fma per group, the scale, the bias) are reference_q8's."""
+    x, w, b = _data(13, k, n, seed=12)
+    packed, scale = cpu_gemm.pack_q8(w, group_size)
+    before = cpu_gemm.set_isa(isa)
+    try:
+        assert torch.equal(cpu_gemm.small_gemm_q8(x, packed, scale, b), qg.reference_q8(x, packed, scale) + b)
+        assert torch.equal(cpu_gemm.small_gemm_q8(x, packed, scale), qg.reference_q8(x, packed, scale))
+    finally:
+        cpu_gemm.set_isa(before)
+
+
+@needs_kernel
+@pytest.mark.parametrize("isa", ["avx2", "avx512"] if has_avx512 else ["avx2"])
+def test_int8_on_exact_activations_is_the_exact_product(isa):
+    """Integer activations with 127 in every group quantize to themselves (d = 1) and integer weights with 127 in every
+    row keep their values (scale 1): the kernel must give x @ w^T exactly. Rows of +-127 against activations of -+127
+    are the pairs that saturate AVX2's maddubs if the weights enter offset by 128 (2 * 255 * 127 > 32767)."""
+    g = torch.Generator().manual_seed(13)
+    w = torch.randint(-127, 128, (37, 96), generator=g).float()
+    w[:, 0] = 127.0
+    w[:4] = torch.tensor([127.0, -127.0]).repeat(4, 48)
+    x = torch.randint(-127, 128, (5, 96), generator=g).float()
+    x[:, ::32] = 127.0
+    x[0, 1::2], x[1, 1::2] = -127.0, 127.0
+    packed, scale = cpu_gemm.pack_q8(w)
+    assert torch.equal(scale, torch.ones(37))
+    before = cpu_gemm.set_isa(isa)
+    try:
+        y = cpu_gemm.small_gemm_q8(x, packed, scale)
+    finally:
+        cpu_gemm.set_isa(before)
+    assert torch.equal(y, (x.double() @ w.double().T).float())
+
+
+@needs_kernel
+def test_int8_activation_quantization_costs_under_one_percent():
+    """The int8 activations move the product by < 1 % (relative norm) of the fp32-activation product on Gaussian data."""
+    x, w, _ = _data(9, 581, 101, seed=9)
+    packed, scale = cpu_gemm.pack_q8(w)
+    dense = x @ cpu_gemm.dequantize_q8(packed, scale, 581).T
+    assert ((cpu_gemm.small_gemm_q8(x, packed, scale) - dense).norm() / dense.norm()).item() < 0.01
+
+
+@needs_kernel
+def test_tiny_activation_groups_quantize_to_zero_not_nan():
     """A group of activations near 1e-38 made 127 / max overflow to inf and its zeros NaN (inf * 0)."""
     x = torch.zeros(2, 64)
     x[0, :32], x[0, 40] = 1e-38, 1.0  # group 0 tiny, group 1 normal
@@ -130,6 +183,9 @@ def test_int4_tiny_activation_groups_quantize_to_zero_not_nan():
     y = qg.small_gemm_q4(x, packed, factor)
     assert torch.isfinite(y).all()
     assert (y - qg.reference_q4(x, packed, factor)).abs().max().item() <= TOL
+    packed, scale = cpu_gemm.pack_q8(w)
+    y = cpu_gemm.small_gemm_q8(x, packed, scale)
+    assert torch.isfinite(y).all() and torch.equal(y, qg.reference_q8(x, packed, scale))
 
 
 @needs_kernel
@@ -147,7 +203,7 @@ def test_int4_activation_quantization_costs_under_one_percent():
 @pytest.mark.parametrize("isa", ["avx2", "avx512"] if has_avx512 else ["avx2"])
 @pytest.mark.parametrize("k,n,group_size", [(576, 200, 64), (581, 101, 32), (7, 9, 8)])
 def test_each_row_of_m_rows_is_the_bits_of_the_row_alone(kind, isa, k, n, group_size):
-    """Batch invariance for M = 1..13 (AVX2 passes of 3 rows (int4: 6), AVX-512 passes of 12: the split points crossed)."""
+    """Batch invariance for M = 1..13 (AVX2 passes of 3 rows (int8, int4: 6), AVX-512 passes of 12: the split points crossed)."""
     pack, run = KERNELS[kind]
     x, w, b = _data(13, k, n, seed=3)
     operands, _ = pack(w, group_size)
@@ -189,6 +245,13 @@ def test_kernels_refuse_mismatched_operands_clearly():
     bpacked, factor = qg.pack_bf16(w)
     with pytest.raises(RuntimeError, match="bf16"):
         qg.small_gemm_bf16(x, bpacked.float(), factor)
+    qpacked, scale = cpu_gemm.pack_q8(w)
+    with pytest.raises(RuntimeError, match="small_gemm_q8: weights .* do not fit N = 8, K = 128"):
+        cpu_gemm.small_gemm_q8(torch.randn(2, 128), qpacked, scale)
+    with pytest.raises(RuntimeError, match="pack_q8's contiguous int8"):
+        cpu_gemm.small_gemm_q8(x, qpacked.view(torch.uint8), scale)
+    with pytest.raises(ValueError, match="group_size must be 8 times a power of two"):
+        cpu_gemm.pack_q8(w, 48)
 
 
 @needs_kernel

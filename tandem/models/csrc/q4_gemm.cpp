@@ -9,8 +9,8 @@
 // 8c + i in its low nibble and of input 8c + 4 + i in its high nibble (q in [0, 15]; weight = fma(q, scale, min)).
 // factor fp32 [N]: per-row factors (ones from pack_q4; they also name N).
 //
-// Activations: each row of x, each group j: d = max |x| / 127, xq = round(x * (127 / max |x|)) (half to even), and
-// the fp32 sum of the group's x. The weight is split as scale (q - 8) + center with center = fma(8, scale, min) in
+// Activations (act_quant.h): each row of x, each group j: d = max |x| / 127, xq = round(x * (127 / max |x|)) (half to
+// even), and the fp32 sum of the group's x. The weight is split as scale (q - 8) + center with center = fma(8, scale, min) in
 // fp32 (within fp32 rounding of fma(q, scale, min)): the quantized activations meet only the centred part, whose
 // terms are half the size of q's (about half llama.cpp Q4_1 x Q8_1's error), and the center meets the exact sum of x.
 // Output row m, column n:
@@ -27,6 +27,7 @@
 #include <cstring>
 #include <vector>
 
+#include "act_quant.h"
 #include "gemm.h"
 #include "simd.h"
 
@@ -43,66 +44,7 @@ constexpr bool kPrefetch = M > 2;
 constexpr int kRowsX2 = 6;  // AVX2: rows of x per pass over a half block (6 x 2 accumulators)
 constexpr int kRowsX512 = 12;  // AVX-512: 12 x 2 accumulators of 32
 
-// A group whose largest |x| is below this quantizes to zeros (127 / max would overflow to inf near 1e-37, and inf * 0 is
-// NaN); its terms are below 1e-30 times the weights, and the center's term still uses the group's exact sum.
-constexpr float kTinyGroup = 1e-30f;
-
-// x [M, K] quantized per row and group of G inputs (zero-padded to ng * G).
-struct Acts {
-  std::vector<int8_t> q;  // [M, ng * G]
-  std::vector<float> d;  // [M, ng]: the step (max |x| / 127)
-  std::vector<float> sum;  // [M, ng]: the group's fp32 sum of x (8 lanes over k, then lane_sum)
-  std::vector<int32_t> eight_qsum;  // [M, ng]: 8 times the group's sum of xq (sum q xq - this = sum (q - 8) xq)
-  int64_t ng, G;
-
-  const int8_t* xq(int64_t m, int64_t j) const { return q.data() + (m * ng + j) * G; }
-};
-
-void quantize_row(const float* x, int64_t K, int64_t G, int64_t ng, int8_t* q, float* d, float* sum, int32_t* eight_qsum) {
-  std::vector<float> buf(G);
-  for (int64_t j = 0; j < ng; ++j) {
-    const int64_t k0 = j * G, n = std::min(G, K - k0);
-    std::fill(buf.begin(), buf.end(), 0.0f);
-    std::memcpy(buf.data(), x + k0, n * sizeof(float));
-    __m256 amax = _mm256_setzero_ps(), acc = _mm256_setzero_ps();
-    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
-    for (int64_t k = 0; k < G; k += 8) {
-      const __m256 v = _mm256_loadu_ps(buf.data() + k);
-      amax = _mm256_max_ps(amax, _mm256_and_ps(v, abs_mask));
-      acc = _mm256_add_ps(acc, v);
-    }
-    float lanes[8];
-    _mm256_storeu_ps(lanes, amax);
-    const float top = *std::max_element(lanes, lanes + 8);  // the max is exact in any order
-    d[j] = top / 127.0f;
-    sum[j] = lane_sum(acc);
-    const __m256 inv = _mm256_set1_ps(top >= kTinyGroup ? 127.0f / top : 0.0f);  // a tinier group quantizes to 0
-    for (int64_t k = 0; k < G; k += 8) {
-      const __m256 r = _mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(buf.data() + k), inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-      const __m256i i32 = _mm256_cvtps_epi32(r);  // |r| <= 127: exact
-      const __m128i i16 = _mm_packs_epi32(_mm256_castsi256_si128(i32), _mm256_extracti128_si256(i32, 1));
-      _mm_storel_epi64(reinterpret_cast<__m128i*>(q + j * G + k), _mm_packs_epi16(i16, i16));
-    }
-    int32_t total = 0;
-    for (int64_t k = 0; k < G; ++k) total += q[j * G + k];
-    eight_qsum[j] = 8 * total;
-  }
-}
-
-Acts quantize(const float* x, int64_t M, int64_t K, int64_t G) {
-  Acts a;
-  a.G = G;
-  a.ng = (K + G - 1) / G;
-  a.q.resize(M * a.ng * G);
-  a.d.resize(M * a.ng);
-  a.sum.resize(M * a.ng);
-  a.eight_qsum.resize(M * a.ng);
-  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m) quantize_row(x + m * K, K, G, a.ng, a.q.data() + m * a.ng * G, a.d.data() + m * a.ng, a.sum.data() + m * a.ng,
-                                                   a.eight_qsum.data() + m * a.ng);
-  });
-  return a;
-}
+using tandem_kernels::Acts;
 
 struct Out {
   const float* factor;  // [N]
@@ -153,7 +95,7 @@ void pass2(const Block& w, int h, const Acts& a, const Out& o, int64_t m0, int64
     const __m256 center = _mm256_fmadd_ps(_mm256_set1_ps(8.0f), scale, low);
     for (int m = 0; m < M; ++m) {
       const int64_t at = (m0 + m) * a.ng + j;
-      const __m256i centred = _mm256_sub_epi32(dot[m], _mm256_set1_epi32(a.eight_qsum[at]));
+      const __m256i centred = _mm256_sub_epi32(dot[m], _mm256_set1_epi32(8 * a.qsum[at]));
       acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(centred), _mm256_mul_ps(scale, _mm256_set1_ps(a.d[at])), acc[m]);
       acc[m] = _mm256_fmadd_ps(center, _mm256_set1_ps(a.sum[at]), acc[m]);
     }
@@ -198,7 +140,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,avx512vl"))) void pass512(con
 #pragma GCC unroll 12
     for (int m = 0; m < M; ++m) {
       const int64_t at = (m0 + m) * a.ng + j;
-      const __m512i centred = _mm512_sub_epi32(dot[m], _mm512_set1_epi32(a.eight_qsum[at]));
+      const __m512i centred = _mm512_sub_epi32(dot[m], _mm512_set1_epi32(8 * a.qsum[at]));
       acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(centred), _mm512_mul_ps(scale, _mm512_set1_ps(a.d[at])), acc[m]);
       acc[m] = _mm512_fmadd_ps(center, _mm512_set1_ps(a.sum[at]), acc[m]);
     }
@@ -255,7 +197,7 @@ at::Tensor small_gemm_q4(const at::Tensor& x, const at::Tensor& packed, const at
   const int64_t M = x2.size(0);
   at::Tensor y = at::empty({M, N}, x.options());
   if (M > 0 && N > 0) {
-    const Acts a = quantize(x2.data_ptr<float>(), M, K, G);
+    const Acts a = tandem_kernels::quantize_acts(x2.data_ptr<float>(), M, K, G);
     const Out o{factor.data_ptr<float>(), b.defined() ? b.data_ptr<float>() : nullptr, y.data_ptr<float>(), N};
     const uint8_t* wp = packed.data_ptr<uint8_t>();
     at::parallel_for(0, packed.size(0), kGrain, [&](int64_t b0, int64_t b1) { row_blocks(wp, chunks, ng, a, o, b0, b1, M); });

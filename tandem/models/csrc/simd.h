@@ -10,11 +10,6 @@ inline float lane_sum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// 8 int8 values at q widened to fp32 lanes (weight-only int8 rows).
-inline __m256 load8_i8(const int8_t* q) {
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q))));
-}
-
 // e^x for 8 lanes (Cephes-style: 2^n e^r with |r| <= ln2 / 2 and a degree-6 polynomial, ~2 ulp; x < -87.3 gives 0,
 // so masked scores of -inf vanish). ~8x cheaper than 8 calls to std::exp, which dominated softmax and SiLU.
 inline __m256 exp8(__m256 x) {

@@ -6,7 +6,7 @@
 // packs 16 rows of w at a time into a [K][16] panel (transposed in registers) and runs a 6 x 16 outer-product
 // register block over it: 12 accumulators, 2 panel loads and 6 broadcasts per 12 FMAs, no lane reductions
 // (~1.1-1.3x small_gemm from 17 rows on, docs/BENCHMARKS.md 1.7); with AVX-512, 32 rows per panel and a 12 x 32
-// block. The weight-only int8 model's prefill runs the same block over panels widened from its int8 rows (wide_gemm_q8).
+// block.
 // The same blocks also serve the prefill's MLP gate (wide_gemm_silu: gate and up columns in one panel, SiLU in the
 // epilogue) and its causal attention (prefill_attention: scores and weighted values as GEMMs over packed K / V panels).
 //
@@ -82,36 +82,6 @@ void pack_panel_kn(const float* b, float* P, int64_t n0, int64_t N, int64_t K, i
     std::copy(b + k * N + n0, b + k * N + n0 + cols, P + k * nr);
     std::fill(P + k * nr + cols, P + (k + 1) * nr, 0.f);
   }
-}
-
-// The same columns from weight-only int8 rows in small_gemm_q8's interleaved layout ([ceil(N/4)][ceil(K/8)][4][8], zero
-// padded): P[k][col0 + j] = q[r0 + j][k] * scale[r0 + j], the fp32 values dequantize_q8 gives, so the product is the
-// fp32 kernel's over the dequantized weight, bit for bit. P has room for K rounded up to 8 rows.
-void pack_columns_q8(const int8_t* packed, const float* scale, float* P, int64_t r0, int64_t end, int64_t K, int64_t nr, int64_t col0, int64_t width) {
-  const int64_t chunks = (K + 7) / 8;
-  auto row_chunk = [&](int64_t n, int64_t c) { return packed + ((n / 4 * chunks + c) * 4 + n % 4) * 8; };
-  const int64_t cols = std::min<int64_t>(width, end - r0);
-  if (cols < width) {
-    for (int64_t j = 0; j < width; ++j)
-      for (int64_t c = 0; c < chunks; ++c)
-        for (int i = 0; i < 8; ++i) P[(8 * c + i) * nr + col0 + j] = j < cols ? static_cast<float>(row_chunk(r0 + j, c)[i]) * scale[r0 + j] : 0.f;
-    return;
-  }
-  for (int64_t part = 0; part < width / 8; ++part) {
-    for (int64_t c = 0; c < chunks; ++c) {
-      __m256 r[8];
-      for (int j = 0; j < 8; ++j) {
-        const int64_t n = r0 + 8 * part + j;
-        r[j] = _mm256_mul_ps(load8_i8(row_chunk(n, c)), _mm256_set1_ps(scale[n]));
-      }
-      transpose8(r);
-      for (int i = 0; i < 8; ++i) _mm256_storeu_ps(P + (8 * c + i) * nr + col0 + 8 * part, r[i]);
-    }
-  }
-}
-
-void pack_panel_q8(const int8_t* packed, const float* scale, float* P, int64_t n0, int64_t N, int64_t K, int64_t nr) {
-  pack_columns_q8(packed, scale, P, n0, N, K, nr, 0, nr);
 }
 
 // The gated epilogue: silu(gate) * up for `cols` output columns, gate in g[0..lanes), up in u[0..lanes), 8 lanes at a
@@ -206,8 +176,7 @@ constexpr Block kBlocks512[kMR512 + 1] = {nullptr, block512<1, Gated>, block512<
                                           block512<9, Gated>, block512<10, Gated>, block512<11, Gated>, block512<12, Gated>};
 
 // Every row of x against panels [p0, p1) of the weight (nr columns each, `step` output columns: nr, or nr / 2 for a
-// gated panel), `rows` rows of x per block (blocks[r] runs r rows); Pack fills the panel of output columns n0.. (fp32
-// or int8 rows).
+// gated panel), `rows` rows of x per block (blocks[r] runs r rows); Pack fills the panel of output columns n0...
 template <typename Pack>
 void panels(const Pack& pack, const Block* blocks, int rows, int64_t nr, int64_t step, const float* x, const float* bias, float* y, int64_t p0,
             int64_t p1, int64_t M, int64_t K, int64_t N) {
@@ -260,14 +229,6 @@ at::Tensor wide_gemm_kn(const at::Tensor& x, const at::Tensor& b) {
   return run(x, N, at::Tensor(), [&](float* P, int64_t n0, int64_t nr) { pack_panel_kn(bp, P, n0, N, K, nr); });
 }
 
-// x @ (scale * q)^T (+ bias) with (packed, scale) = pack_q8(w): the weight-only int8 model's prefill.
-at::Tensor wide_gemm_q8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale, const c10::optional<at::Tensor>& bias) {
-  const int64_t N = tandem_kernels::checked_q8(x, packed, scale, "wide_gemm_q8"), K = x.size(-1);
-  const int8_t* qp = packed.data_ptr<int8_t>();
-  const float* sp = scale.data_ptr<float>();
-  return run(x, N, tandem_kernels::checked_bias(bias, N, "wide_gemm_q8"), [&](float* P, int64_t n0, int64_t nr) { pack_panel_q8(qp, sp, P, n0, N, K, nr); });
-}
-
 // silu(x w_gate^T) * (x w_up^T) for a fused gate/up weight w [2I, K] (gate rows first): [..., I], the same bits as
 // silu_mul(wide_gemm(x, w)) (each gate and up value is the same lane fed the same products in the same order, and the
 // epilogue is silu_mul's formula), without writing or re-reading the [..., 2I] product (a prefill's MLP).
@@ -278,19 +239,6 @@ at::Tensor wide_gemm_silu(const at::Tensor& x, const at::Tensor& w) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.device().is_cpu() && x.dim() >= 1 && x.size(-1) == K, "wide_gemm_silu: x must be fp32 CPU [..., ", K, "]");
   const float* wp = w.data_ptr<float>();
   return run(x, I, at::Tensor(), [&](float* P, int64_t n0, int64_t nr) { pack_panel_gated(wp, P, n0, I, K, nr); }, true);
-}
-
-// The same over weight-only int8 rows (wide_gemm_q8's operands): silu_mul(wide_gemm_q8(x, packed, scale)) bit for bit.
-at::Tensor wide_gemm_silu_q8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale) {
-  const int64_t N = tandem_kernels::checked_q8(x, packed, scale, "wide_gemm_silu_q8"), K = x.size(-1);
-  TORCH_CHECK(N % 2 == 0, "wide_gemm_silu_q8: the weight must have 2I rows");
-  const int64_t I = N / 2;
-  const int8_t* qp = packed.data_ptr<int8_t>();
-  const float* sp = scale.data_ptr<float>();
-  return run(x, I, at::Tensor(), [&](float* P, int64_t n0, int64_t nr) {
-    pack_columns_q8(qp, sp, P, n0, I, K, nr, 0, nr / 2);
-    pack_columns_q8(qp, sp, P, I + n0, N, K, nr, nr / 2, nr / 2);
-  }, true);
 }
 
 
@@ -380,18 +328,14 @@ at::Tensor prefill_attention(const at::Tensor& q_in, const at::Tensor& k, const 
 
 TORCH_LIBRARY_FRAGMENT(tandem_cpu, m) {
   m.def("wide_gemm(Tensor x, Tensor w, Tensor? bias) -> Tensor");
-  m.def("wide_gemm_q8(Tensor x, Tensor packed, Tensor scale, Tensor? bias) -> Tensor");
   m.def("wide_gemm_kn(Tensor x, Tensor b) -> Tensor");
   m.def("wide_gemm_silu(Tensor x, Tensor w) -> Tensor");
-  m.def("wide_gemm_silu_q8(Tensor x, Tensor packed, Tensor scale) -> Tensor");
   m.def("prefill_attention(Tensor q, Tensor k, Tensor v, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) {
   m.impl("wide_gemm", &wide_gemm);
-  m.impl("wide_gemm_q8", &wide_gemm_q8);
   m.impl("wide_gemm_kn", &wide_gemm_kn);
   m.impl("wide_gemm_silu", &wide_gemm_silu);
-  m.impl("wide_gemm_silu_q8", &wide_gemm_silu_q8);
   m.impl("prefill_attention", &prefill_attention);
 }
