@@ -267,7 +267,8 @@ def _bench_shift_command(bench) -> None:
     p.add_argument("--static-prompts", type=int, default=d.static_prompts)
     p.add_argument("--static-steps", type=int, default=d.static_steps)
     p.add_argument("--static-head", default=None, help="use this trained head as `static`")
-    p.add_argument("--train-steps-per-request", type=float, default=d.train_steps_per_request)
+    p.add_argument("--train-steps-per-request", type=float, default=d.train_steps_per_request,
+                   help="replay: trainer steps after each request (default: what one trainer core affords, measured)")
     p.add_argument("--publish-every", type=int, default=d.publish_every)
     p.add_argument("--lr", type=float, default=d.lr, help="online from a day-0 head (online_scratch*)")
     p.add_argument("--finetune-lr", type=float, default=d.finetune_lr, help="online from the static head")
@@ -325,7 +326,7 @@ def _bench_aurora_command(bench) -> None:
     p.add_argument("--domains", default=",".join(SPECIALISED))
     p.add_argument("--prompts", default="builtin", help="builtin or a JSONL file of {domain, prompt} (a held-out stream)")
     p.add_argument("--max-tokens", type=int, default=d["max_tokens"].default)
-    p.add_argument("--steps", type=float, default=d["steps"].default, help="trainer steps per request from rung +steps on")
+    p.add_argument("--steps", type=float, default=d["steps"].default, help="trainer steps per request from rung +steps on (default: what one trainer core affords, measured)")
     p.add_argument("--lr", type=float, default=d["lr"].default, help="rung +lr: fine-tuning lr from the general head")
     p.add_argument("--anchor", type=float, default=d["anchor"].default, help="rung +lr: anchor toward the general head")
     p.add_argument("--recent-share", type=float, default=d["recent_share"].default, help="rung +recent: share of each batch from the newest traces")

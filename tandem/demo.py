@@ -8,7 +8,8 @@ hits all alike:
 
 - plain decoding: the reference tokens/s; the trainer rests meanwhile;
 - static: the EAGLE head shipped in tandem/heads/ (the general head of recipe eagle-smollm2-general when
-  it is shipped, Aurora's set-up; else the head of recipe eagle-smollm2), frozen, same drafter settings;
+  it is shipped, Aurora's set-up; else the head of recipe eagle-smollm2), frozen, same drafter settings,
+  served bare as a user would run it (no trace recording, no collector: the flywheel pays for what it adds);
 - the flywheel: the same head at the start, drafting with a prompt-lookup branch grafted on
   (tandem.drafters.hybrid) like static; the engine records traces, the trainer (1 more thread; in a child
   process on >= 2 cores, so it does not share the engine's interpreter lock) learns from them, and new head
@@ -33,8 +34,6 @@ STRONG_HEAD = HEADS / "eagle-smollm2"  # recipe eagle-smollm2: every built-in do
 DEMO_DOMAINS = ("code", "translation")  # the general head never saw either; translation is where the flywheel gained most (BENCHMARKS 10)
 HEADER = f"{'req':>4} {'domain':<12} {'accept':>6} {'tok/s':>6} {'version':>7} {'swaps':>5} {'rollbk':>6} {'train':>6} {'loss':>7}"
 MODES = ("plain", "static", "flywheel")
-# the flywheel's settings from a general head (measured: docs/BENCHMARKS.md 10); from the strong head the gentle defaults
-FROM_GENERAL_HEAD = {"finetune_lr": 3e-4, "anchor": 0.0, "sample": "domains", "recent_share": 0.5}
 
 
 @dataclass(frozen=True)
@@ -56,11 +55,6 @@ class DemoHead:
     label: str  # which head, for the printout
     min_confidence: float  # a trained head's chains end where it is unsure; an untrained head drafts full chains
     trained_on: tuple[str, ...] | None  # the domains its recipe trained on (its card); () untrained; None unknown (no card)
-
-    def knows_none_of(self, domains) -> bool:
-        """Whether the head never trained on any of `domains` (a general head facing specialised traffic, or a
-        day-0 head): the flywheel then fine-tunes it as measured from a general head (FROM_GENERAL_HEAD)."""
-        return self.trained_on is not None and not set(self.trained_on) & set(domains)
 
 
 def trained_domains(head_dir: Path) -> tuple[str, ...] | None:
@@ -103,7 +97,7 @@ def run_demo(model: str, requests: int = 96, block: int = 12, max_tokens: int = 
     import torch
 
     from tandem.config import SamplingParams
-    from tandem.flywheel.setups import FlywheelSetup, core_split, live_engine, pinned, serve_stream, serving_cores, trainer_process_pays
+    from tandem.flywheel.setups import core_split, demo_setup, live_engine, pinned, serve_stream, serving_cores
     from tandem.flywheel.stream import StreamSpec, build_stream, prompt_key
     from tandem.flywheel.stream_plot import plot_shift
     from tandem.flywheel.stream_stats import summarize
@@ -118,15 +112,12 @@ def run_demo(model: str, requests: int = 96, block: int = 12, max_tokens: int = 
     target.pack()
     start_head = demo_head(target, head)
     heads, label = {"static": start_head.head}, start_head.label
-    tuned = start_head.knows_none_of(domains)
     stream, stream_ids, _ = build_stream(StreamSpec(requests=requests, block=block, domains=domains), load_tokenizer(model_dir))
     pairs = [(stream_ids[prompt_key(p)], p.domain) for p in stream]
     longest = max(len(ids) for ids, _ in pairs) + max_tokens + 1
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     torch.set_num_threads(1)
-    setup = FlywheelSetup(publish_every=5, prompt_lookup=True, min_confidence=start_head.min_confidence, trainer_core=True,
-                          trainer_process=trainer_process_pays() if trainer_process is None else trainer_process,
-                          **(FROM_GENERAL_HEAD if tuned else {}))
+    setup = demo_setup(start_head.min_confidence, trainer_process)  # the flywheel's defaults (tandem.flywheel.setups.DEFAULTS)
     print(f"tandem demo: {model}, {len(stream)} requests in blocks of {block} ({' -> '.join(domains)}), greedy, "
           f"{batch} in flight, {max_tokens} new tokens each\n")
     split = core_split() if setup.trainer_process else None
@@ -137,7 +128,7 @@ def run_demo(model: str, requests: int = 96, block: int = 12, max_tokens: int = 
     print(HEADER)
     with pinned(serving_cores(setup)):  # the trainer's core is its own; the three modes serve on the same other cores
         plain_engine, _ = live_engine("plain", target, heads, setup, batch, longest)
-        static_engine, static_fly = live_engine("static", target, heads, setup, batch, longest)
+        static_engine, _ = live_engine("static", target, heads, setup, batch, longest)  # bare: no recording, no collector
         engine, flywheel = live_engine("online", target, heads, setup, batch, longest)
         parts = {mode: [] for mode in MODES}
         for first in range(0, len(pairs), block):
@@ -145,11 +136,10 @@ def run_demo(model: str, requests: int = 96, block: int = 12, max_tokens: int = 
             if flywheel.trainer is not None:
                 flywheel.trainer.stop()
             parts["plain"].append(_offset(serve_stream(plain_engine, None, part, params, batch, prefix=f"plain-{first}"), first))
-            parts["static"].append(_offset(serve_stream(static_engine, static_fly, part, params, batch, prefix=f"static-{first}"), first))
+            parts["static"].append(_offset(serve_stream(static_engine, None, part, params, batch, prefix=f"static-{first}"), first))
             flywheel.start()
             parts["flywheel"].append(_offset(serve_stream(engine, flywheel, part, params, batch, on_finish=lambda row, f=first: _show(row, flywheel, f), prefix=f"online-{first}"), first))
         flywheel.close()
-        static_fly.close()
     metrics = flywheel.metrics()
     joined = {mode: _joined(parts[mode]) for mode in MODES}
     results = {mode: joined[mode].rows for mode in MODES}
@@ -171,7 +161,7 @@ def run_demo(model: str, requests: int = 96, block: int = 12, max_tokens: int = 
             "flywheel_over_static": round(_ratio(speed["flywheel"], speed["static"]), 4),
             "tokens_per_s": {m: round(v, 3) for m, v in speed.items()}, "identical_outputs": same,
             "summary": summary, "metrics": metrics, "plot": str(plot), "trainer_process": flywheel.options.trainer_process,
-            "flywheel_settings": {k: getattr(setup, k) for k in FROM_GENERAL_HEAD}, "head_trained_on": start_head.trained_on}
+            "flywheel_settings": setup.learning(), "head_trained_on": start_head.trained_on}
 
 
 def _ratio(a: float, b: float) -> float:

@@ -9,7 +9,8 @@ target traces (tandem.flywheel.replay):
 - online_scratch: the flywheel from an untrained head (day 0), with every change below;
 - an ablation ladder from the general head, each rung adding one change to the one before:
   `online_base` (the replay's former settings: 0.5 trainer steps per request, uniform replay, lr 1e-4,
-  anchor 100), `+steps` (`steps` per request: what the trainer's own core affords), `+balance` (replay drawn
+  anchor 100), `+steps` (`steps` per request, by default what the trainer's own core affords, measured step by
+  step against the request's modelled serving time: tandem.flywheel.pace.CoreBudget), `+balance` (replay drawn
   to balance domains), `+detector` (a detected acceptance drop warms the lr: 2x, decaying over 64 requests; the step rate
   stays at `steps`, since a trainer that already takes every step its core affords has none to add; a
   step-rate boost took the trainer to 1.5 cores in the first 3,000-request replay),
@@ -37,6 +38,7 @@ from tandem.bench.children import log_tail
 from tandem.bench.machine import machine_info, source_sha256
 from tandem.bench.shift import ShiftConfig, calibrate, replay_mode
 from tandem.errors import InvalidParameterError, TandemError
+from tandem.flywheel.setups import FlywheelSetup
 from tandem.flywheel.stream import SPECIALISED, build_stream, prompt_key
 from tandem.flywheel.stream_stats import after_first_block, per_block, recovery_within_block, summarize
 
@@ -49,11 +51,11 @@ class AuroraConfig:
     domains: tuple[str, ...] = SPECIALISED
     prompts: str = "builtin"
     max_tokens: int = 64
-    steps: float = 2.0  # trainer steps per request from rung `+steps` on
-    lr: float = 3e-4  # rung `+lr` (and online): the fine-tuning lr from the general head (sweep: docs/BENCHMARKS.md 10)
-    anchor: float = 0.0  # rung `+lr`: its anchor (10 cost 2 points from a general head; the shipped head's 100 more)
-    recent_share: float = 0.5  # rung `+recent`: share of each batch from the newest traces
-    scratch_lr: float = 1e-3
+    steps: float | None = FlywheelSetup.steps_per_request  # trainer steps per request from rung `+steps` on; None = what one trainer core affords
+    lr: float = FlywheelSetup.finetune_lr  # rung `+lr` (and online): the fine-tuning lr from the general head (sweep: docs/BENCHMARKS.md 10)
+    anchor: float = FlywheelSetup.anchor  # rung `+lr`: its anchor (10 cost 2 points from a general head; the shipped head's 100 more)
+    recent_share: float = FlywheelSetup.recent_share  # rung `+recent`: share of each batch from the newest traces
+    scratch_lr: float = FlywheelSetup.lr
     variants: tuple[str, ...] = ("plain", "static", "online_base", "+steps", "+balance", "+detector", "+lr", "+recent", "online_scratch")
     window: int = 20
     seed: int = 0
@@ -77,9 +79,10 @@ VARIANTS = ("plain", "static", "online_base", "+steps", "+balance", "+detector",
 
 
 def variant_config(name: str, cfg: AuroraConfig) -> tuple[str, ShiftConfig]:
-    """(MODES entry, the ShiftConfig it replays under) of one variant; the ladder's rungs add up in order."""
-    base = replace(cfg.shift_config(), train_steps_per_request=0.5, sample="uniform", shift_detect=False, finetune_lr=1e-4, anchor=100.0)
-    rungs = {"+steps": {"train_steps_per_request": cfg.steps}, "+balance": {"sample": "domains"}, "+detector": {"shift_detect": True, "boost_steps_per_request": cfg.steps},
+    """(MODES entry, the ShiftConfig it replays under) of one variant; the ladder's rungs add up in order, and
+    the last (`+recent`) is the flywheel's defaults (tandem.flywheel.setups.DEFAULTS) unless cfg overrides them."""
+    base = replace(cfg.shift_config(), train_steps_per_request=0.5, sample="uniform", shift_detect=False, finetune_lr=1e-4, anchor=100.0, recent_share=0.0)
+    rungs = {"+steps": {"train_steps_per_request": cfg.steps}, "+balance": {"sample": "domains"}, "+detector": {"shift_detect": True, "boost_steps_per_request": 0.0},
              "+lr": {"finetune_lr": cfg.lr, "anchor": cfg.anchor}, "+recent": {"recent_share": cfg.recent_share}}
     if name in ("plain", "static"):
         return name, base

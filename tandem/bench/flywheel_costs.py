@@ -3,8 +3,8 @@ does not reach tokens/s"): `python -m tandem.bench.flywheel_costs [--requests 12
 
 Serving on all cores but the trainer's, 1 thread, greedy, 1 in flight, the general head with the prompt-lookup
 graft; the same `requests` code prompts each round:
-- overhead: static vs the flywheel's engine with the trainer resting (the same head): what the flywheel's serving
-  path costs by itself;
+- overhead: static (bare: no recording, no collector) vs the flywheel's engine with the trainer resting (the same
+  head): what the flywheel's serving path (step records, trace collection, the hot-swapper) costs by itself;
 - interference: static while the trainer child trains on its own core vs while it rests;
 - learning: static vs the flywheel while it trains on those prompts (acceptance, drafted tokens a step, the
   verify's and the drafting's seconds a step).
@@ -34,7 +34,7 @@ def run(requests: int = 12, rounds: int = 3, max_tokens: int = 64, head: Path = 
 
     from tandem.config import SamplingParams
     from tandem.drafters.eagle import TRAINED_MIN_CONFIDENCE
-    from tandem.flywheel.setups import FlywheelSetup, live_engine, pinned, serve_stream, serving_cores
+    from tandem.flywheel.setups import demo_setup, live_engine, pinned, serve_stream, serving_cores
     from tandem.flywheel.stream import StreamSpec, build_stream, prompt_key
     from tandem.llm import load_tokenizer
     from tandem.models.eagle import load_eagle
@@ -50,36 +50,33 @@ def run(requests: int = 12, rounds: int = 3, max_tokens: int = 64, head: Path = 
     pairs = [(ids[prompt_key(p)], p.domain) for p in stream][:requests]
     longest = max(len(i) for i, _ in pairs) + max_tokens + 1
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
-    # make demo's flywheel from a general head (tandem.demo.FROM_GENERAL_HEAD)
-    setup = FlywheelSetup(publish_every=5, prompt_lookup=True, min_confidence=TRAINED_MIN_CONFIDENCE, trainer_core=True, trainer_process=True,
-                          finetune_lr=3e-4, anchor=0.0, sample="domains", recent_share=0.5)
+    setup = demo_setup(TRAINED_MIN_CONFIDENCE, trainer_process=True)  # make demo's flywheel
     report = {"overhead": [], "interference": [], "learning": []}
     with pinned(serving_cores(setup)):
-        static_engine, static_fly = live_engine("static", target, heads, setup, 1, longest)
+        static_engine, _ = live_engine("static", target, heads, setup, 1, longest)  # bare, as a user serves the head
         engine, flywheel = live_engine("online", target, heads, setup, 1, longest)
         serve = lambda eng, fly: serve_stream(eng, fly, pairs, params, 1)  # noqa: E731
         try:
             flywheel.trainer.stop()
             for _ in range(rounds):  # the head is still the static one: nothing has trained
-                static, online = serve(static_engine, static_fly), serve(engine, flywheel)
+                static, online = serve(static_engine, None), serve(engine, flywheel)
                 report["overhead"].append(round(online.tokens_per_s / static.tokens_per_s, 3))
             serve(engine, flywheel)  # a buffer to train on
             for _ in range(rounds):
                 flywheel.trainer.stop()
-                resting = serve(static_engine, static_fly)
+                resting = serve(static_engine, None)
                 flywheel.start()
-                training = serve(static_engine, static_fly)
+                training = serve(static_engine, None)
                 report["interference"].append(round(training.tokens_per_s / resting.tokens_per_s, 3))
             for _ in range(rounds):
                 flywheel.trainer.stop()
-                static = serve(static_engine, static_fly)
+                static = serve(static_engine, None)
                 flywheel.start()
                 online = serve(engine, flywheel)
                 report["learning"].append({"static": per_step(static, max_tokens), "flywheel": per_step(online, max_tokens),
                                            "tokens_per_s_ratio": round(online.tokens_per_s / static.tokens_per_s, 3)})
         finally:
             flywheel.close()
-            static_fly.close()
     return report
 
 

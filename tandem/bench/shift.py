@@ -3,7 +3,8 @@
 The stream is N requests in blocks of B per domain (code -> sql -> math -> chat -> translation -> ...),
 greedy. Modes (`tandem.flywheel.setups.MODES`, where the flywheel's composition lives):
 - plain: no drafter (replay: modelled as one verify forward per token);
-- static: an EAGLE head trained offline on the first domain only (its train split), or --static-head, frozen;
+- static: an EAGLE head trained offline on the first domain only (its train split), or --static-head, frozen
+  (live: served bare, as a user would run it: no trace recording, no collector, no hot-swapper);
 - online: that head, then the flywheel (traces -> buffer -> trainer -> hot-swap), fine-tuned at
   `finetune_lr` and anchored to its starting weights;
 - online_scratch: the flywheel from an untrained head (day-0 deployment), at `lr`;
@@ -12,8 +13,9 @@ greedy. Modes (`tandem.flywheel.setups.MODES`, where the flywheel's composition 
 
 `--replay` (the default on this CPU): the target's greedy continuations and hidden states are computed
 once per prompt and cached (tandem.flywheel.replay); each mode replays its drafter's acceptance exactly,
-feeds the same traces the engine would record into the buffer, and runs `train_steps_per_request`
-trainer steps after each request, publishing every `publish_every` steps through the same WeightStore /
+feeds the same traces the engine would record into the buffer, and runs the trainer steps one trainer core
+affords while the request is served (its modelled seconds against the measured step time; or a fixed
+`train_steps_per_request`) after each request, publishing every `publish_every` steps through the same WeightStore /
 HotSwapper (validation, in-place copy, rollback) the live engine uses. Tokens/s in replay is modelled
 from this machine's measured verify and draft costs (`calibrate`). Without --replay the live engine serves
 the stream (`live_mode`) with the trainer in a child process when the machine has >= 2 cores (`--trainer
@@ -65,7 +67,7 @@ class ShiftConfig:
     static_prompts: int = 200  # first-domain train-split prompts the static head learns from
     static_steps: int = 300
     static_head: str | None = None  # use this head as `static` instead of training one
-    train_steps_per_request: float = 0.5  # replay: trainer steps after each request (the trainer's share of compute)
+    train_steps_per_request: float | None = FlywheelSetup.steps_per_request  # replay: trainer steps after each request; None = what one trainer core affords
     publish_every: int = FlywheelSetup.publish_every
     batch_size: int = FlywheelSetup.batch_size  # trainer batch (traces)
     lr: float = FlywheelSetup.lr  # online_scratch (a day-0 head)
@@ -102,7 +104,8 @@ class ShiftConfig:
                              sample=self.sample, recent_share=self.recent_share, recent_window=self.recent_window, shift_detect=self.shift_detect, boost_steps_per_request=self.boost_steps_per_request,
                              boost_requests=self.boost_requests, boost_lr=self.boost_lr, shift_drop=self.shift_drop,
                              trainer_process=trainer_process_pays() if self.trainer_process is None else self.trainer_process,
-                             trainer_core=self.trainer_core, min_confidence=self.min_confidence, prompt_lookup=self.prompt_lookup)
+                             trainer_core=self.trainer_core, min_confidence=self.min_confidence, prompt_lookup=self.prompt_lookup,
+                             steps_per_request=self.train_steps_per_request)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "domains", tuple(self.domains))
@@ -178,7 +181,7 @@ def replay_mode(mode: str, target, stream: list[Prompt], traces: dict, heads: di
         rows = [{"i": i, "domain": p.domain, "acceptance_length": 1.0, "tokens_per_s": round(1.0 / costs["verify_s"][1], 3), "version": 0}
                 for i, p in enumerate(stream)]
         return rows, {}
-    flywheel = ReplayFlywheel(mode, target, heads, cfg.setup, cfg.train_steps_per_request)
+    flywheel = ReplayFlywheel(mode, target, heads, cfg.setup, lambda steps: modelled_seconds(steps, costs))
     rows, serve_s = [], 0.0
     for i, prompt in enumerate(tqdm(stream, desc=mode, unit="req", disable=None)):
         result, version = flywheel.serve(traces[prompt_key(prompt)], cfg.max_tokens)

@@ -1,7 +1,7 @@
 """`tandem bench trainer-step`: what one flywheel trainer step costs on live traces.
 
 A head serves a short domain-shifting stream with trace recording on (a frozen flywheel: `live_engine`
-"static"), then an `OnlineTrainer` over those traces times its steps, with the full loss and without the
+"static" with record=True), then an `OnlineTrainer` over those traces times its steps, with the full loss and without the
 branch term (the pass over drafted tokens off the accepted path, which only live traces carry). A trainer
 step is the flywheel's unit of learning per served token: on a core of its own, serving time / step time
 is how many steps a request can pay for.
@@ -46,7 +46,7 @@ def recorded_traces(target, head, cfg: TrainerStepConfig, tokenizer) -> list:
     spec = StreamSpec(requests=cfg.requests, block=max(1, cfg.requests // len(cfg.domains)), domains=cfg.domains, seed=cfg.seed)
     stream, ids, _ = build_stream(spec, tokenizer)
     longest = max(len(v) for v in ids.values()) + cfg.max_tokens + 1
-    engine, flywheel = live_engine("static", target, {"static": head}, FlywheelSetup(seed=cfg.seed), cfg.batch, longest)
+    engine, flywheel = live_engine("static", target, {"static": head}, FlywheelSetup(seed=cfg.seed), cfg.batch, longest, record=True)
     serve_stream(engine, flywheel, [(ids[prompt_key(p)], p.domain) for p in stream], SamplingParams(max_tokens=cfg.max_tokens, temperature=0.0), cfg.batch)
     flywheel.close()
     return flywheel.buffer.snapshot()

@@ -24,7 +24,7 @@ from tandem.errors import InvalidParameterError
 from tandem.flywheel.traces import SequenceTrace
 from tandem.models.eagle import EagleHead, target_to_draft
 from tandem.ops.losses import discard_loss, rejection_probability, soft_cross_entropy
-from tandem.training.offline import Example, eagle_states, step_stats
+from tandem.training.offline import Example, eagle_states, step_stats, target_states
 
 
 def trace_example(trace: SequenceTrace) -> Example:
@@ -147,10 +147,21 @@ def branch_logits(head: EagleHead, batch: BranchBatch, context: tuple[torch.Tens
     return head.lm_head(branch_hidden(head, batch, context))
 
 
-def branch_loss(logits: torch.Tensor, target_rows: torch.Tensor, batch: BranchBatch) -> torch.Tensor:
-    with torch.no_grad():
-        target = torch.softmax(batch.final.float() @ target_rows.T, dim=-1)
-    return soft_cross_entropy(logits, target)
+def branch_loss(logits: torch.Tensor, target_rows: torch.Tensor, batch: BranchBatch, probs: torch.Tensor | None = None) -> torch.Tensor:
+    """probs [Nb, Vd]: the target distribution at the nodes when the caller computed it (`target_distributions`)."""
+    if probs is None:
+        with torch.no_grad():
+            probs = torch.softmax(batch.final.float() @ target_rows.T, dim=-1)
+    return soft_cross_entropy(logits, probs)
+
+
+@torch.no_grad()
+def target_distributions(states: list[torch.Tensor], target_rows: torch.Tensor) -> list[torch.Tensor]:  # [..., d] each -> [..., Vd] each
+    """The target's distributions over the draft vocabulary at many tensors of final hidden states in one GEMM:
+    the [Vd, d] rows are read once per trainer step, not once per trace and term."""
+    rows = torch.cat([h.reshape(-1, h.shape[-1]).float() for h in states])
+    out = torch.softmax(rows @ target_rows.T, dim=-1).split([h[..., 0].numel() for h in states])
+    return [o.view(*h.shape[:-1], o.shape[-1]) for o, h in zip(out, states)]
 
 
 # ---- the whole loss ---------------------------------------------------------------------------------------------
@@ -170,7 +181,8 @@ def flywheel_loss(head: EagleHead, target_rows: torch.Tensor, traces: list[Seque
     """Mean over traces of the switched-on terms (cfg: a FlywheelConfig). Each trace runs alone (no
     padding): its step-0 logits are read at the generated positions only, and its chains are a
     `chain_fraction` sample of them plus every root a scored proposal past depth 0 needs. The LM head runs
-    once over every row of every trace (EagleHead.lm_head_rows), after the per-trace passes of the layer."""
+    once over every row of every trace (EagleHead.lm_head_rows), after the per-trace passes of the layer, and
+    the target's distributions for every trace and term come from one pass over `target_rows`."""
     traces = [t for t in traces if len(t.features) >= 2]
     if not traces:
         raise InvalidParameterError("no trace in the batch has two committed positions")
@@ -189,20 +201,25 @@ def flywheel_loss(head: EagleHead, target_rows: torch.Tensor, traces: list[Seque
         plans.append(TracePlan(trace, example, events, normaliser, step_roots, branch, slice(len(normed), len(normed) + len(hidden))))
         normed += hidden
     projected = head.lm_head_rows(normed)  # one LM-head GEMM for the whole batch
+    states = ([target_states([p.example], p.step_roots) for p in plans] if cfg.imitation else []) + [p.branch.final for p in plans if p.branch is not None]
+    distributions = target_distributions(states, target_rows) if states else []
+    imitation, branches = distributions[: len(plans) if cfg.imitation else 0], iter(distributions[len(plans) if cfg.imitation else 0 :])
     totals: dict[str, torch.Tensor] = {}
     rejections = 0
-    for plan in plans:
+    for i, plan in enumerate(plans):
         logits = projected[plan.rows]
         if plan.branch is not None:
             logits, branch_rows = logits[:-1], logits[-1]
         rejections += len(plan.events.root)
         parts = {}
         if cfg.imitation:
-            parts["imitation"] = step_stats([plan.example], target_rows, logits, plan.step_roots, head.draft_to_target).loss
+            parts["imitation"] = step_stats([plan.example], target_rows, logits, plan.step_roots, head.draft_to_target, imitation[i]).loss
         if cfg.discard_weight > 0:
             parts["discard"] = cfg.discard_weight * discard_term(logits, plan.step_roots, plan.events, plan.normaliser, plan.trace.sampling)
-        if cfg.branch_weight > 0 and len(plan.trace.branch_token):
-            parts["branch"] = cfg.branch_weight * (branch_loss(branch_rows, target_rows, plan.branch) if plan.branch is not None else head.fc.weight.sum() * 0.0)
+        if plan.branch is not None:
+            parts["branch"] = cfg.branch_weight * branch_loss(branch_rows, target_rows, plan.branch, next(branches))
+        elif cfg.branch_weight > 0 and len(plan.trace.branch_token):
+            parts["branch"] = head.fc.weight.sum() * 0.0
         for name, value in parts.items():
             totals[name] = totals.get(name, 0.0) + value / len(traces)
     loss = sum(totals.values())

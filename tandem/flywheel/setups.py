@@ -5,7 +5,8 @@ None: no drafter, plain decoding) and the flywheel's loss switches (None: the he
 ways to serve a stream under a mode:
 
 - `ReplayFlywheel`: exact greedy acceptance replay (tandem.flywheel.replay) against cached target traces;
-  each served request's trace goes to the buffer, the trainer takes `train_steps_per_request` steps, and
+  each served request's trace goes to the buffer, the trainer takes the steps one trainer core affords (or
+  `steps_per_request`), and
   the same WeightStore / HotSwapper (validation, in-place copy, rollback reaching the trainer) as live
   serving adopts new versions;
 - `live_engine` + `serve_stream`: the real engine serves the requests with `batch` in flight, the
@@ -19,7 +20,7 @@ import contextlib
 import itertools
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Callable
 
 import torch
@@ -32,6 +33,7 @@ from tandem.engine.engine import Engine
 from tandem.errors import InvalidParameterError
 from tandem.flywheel.buffer import TraceBuffer
 from tandem.flywheel.loop import Flywheel, FlywheelOptions
+from tandem.flywheel.pace import CoreBudget
 from tandem.flywheel.replay import ReplayResult, replay_request, replay_trace
 from tandem.flywheel.schedule import ShiftDetector, ShiftDetectorConfig, StepSchedule, StepScheduleConfig
 from tandem.flywheel.traces import SequenceTrace
@@ -56,14 +58,19 @@ MODES: dict[str, tuple[str | None, dict | None]] = {
 
 @dataclass(frozen=True)
 class FlywheelSetup:
-    """How every mode drafts and trains (one value for a whole comparison)."""
+    """How every mode drafts and trains (one value for a whole comparison).
+
+    Its field defaults are the flywheel's one set of defaults: what `tandem serve --online`, `tandem bench shift`,
+    `tandem bench aurora`'s full online rung, the demo and the library start from (`DEFAULTS`; the fields named in
+    `LEARNING` are the learning settings, measured best from a general head on specialised traffic:
+    docs/BENCHMARKS.md 10). An entry point overrides a field explicitly, never keeps defaults of its own."""
 
     num_draft_tokens: int = 4  # chain length drafted per step
     batch_size: int = 4  # trainer batch (traces)
     lr: float = 1e-3  # learning rate from a day-0 head
-    finetune_lr: float = 1e-4  # from a trained (static) head: 1e-3 pulled the shipped head down (docs/BENCHMARKS.md 4)
-    anchor: float = 100.0  # from a trained head: pull toward its weights (FlywheelConfig.anchor); 0 = off
-    publish_every: int = 10  # trainer steps between published versions
+    finetune_lr: float = 3e-4  # from a trained (static) head (the sweep from a general head: docs/BENCHMARKS.md 10)
+    anchor: float = 0.0  # from a trained head: pull toward its weights (FlywheelConfig.anchor); 0 = off (10 cost 2 points from a general head)
+    publish_every: int = 10  # trainer steps between published versions (a delivery cadence, not a learning setting: the demo's short run publishes every 5)
     discard_weight: float = 0.0  # off: on greedy replay it lowered acceptance in every comparison (docs/BENCHMARKS.md 4)
     branch_weight: float = 0.5
     collapse_ratio: float = 0.5  # rollback when a new version's acceptance falls below this x the old one's
@@ -74,23 +81,31 @@ class FlywheelSetup:
     adaptive_k: bool = False  # live: the speculation controller picks k (0 = plain) per step from measured acceptance
     prompt_lookup: bool = False  # live: graft a prompt-lookup branch onto the head's draft (tandem.drafters.hybrid)
     min_confidence: float = 0.0  # live, from a trained head: chains end below this path confidence (EagleDrafter); replay models full chains
-    sample: str = "uniform"  # the trainer's replay draw: "uniform" over traces or "domains" (balanced; FlywheelConfig.sample)
-    recent_share: float = 0.0  # ... of which this share of each batch comes from the newest recent_window traces (FlywheelConfig.recent_share)
+    sample: str = "domains"  # the trainer's replay draw: "uniform" over traces or "domains" (balanced; FlywheelConfig.sample)
+    recent_share: float = 0.5  # ... of which this share of each batch comes from the newest recent_window traces (FlywheelConfig.recent_share)
     recent_window: int = 32
-    shift_detect: bool = False  # replay: a detected acceptance drop boosts the step rate and warms the lr (tandem.flywheel.schedule)
-    boost_steps_per_request: float = 4.0  # ... right after a shift, decaying to the steady rate over boost_requests
+    steps_per_request: float | None = None  # replay: trainer steps per served request; None = what one trainer core affords (CoreBudget)
+    shift_detect: bool = True  # replay: a detected acceptance drop warms the lr (and boosts the step rate above a fixed one; tandem.flywheel.schedule)
+    boost_steps_per_request: float = 0.0  # ... right after a shift, decaying to the steady rate over boost_requests (at most the steady rate: none)
     boost_requests: int = 64
     boost_lr: float = 2.0
     shift_drop: float = 0.15  # the detector fires when recent acceptance < (1 - shift_drop) x its baseline
+    pace_margin: float | None = None  # None: the trainer steps whenever it can; else it rests while its newest traces are learnt (FlywheelConfig.pace_margin; not yet measured)
     seed: int = 0
 
     def __post_init__(self) -> None:
         if self.num_draft_tokens < 1 or not 0 < self.collapse_ratio <= 1 or self.watch_window < 1 or not 0 < self.trainer_duty <= 1:
             raise InvalidParameterError("num_draft_tokens >= 1, collapse_ratio and trainer_duty in (0, 1] and watch_window >= 1 are required")
+        if self.steps_per_request is not None and self.steps_per_request < 0:
+            raise InvalidParameterError(f"steps_per_request must be >= 0 (or None: what the trainer's core affords), got {self.steps_per_request}")
+
+    def learning(self) -> dict:
+        """The learning settings (`LEARNING`) of this set-up: equal to DEFAULTS.learning() wherever nothing was overridden."""
+        return {name: getattr(self, name) for name in LEARNING}
 
     def schedule(self, steps_per_request: float) -> tuple[StepSchedule, ShiftDetector | None]:
-        """The replay trainer's step schedule at `steps_per_request`, and the shift detector that boosts it
-        (None without `shift_detect`: a flat rate)."""
+        """The replay trainer's step schedule at `steps_per_request` (with a derived rate: its learning-rate
+        multiplier only), and the shift detector that warms it (None without `shift_detect`: a flat schedule)."""
         if not self.shift_detect:
             return StepSchedule(StepScheduleConfig(steps_per_request, steps_per_request, 1, 1.0)), None
         boost = max(self.boost_steps_per_request, steps_per_request)
@@ -104,8 +119,14 @@ class FlywheelSetup:
         base = {"unroll": self.num_draft_tokens, "batch_size": self.batch_size, "lr": self.finetune_lr if trained else self.lr,
                 "anchor": self.anchor if trained else 0.0, "publish_every": self.publish_every,
                 "discard_weight": self.discard_weight, "branch_weight": self.branch_weight, "sample": self.sample,
-                "recent_share": self.recent_share, "recent_window": self.recent_window, "seed": self.seed}
+                "recent_share": self.recent_share, "recent_window": self.recent_window, "pace_margin": self.pace_margin, "seed": self.seed}
         return FlywheelConfig(**(base | switches))
+
+
+DEFAULTS = FlywheelSetup()
+# the fields that decide what and how fast the trainer learns (publish cadence, placement and drafting are per entry point)
+LEARNING = ("batch_size", "lr", "finetune_lr", "anchor", "discard_weight", "branch_weight", "sample", "recent_share", "recent_window",
+            "steps_per_request", "shift_detect", "boost_steps_per_request", "boost_requests", "boost_lr", "shift_drop", "pace_margin")
 
 
 def allowed_cores() -> set[int]:
@@ -192,13 +213,20 @@ class ServedHead:
 
 
 class ReplayFlywheel:
-    """A mode serving replayed requests; with loss switches, the flywheel learns between requests."""
+    """A mode serving replayed requests; with loss switches, the flywheel learns between requests.
 
-    def __init__(self, mode: str, target, heads: dict[str, EagleHead], setup: FlywheelSetup, train_steps_per_request: float = 0.5):
+    The trainer's steps after each request: `setup.steps_per_request` when set (an explicit, reproducible rate),
+    else what one trainer core affords (`CoreBudget`): the request's serving seconds, `serve_seconds(steps)` of
+    the replayed steps (the calibrated cost model of tandem.bench.shift), against the measured seconds of each
+    trainer step."""
+
+    def __init__(self, mode: str, target, heads: dict[str, EagleHead], setup: FlywheelSetup, serve_seconds: Callable[[list], float] | None = None):
         init, switches = MODES[mode]
         if init is None:
             raise InvalidParameterError(f"mode {mode!r} has no drafter to replay")
-        self.setup, self.steps_per_request = setup, train_steps_per_request
+        if switches is not None and setup.steps_per_request is None and serve_seconds is None:
+            raise InvalidParameterError("steps_per_request=None (what the trainer's core affords) needs serve_seconds, the cost of a replayed request")
+        self.setup, self.serve_seconds = setup, serve_seconds
         self.served = serving_copy(heads[init])
         self.drafter = ServedHead(self.served)
         self.store, self.buffer = WeightStore(), TraceBuffer(policy="balance_domains")
@@ -208,13 +236,14 @@ class ReplayFlywheel:
             self.trainer = OnlineTrainer(trainer_copy(heads[init]), target_lm_rows(target, heads[init]), self.buffer, self.store, setup.loss(switches, init))
             self.swapper = HotSwapper(self.drafter, self.store, collapse_ratio=setup.collapse_ratio, background=False)
             self.swapper.on_rollback = self.trainer.request_restore
-        self.schedule, self.detector = setup.schedule(train_steps_per_request)
+        self.budget = CoreBudget() if setup.steps_per_request is None else None
+        self.schedule, self.detector = setup.schedule(setup.steps_per_request or 0.0)
         self.trainer_seconds = 0.0  # wall time of the trainer steps taken so far (what a trainer core must afford)
 
     def serve(self, trace: SequenceTrace, max_tokens: int) -> tuple[ReplayResult, int]:
         """Replay one request under the current version; returns the result and the version that served it.
-        With a trainer: the trace goes to the buffer, the detector sees its acceptance, and the schedule says
-        how many trainer steps to take now and at what learning-rate multiplier."""
+        With a trainer: the trace goes to the buffer, the detector sees its acceptance, and the trainer takes
+        the steps the schedule (or the core's budget) gives, at the schedule's learning-rate multiplier."""
         version = self.drafter.version
         result = replay_request(self.served, trace, self.setup.num_draft_tokens, max_tokens)
         if self.trainer is not None:
@@ -223,12 +252,31 @@ class ReplayFlywheel:
             if self.detector is not None and self.detector.observe(result.acceptance_length):
                 self.schedule.shift()
             self.trainer.lr_scale = self.schedule.lr_scale()
-            begun = time.perf_counter()
-            for _ in range(self.schedule.after_request()):
-                self.trainer.train_step()
-            self.trainer_seconds += time.perf_counter() - begun
+            fixed = self.schedule.after_request()  # also runs the boost down
+            if self.budget is None:
+                for _ in range(fixed):
+                    self._step()
+            else:
+                self._spend_budget(self.serve_seconds(result.steps))
             self.swapper()
         return result, version
+
+    def _step(self) -> float | None:
+        """One trainer step; its wall seconds, or None when it took none (nothing worth training on)."""
+        begun = time.perf_counter()
+        record = self.trainer.train_step()
+        seconds = time.perf_counter() - begun
+        self.trainer_seconds += seconds
+        return None if record is None else seconds
+
+    def _spend_budget(self, serve_s: float) -> None:
+        self.budget.earn(serve_s)
+        while self.budget.affords():
+            seconds = self._step()
+            if seconds is None:
+                self.budget.idle()
+                return
+            self.budget.spend(seconds)
 
     def metrics(self) -> dict:
         if self.trainer is None:
@@ -240,8 +288,12 @@ class ReplayFlywheel:
 
 
 # ---- live --------------------------------------------------------------------------------------------------------
-def live_engine(mode: str, target, heads: dict[str, EagleHead], setup: FlywheelSetup, batch: int, max_len: int) -> tuple[Engine, Flywheel | None]:
-    """The engine for `mode` (plain: no drafter) and, for drafting modes, its started Flywheel (training or not)."""
+def live_engine(mode: str, target, heads: dict[str, EagleHead], setup: FlywheelSetup, batch: int, max_len: int,
+                record: bool = False) -> tuple[Engine, Flywheel | None]:
+    """The engine for `mode` (plain: no drafter) and, for a training mode, its started Flywheel. A frozen mode
+    (static, scratch) serves bare, as a user runs the head: no step records, no trace collector, no hot-swapper,
+    so a comparison with it charges the flywheel for everything it adds. record=True gives a frozen mode a
+    Flywheel that collects traces and never trains (`tandem bench trainer-step` records traces that way)."""
     init, switches = MODES[mode]
     if init is None:
         return Engine(target, EngineConfig(max_batch_size=batch, max_model_len=max_len)), None
@@ -253,8 +305,18 @@ def live_engine(mode: str, target, heads: dict[str, EagleHead], setup: FlywheelS
         from tandem.engine.control import SpeculationController
 
         policy = SpeculationController.for_engine(target, drafter, max_k=setup.num_draft_tokens)
-    engine = Engine(target, EngineConfig(max_batch_size=batch, max_model_len=max_len, record_steps=True), drafter=drafter, draft_policy=policy)
-    return engine, Flywheel(engine, target, live_options(setup, init, switches)).start()
+    flywheel = switches is not None or record
+    engine = Engine(target, EngineConfig(max_batch_size=batch, max_model_len=max_len, record_steps=flywheel), drafter=drafter, draft_policy=policy)
+    return engine, Flywheel(engine, target, live_options(setup, init, switches)).start() if flywheel else None
+
+
+def demo_setup(min_confidence: float, trainer_process: bool | None = None) -> FlywheelSetup:
+    """DEFAULTS as `make demo` serves them live (and tandem.bench.flywheel_costs measures them): the prompt-lookup
+    graft, the head's confidence cut (`min_confidence`), the trainer on a core of its own (in a child process
+    when the machine has >= 2 cores, unless `trainer_process` says), and a version every 5 trainer steps (a
+    short run's learning reaches serving sooner); the learning settings are the defaults."""
+    return replace(DEFAULTS, publish_every=5, prompt_lookup=True, min_confidence=min_confidence, trainer_core=True,
+                   trainer_process=trainer_process_pays() if trainer_process is None else trainer_process)
 
 
 def live_options(setup: FlywheelSetup, init: str, switches: dict | None = None, **storage) -> FlywheelOptions:

@@ -26,6 +26,7 @@ import torch
 from tandem.errors import InvalidParameterError, TandemError
 from tandem.flywheel.buffer import TraceBuffer
 from tandem.flywheel.objective import flywheel_loss
+from tandem.flywheel.pace import LossPacer, PaceConfig
 from tandem.flywheel.weights import WeightStore, WeightVersion
 from tandem.models.config import ModelConfig
 from tandem.models.eagle import EagleHead, copy_head, load_eagle, save_eagle
@@ -58,9 +59,12 @@ class FlywheelConfig:
     sample: str = "uniform"  # "uniform" over the buffer's traces, or "domains": a domain uniformly, then a trace of it
     recent_share: float = 0.0  # share of each batch drawn from the newest `recent_window` traces (today's traffic); the rest as `sample` says
     recent_window: int = 32
+    pace_margin: float | None = None  # None: step whenever there are traces; else rest when a round of steps lowers the newest traces' loss by less than this share (tandem.flywheel.pace)
     seed: int = 0
 
     def __post_init__(self) -> None:
+        if self.pace_margin is not None and self.pace_margin < 0:
+            raise InvalidParameterError(f"pace_margin must be >= 0 (or None: no pacing), got {self.pace_margin}")
         if not (self.imitation or self.discard_weight > 0 or self.branch_weight > 0):
             raise InvalidParameterError("every loss term is off: enable imitation, discard_weight or branch_weight")
         if self.sample not in SAMPLERS:
@@ -101,6 +105,8 @@ class OnlineTrainer:
         self.anchor = [p.detach().clone() for p in self.params] if cfg.anchor > 0 else None  # the starting weights
         self.generator = torch.Generator().manual_seed(cfg.seed)
         self.rng = random.Random(cfg.seed)
+        self.pacer = None if cfg.pace_margin is None else LossPacer(PaceConfig(margin=cfg.pace_margin))
+        self._probe_batch: list = []  # the current pacing round's newest traces
         self.steps = 0
         self.lr_scale = 1.0  # set by the step schedule (tandem.flywheel.schedule): > 1 right after a domain shift
         self.resumed_from_step: int | None = None  # the checkpoint's step count, when resumed
@@ -130,13 +136,16 @@ class OnlineTrainer:
 
     # ---- one step ---------------------------------------------------------------------------------------
     def train_step(self) -> dict | None:
-        """One optimiser step on a sampled batch; None when the buffer has too few traces."""
+        """One optimiser step on a sampled batch; None when the buffer has too few traces or, paced, when the
+        newest traces are already learnt (a step would buy little)."""
         if len(self.buffer) < self.cfg.min_traces:
             return None
         began = time.perf_counter()
-        batch = draw_batch(self.buffer, self.cfg, self.rng)
         with self._lock:
             self._apply_restore()
+            if self.pacer is not None and not self._worth_a_step():
+                return None
+            batch = draw_batch(self.buffer, self.cfg, self.rng)
             for group in self.optimizer.param_groups:
                 group["lr"] = self.cfg.lr * min(1.0, (self.steps + 1) / self.cfg.warmup) * self.lr_scale
             loss, parts = flywheel_loss(self.head, self.target_rows, batch, self.cfg, self.generator)
@@ -150,9 +159,26 @@ class OnlineTrainer:
             self.steps += 1
             record = {"step": self.steps, "loss": float(loss.detach()), "seconds": round(time.perf_counter() - began, 4)} | parts
             self.losses.append(record)
+            if self.pacer is not None:
+                self.pacer.stepped()
             if self.steps % self.cfg.publish_every == 0:
                 self.publish()
         return record
+
+    def _worth_a_step(self) -> bool:
+        """The pacer's verdict, probing the loss (forward only) on the round's newest `batch_size` traces when it asks;
+        both probes of a round draw the same chains (a generator seeded by the round), so they differ by the steps only."""
+        added = self.buffer.stats().added
+        while self.pacer.wants_probe(added):
+            if self.pacer.state == "start":
+                self._probe_batch = [t for t in self.buffer.snapshot() if len(t.features) >= 2][-self.cfg.batch_size :]
+            if not self._probe_batch:  # nothing the loss can read yet: no verdict, step as unpaced
+                return True
+            generator = torch.Generator().manual_seed(self.cfg.seed + 1 + self.pacer.rounds)
+            with torch.no_grad():
+                loss, _ = flywheel_loss(self.head, self.target_rows, self._probe_batch, self.cfg, generator)
+            self.pacer.probe(float(loss), added)
+        return self.pacer.may_step()
 
     def _pull_to_anchor(self) -> None:
         """theta -= lr * anchor * (theta - theta_0): weight decay toward the head training started from rather

@@ -123,16 +123,23 @@ def sized_batch(cfg, max_len: int, budget: int, dtype_bytes: int = 4) -> int:
     return max(1, min(MAX_AUTO_BATCH, budget // kv_row_bytes(cfg, max_len, dtype_bytes)))
 
 
-def flywheel_options(c: ServerConfig, state_dir: Path):
-    """The live flywheel as benchmarks compose it (flywheel.setups.live_options): a trained head (--drafter-path)
-    is fine-tuned with the settings measured for it (lr 1e-4, anchor 100, no discard: docs/BENCHMARKS.md 4),
-    a day-0 head trained from scratch (lr 1e-3); traces spill under state_dir/traces with retention, or not at all."""
-    from tandem.flywheel.setups import FlywheelSetup, live_options
+def flywheel_setup(c: ServerConfig):
+    """The flywheel's defaults (tandem.flywheel.setups.DEFAULTS: the learning settings every entry point shares),
+    with the server's draft length, trainer placement and, when given, publish cadence."""
+    from tandem.flywheel.setups import DEFAULTS
 
-    setup = FlywheelSetup(num_draft_tokens=c.num_draft_tokens, trainer_process=c.trainer_process,
-                          **({} if c.publish_every is None else {"publish_every": c.publish_every}))
+    return replace(DEFAULTS, num_draft_tokens=c.num_draft_tokens, trainer_process=c.trainer_process,
+                   **({} if c.publish_every is None else {"publish_every": c.publish_every}))
+
+
+def flywheel_options(c: ServerConfig, state_dir: Path):
+    """The live flywheel as benchmarks compose it (flywheel.setups.live_options) from `flywheel_setup`: a trained
+    head (--drafter-path) is fine-tuned at the defaults' finetune_lr, a day-0 head trained from scratch at their lr;
+    traces spill under state_dir/traces with retention, or not at all."""
+    from tandem.flywheel.setups import live_options
+
     spill = {"spill_dir": str(state_dir / "traces"), "spill_max_bytes": c.spill_max_bytes, "spill_max_age_s": c.spill_max_age_s} if c.spill_traces else {}
-    return live_options(setup, "static" if c.drafter_path else "scratch", {}, checkpoint_dir=str(state_dir / "checkpoint"),
+    return live_options(flywheel_setup(c), "static" if c.drafter_path else "scratch", {}, checkpoint_dir=str(state_dir / "checkpoint"),
                         trainer_threads=c.trainer_threads, checkpoint_every=c.checkpoint_every, **spill)
 
 

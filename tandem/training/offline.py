@@ -188,23 +188,36 @@ def mtp_step(heads: MtpHeads, target_rows: torch.Tensor, examples: list[Example]
     return _stats(examples, target_rows, list(logits.unbind(2)), [torch.arange(t)] * logits.shape[2], heads.draft_to_target)
 
 
-def _stats(examples: list[Example], target_rows: torch.Tensor, logits: list[torch.Tensor], roots: list[torch.Tensor], draft_to_target: torch.Tensor) -> StepStats:
+def target_positions(roots: list[torch.Tensor]) -> torch.Tensor:  # [P] sorted
+    """Where the loss reads the target distribution: root + s + 1 for each unroll step s (the steps' positions
+    overlap, so each is read once)."""
+    return torch.unique(torch.cat([root + s + 1 for s, root in enumerate(roots)]))
+
+
+def target_states(examples: list[Example], roots: list[torch.Tensor]) -> torch.Tensor:  # [B, P, d]
+    """The target's final hidden states at `target_positions(roots)` (zeros past an example's end: masked)."""
+    t = max(len(e.tokens) for e in examples) - 1
+    return _pad(examples, "final_hidden", t + len(roots) + 1)[:, target_positions(roots)]
+
+
+def _stats(examples: list[Example], target_rows: torch.Tensor, logits: list[torch.Tensor], roots: list[torch.Tensor], draft_to_target: torch.Tensor,
+           probs: torch.Tensor | None = None) -> StepStats:
     """Draft position s at root t predicts the token after position t+s+1 (target distribution there).
 
     logits[s] [B, R_s, Vd] holds the chains rooted at roots[s] [R_s]; correct/valid are scattered back
-    to [S, B, T] (positions a step did not unroll count as invalid).
+    to [S, B, T] (positions a step did not unroll count as invalid). probs [B, P, Vd]: the target distribution
+    at `target_positions(roots)` when the caller computed it (one pass over target_rows for many examples).
     """
     steps, batch, t = len(logits), len(examples), max(len(e.tokens) for e in examples) - 1
-    final = _pad(examples, "final_hidden", t + steps + 1)  # [B, T+S+1, d]
     greedy = _pad(examples, "target_next", t + steps + 1)
     lengths = torch.tensor([len(e.tokens) for e in examples]).unsqueeze(1)  # [B, 1]
     loss = 0.0
     correct = torch.zeros(steps, batch, t, dtype=torch.bool)
     valid = torch.zeros(steps, batch, t, dtype=torch.bool)
-    # the steps' positions overlap (root + s + 1 over s): the target distribution is computed once per position
-    read = torch.unique(torch.cat([root + s + 1 for s, root in enumerate(roots)]))  # [P] sorted
-    with torch.no_grad():
-        probs = _restricted_target(final[:, read], target_rows)  # [B, P, Vd]
+    read = target_positions(roots)
+    if probs is None:
+        with torch.no_grad():
+            probs = _restricted_target(target_states(examples, roots), target_rows)  # [B, P, Vd]
     for s, (step_logits, root) in enumerate(zip(logits, roots)):
         position = root + s + 1  # [R] where the target distribution is read
         mask = position.unsqueeze(0) <= lengths - 1  # [B, R]

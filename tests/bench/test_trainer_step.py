@@ -15,7 +15,7 @@ def test_time_steps_times_the_requested_steps_on_recorded_traces(tiny_llama):
 
     target = load_packed(tiny_llama)
     head = scratch_head(target, 200)
-    engine, flywheel = live_engine("static", target, {"static": head}, FlywheelSetup(), batch=2, max_len=256)
+    engine, flywheel = live_engine("static", target, {"static": head}, FlywheelSetup(), batch=2, max_len=256, record=True)
     serve_stream(engine, flywheel, [(p, "code") for p in make_prompts(3, seed=4)], SamplingParams(max_tokens=12, temperature=0.0), 2)
     flywheel.close()
     traces = flywheel.buffer.snapshot()

@@ -79,7 +79,7 @@ def test_bad_settings_are_refused():
 def test_flywheel_setup_builds_a_flat_or_a_boosted_schedule():
     from tandem.flywheel.setups import FlywheelSetup
 
-    flat, detector = FlywheelSetup().schedule(0.5)
+    flat, detector = FlywheelSetup(shift_detect=False).schedule(0.5)
     assert detector is None and [flat.after_request() for _ in range(4)] == [0, 1, 0, 1] and flat.lr_scale() == 1.0
     boosted, detector = FlywheelSetup(shift_detect=True, boost_steps_per_request=3.0, boost_requests=2, boost_lr=2.0, shift_drop=0.3).schedule(1.0)
     assert detector.cfg.drop == 0.3

@@ -21,9 +21,9 @@ def heads(target):
 def test_replay_flywheel_trains_publishes_and_serves_each_version(target, heads):
     prompts = {str(i): p for i, p in enumerate(make_prompts(6, seed=2))}
     traces = target_traces(target, prompts, 16, EagleConfig.for_target(target.cfg).taps)
-    setup = FlywheelSetup(publish_every=2, seed=0)
+    setup = FlywheelSetup(publish_every=2, seed=0, steps_per_request=1.0, shift_detect=False)
     frozen = ReplayFlywheel("scratch", target, heads, setup)
-    online = ReplayFlywheel("online_scratch", target, heads, setup, train_steps_per_request=1.0)
+    online = ReplayFlywheel("online_scratch", target, heads, setup)
     assert online.swapper.on_rollback == online.trainer.request_restore  # a rollback reaches the trainer
     versions = []
     for key, trace in traces.items():
@@ -65,8 +65,8 @@ def test_a_trained_head_is_fine_tuned_gently_and_anchored_a_day0_head_is_not(tar
     setup = FlywheelSetup(lr=1e-3, finetune_lr=1e-4, anchor=50.0)
     assert (setup.loss({}, "static").lr, setup.loss({}, "static").anchor) == (1e-4, 50.0)
     assert (setup.loss({}, "scratch").lr, setup.loss({}, "scratch").anchor) == (1e-3, 0.0)
-    online = ReplayFlywheel("online", target, {"static": heads["scratch"]}, setup)  # the "static" slot: a trained head
-    scratch = ReplayFlywheel("online_scratch", target, heads, setup)
+    online = ReplayFlywheel("online", target, {"static": heads["scratch"]}, setup, serve_seconds=len)  # the "static" slot: a trained head
+    scratch = ReplayFlywheel("online_scratch", target, heads, setup, serve_seconds=len)
     assert (online.trainer.cfg.lr, online.trainer.cfg.anchor, scratch.trainer.cfg.lr, scratch.trainer.cfg.anchor) == (1e-4, 50.0, 1e-3, 0.0)
     assert online.trainer.anchor is not None and scratch.trainer.anchor is None
     mixed = FlywheelSetup(sample="domains", recent_share=0.5, recent_window=16).loss({}, "static")
@@ -122,4 +122,17 @@ def test_a_trained_head_serves_with_the_confidence_cut_a_day0_head_drafts_full_c
     for mode, cut in (("static", 0.3), ("online_scratch", 0.0)):
         engine, flywheel = live_engine(mode, target, served, setup, batch=1, max_len=64)
         assert isinstance(engine.drafter, EagleNgramDrafter) and engine.drafter.eagle.min_confidence == cut
-        flywheel.close()
+        if flywheel is not None:
+            flywheel.close()
+
+
+@pytest.mark.parametrize("mode", ["static", "scratch"])
+def test_a_frozen_mode_serves_bare_as_a_user_runs_it(target, heads, mode):
+    """The live baseline records nothing: no step records, no observers (trace collector, hot-swapper), no flywheel;
+    record=True is the frozen flywheel that only collects traces (bench trainer-step)."""
+    served = {"static": heads["scratch"], "scratch": heads["scratch"]}
+    engine, flywheel = live_engine(mode, target, served, FlywheelSetup(prompt_lookup=True), batch=2, max_len=64)
+    assert flywheel is None and engine.config.record_steps is False and engine.observers == [] and engine.drafter is not None
+    recording, frozen = live_engine(mode, target, served, FlywheelSetup(), batch=2, max_len=64, record=True)
+    assert recording.config.record_steps is True and frozen.trainer is None and frozen.collector in recording.observers
+    frozen.close()

@@ -163,14 +163,14 @@ def test_the_default_batch_is_sized_from_the_kv_budget(tiny_llama):
 
 
 def test_the_online_flywheel_is_the_benchmarks_composition(tmp_path):
-    """A trained head is fine-tuned with the settings measured for a strong head (not a day-0 head's); spilling has
-    retention and an opt-out; --trainer-process reaches the flywheel."""
+    """A trained head is fine-tuned with the flywheel's defaults (not a day-0 head's lr); spilling has retention and an
+    opt-out; --trainer-process reaches the flywheel."""
     from tandem.flywheel.setups import FlywheelSetup, live_options
     from tandem.server.runtime import ServerConfig, flywheel_options
 
     base = dict(drafter="eagle", online=True)
     strong = flywheel_options(ServerConfig(**base, drafter_path="head/", spill_max_bytes=1 << 20, spill_max_age_s=60.0, trainer_process=True), tmp_path)
-    assert (strong.loss.lr, strong.loss.anchor, strong.loss.discard_weight) == (1e-4, 100.0, 0.0)
+    assert (strong.loss.lr, strong.loss.anchor, strong.loss.discard_weight, strong.loss.sample, strong.loss.recent_share) == (3e-4, 0.0, 0.0, "domains", 0.5)
     assert strong.loss == live_options(FlywheelSetup(), "static", {}).loss and strong.train and strong.trainer_process
     assert (strong.spill_dir, strong.spill_max_bytes, strong.spill_max_age_s) == (str(tmp_path / "traces"), 1 << 20, 60.0)
     scratch = flywheel_options(ServerConfig(**base, spill_traces=False, publish_every=3), tmp_path)
