@@ -2,6 +2,8 @@
 each step's rollouts.
 
 Thin: args -> GRPOConfig -> build_trainer -> run (checkpoint every step when asked) -> summary, sweep, plot.
+Each step's line and the JSON carry the reward (what trains; reasoning-gym's scorers give partial credit) and the
+exact accuracy (the scorer's full score) side by side, for training samples and the held-out evaluation.
 """
 from __future__ import annotations
 
@@ -51,7 +53,7 @@ def add_rl_command(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", default=None, help="directory: saved after every step")
     p.add_argument("--resume", default=None, help="checkpoint directory to continue from (the same settings)")
     p.add_argument("--json", dest="json_out", default=None)
-    p.add_argument("--plot", default=None, help="PNG: held-out reward, rollout time per drafter, the long tail")
+    p.add_argument("--plot", default=None, help="PNG: held-out reward and exact accuracy, rollout time per drafter, the long tail")
     p.set_defaults(func=run_rl)
     return p
 
@@ -95,7 +97,7 @@ def run_rl(args, build=None) -> int:
 
     from tandem.rl.checkpoint import load_checkpoint, save_checkpoint
     from tandem.rl.report import batch_sweep, plot, summarize, timestamp
-    from tandem.rl.rewards import load_reward
+    from tandem.rl.rewards import load_reward, reward_label
     from tandem.rl.setup import build_trainer
 
     if args.threads:
@@ -116,7 +118,7 @@ def run_rl(args, build=None) -> int:
 
     def on_step(record: dict) -> None:
         line = {k: round(record[k], 4) if isinstance(record[k], float) else record[k]
-                for k in ("step", "reward_mean", "completion_tokens_mean", "train_s", "sync_s", "step_wall_s", "entropy", "clip_fraction")}
+                for k in ("step", "reward_mean", "exact_mean", "completion_tokens_mean", "train_s", "sync_s", "step_wall_s", "entropy", "clip_fraction")}
         line |= {"rollout_s": {d: round(s, 2) for d, s in record["rollout_s"].items()}, "eval": record.get("eval")}
         print(json.dumps(line), flush=True)
         if args.checkpoint:
@@ -136,7 +138,8 @@ def run_rl(args, build=None) -> int:
         prompts = (prompts * (max(sizes) // len(prompts) + 1))[: max(sizes)]
         result["sweep"] = batch_sweep(trainer.engines, prompts, sizes, cfg.max_tokens, cfg.temperature, cfg.seed)
     if args.plot:
-        plot(trainer.history, trainer.evals, args.plot, f"tandem rl: {args.model}, {'async' if args.async_mode else 'sync'}")
+        plot(trainer.history, trainer.evals, args.plot, f"tandem rl: {args.model}, {'async' if args.async_mode else 'sync'}",
+             reward_label(args.reward))
     text = json.dumps(result, indent=1)
     if args.json_out:
         Path(args.json_out).write_text(text + "\n")
