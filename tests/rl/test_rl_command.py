@@ -1,5 +1,5 @@
 """`tandem rl --compare` end to end on the tiny model: JSON summary, sweep, plot, checkpoint + resume; rewards next to
-exact accuracy, async with math-verify."""
+exact accuracy, async with math-verify, export of the trained policy."""
 import json
 from collections import Counter
 from pathlib import Path
@@ -115,3 +115,25 @@ def test_reward_with_partial_credit_and_exact_accuracy_side_by_side(tmp_path, ca
         assert (h["reward_mean"], h["exact_mean"]) == (sum(step_scores) / 2, sum(s == 1.0 for s in step_scores) / 2)
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith('{"step"')]
     assert [(line["reward_mean"], line["exact_mean"]) for line in lines] == [(h["reward_mean"], h["exact_mean"]) for h in result["history"]]
+
+
+def test_the_trained_policy_is_exported_as_a_hugging_face_model(tiny_llama, tmp_path):
+    """`tandem rl --export` and `tandem export CHECKPOINT` write the same directory: the learner's weights under HF names
+    (tandem's loader reads back exactly the checkpoint's policy, which training moved off the source weights)."""
+    from safetensors.torch import load_file
+
+    from tandem.models.loader import load_transformer
+
+    ckpt, exported, again = tmp_path / "ckpt", tmp_path / "export", tmp_path / "again"
+    assert main(["rl", "--model", tiny_llama, "--steps", "1", "--prompts-per-step", "2", "--group-size", "4", "--max-tokens", "6",
+                 "--eval-problems", "0", "--lr", "1e-3", "--reward", "tests.rl.test_grpo:parity_reward", "--task", "basic_arithmetic",
+                 "--no-demonstration", "--checkpoint", str(ckpt), "--export", str(exported)]) == 0
+    assert main(["export", str(ckpt), "--out", str(again)]) == 0
+    assert {f.name for f in exported.iterdir()} == {f.name for f in again.iterdir()} >= {"model.safetensors", "config.json", "tokenizer.json"}
+    assert all((exported / f.name).read_bytes() == (again / f.name).read_bytes() for f in exported.iterdir())
+    policy = load_file(str(ckpt / "policy.safetensors"))
+    params = dict(load_transformer(exported).named_parameters())
+    assert set(policy) == set(params) and all(torch.equal(params[n], policy[n]) for n in policy)
+    source = dict(load_transformer(tiny_llama).named_parameters())
+    assert not torch.equal(params["blocks.0.attn.qkv.weight"], source["blocks.0.attn.qkv.weight"])
+    assert main(["export", str(ckpt), "--out", str(again)]) == 1  # never overwrites
