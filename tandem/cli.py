@@ -444,9 +444,11 @@ def _demo(args) -> int:
 def _rl_command(sub) -> None:
     from tandem.cluster.cli import add_ray_rl_options
     from tandem.rl.command import add_rl_command
+    from tandem.rl.export import add_export_command
 
     add_rl_command(sub)
     add_ray_rl_options(sub.choices["rl"])
+    add_export_command(sub)
 
 
 def _serve_command(sub) -> None:

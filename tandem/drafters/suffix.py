@@ -12,9 +12,13 @@ for greedy ones (the target is deterministic there: what followed the same conte
 proposal is deterministic (draft_probs None: a point mass), so the engine's verification keeps it lossless, at
 any temperature. `suffix` drafts a chain, `suffix_tree` a tree (the top `width` continuations per node).
 
-Memory is bounded: each trie is rebuilt from its most recent sequences when it exceeds `max_group_nodes`,
-and whole prompts are evicted least recently used past `max_prompts` or `max_total_nodes`. The history
-persists across requests and policy updates (model-free: nothing goes stale); `reset()` forgets it.
+Memory is bounded, hard: after every on_prefill / on_verified / release, each prompt's trie holds at most
+`max_group_nodes` nodes and all tries together (groups and the cross-prompt history) at most `max_total_nodes`.
+Past a cap the drafter loses the least useful first: prompts with no live request (least recently used), then
+the history's oldest outputs, then, in the largest live groups, their finished outputs (oldest first) and last
+each live context cut to its newest tokens (halving the window, down to an empty trie): a live group is trimmed,
+never evicted. A prompt is evicted past `max_prompts` only when no request of it is live. The history persists
+across requests and policy updates (model-free: nothing goes stale); `reset()` forgets it.
 Requests are duck-typed (DraftContext): on_prefill sees prompt + first token, so the prompt is all_ids[:-1].
 """
 from __future__ import annotations
@@ -30,22 +34,29 @@ from tandem.types import DraftTree, chain_shapes
 
 
 class _Group:
-    """One prompt's trie: the prompt once, then its outputs (live ones by request id, finished ones newest last)."""
+    """One prompt's trie: the prompt once, then its outputs (live ones by request id, finished ones newest last).
+
+    `window` None: the trie holds the prompt, the finished outputs and each live output after the prompt. An int: it
+    was trimmed to each live request's newest `window` context tokens (prompt + output) and the prompt's newest
+    `window` tokens, each from the root (no finished outputs); 0 leaves the root alone."""
 
     def __init__(self, prompt: list[int], depth: int, max_nodes: int, keep_finished: int):
         self.prompt, self.depth, self.max_nodes = prompt, depth, max_nodes
-        self.limit = max_nodes  # rebuild past this many nodes (raised while the live outputs alone need more)
         self.finished: deque[list[int]] = deque(maxlen=keep_finished)
-        self.live: dict[str, list[int]] = {}  # request id -> its output so far
+        self.live: dict[str, list[int]] = {}  # request id -> its whole output so far (in the trie or not)
         self.cursors: dict[str, list[int]] = {}
-        self._build([])
+        self._build([], None)
 
-    def _build(self, finished: list[list[int]]) -> None:
+    def _build(self, finished: list[list[int]], window: int | None) -> None:
         self.trie = SuffixTrie(self.depth)
-        self.prompt_cursor = self.trie.extend(SuffixTrie.start(), self.prompt)
-        for output in finished:
-            self.trie.extend(self.prompt_cursor, output)
-        self.cursors = {rid: self.trie.extend(self.prompt_cursor, out) for rid, out in self.live.items()}
+        if window is None:
+            self.prompt_cursor = self.trie.extend(SuffixTrie.start(), self.prompt)
+            for output in finished:
+                self.trie.extend(self.prompt_cursor, output)
+            self.cursors = {rid: self.trie.extend(self.prompt_cursor, out) for rid, out in self.live.items()}
+            return
+        self.prompt_cursor = self.trie.extend(SuffixTrie.start(), _newest(self.prompt, window))
+        self.cursors = {rid: self.trie.extend(SuffixTrie.start(), _newest(self.prompt + out, window)) for rid, out in self.live.items()}
 
     def open(self, request_id: str) -> None:
         self.live[request_id] = []
@@ -54,35 +65,42 @@ class _Group:
     def append(self, request_id: str, tokens: list[int]) -> None:
         self.live[request_id].extend(tokens)
         self.cursors[request_id] = self.trie.extend(self.cursors[request_id], tokens)
-        if len(self.trie) > self.limit:
-            self._shrink()
+        if len(self.trie) > self.max_nodes:
+            self.trim(max(1, self.max_nodes // 2))  # half: the next trim is >= max_nodes / 2 new nodes away
 
     def close(self, request_id: str) -> list[int]:
         output = self.live.pop(request_id)
         self.cursors.pop(request_id)
         if output:
             self.finished.append(output)
-        self.limit = self.max_nodes  # the live outputs that raised it may be gone
         return output
 
-    def _shrink(self) -> None:
-        """Rebuild from the prompt, the live outputs and the newest finished ones, halving those until the trie is at
-        most half the cap. Live outputs are always kept, so the trie stays <= max(max_nodes, 2 * (1 + depth * (prompt +
-        live tokens))): the rebuild threshold doubles while the live outputs alone need more (amortized O(1) per token)."""
+    def trim(self, target: int) -> None:
+        """Rebuild with at most `target` (>= 1) nodes, losing the least: the oldest finished outputs (keeping the newest
+        half, then its newest half, ...), then every live context cut to its newest `window` tokens (halving), down to
+        the root alone. Every live request keeps a cursor: it goes on decoding and drafting from what is left."""
         keep = list(self.finished)
-        while True:
+        while keep:
             keep = keep[(len(keep) + 1) // 2:]  # the newest half (a single one is dropped too)
-            self._build(keep)
-            if len(self.trie) <= self.max_nodes // 2 or not keep:
-                break
+            self._build(keep, None)
+            if len(self.trie) <= target:
+                self.finished = deque(keep, maxlen=self.finished.maxlen)
+                return
         self.finished.clear()
-        self.finished.extend(keep)
-        self.limit = max(self.max_nodes, 2 * len(self.trie))
+        self._build([], None)
+        window = len(self.prompt) + max((len(out) for out in self.live.values()), default=0)
+        while len(self.trie) > target:
+            window //= 2
+            self._build([], window)
+
+
+def _newest(tokens: list[int], n: int) -> list[int]:
+    return tokens[max(0, len(tokens) - n):] if n > 0 else []
 
 
 class _History:
     """Recent finished outputs of all prompts in one trie (each its own sequence), rebuilt from the newest half
-    when it grows past max_nodes."""
+    (repeatedly, down to none) when it grows past max_nodes."""
 
     def __init__(self, depth: int, max_nodes: int, keep: int):
         self.depth, self.max_nodes = depth, max_nodes
@@ -92,8 +110,13 @@ class _History:
     def add(self, output: list[int]) -> None:
         self.outputs.append(output)
         self.trie.extend(SuffixTrie.start(), output)
-        if len(self.trie) > self.max_nodes:  # rebuild from the newest half (the newest one alone if it is all that is left)
-            keep = list(self.outputs)[(len(self.outputs) + 1) // 2:] or list(self.outputs)[-1:]
+        if len(self.trie) > self.max_nodes:
+            self.trim(max(1, self.max_nodes // 2))
+
+    def trim(self, target: int) -> None:
+        """Keep the newest half of the outputs until the trie has at most `target` (>= 1) nodes (none: the root)."""
+        while len(self.trie) > target:
+            keep = list(self.outputs)[(len(self.outputs) + 1) // 2:]
             self.outputs.clear()
             self.outputs.extend(keep)
             self.trie = SuffixTrie(self.depth)
@@ -118,6 +141,8 @@ class SuffixDrafter(DrafterBase):
         self.max_prompts, self.max_group_nodes, self.max_total_nodes, self.keep_finished = max_prompts, max_group_nodes, max_total_nodes, keep_finished
         if prior < 0:
             raise InvalidParameterError(f"suffix prior must be >= 0, got {prior}")
+        if max_group_nodes < 2 or max_total_nodes < 2:  # a trie is at least its root; the history has one too
+            raise InvalidParameterError(f"suffix needs max_group_nodes, max_total_nodes >= 2, got {max_group_nodes}, {max_total_nodes}")
         self.cross_prompt, self.prior = cross_prompt, prior
         self.reset()
 
@@ -131,16 +156,18 @@ class SuffixDrafter(DrafterBase):
     def on_prefill(self, request, target_out) -> None:
         ids = list(request.all_ids)
         prompt = tuple(ids[:-1])
-        group = self._groups.get(prompt)
-        if group is None:
-            group = self._groups[prompt] = _Group(list(prompt), self.depth, self.max_group_nodes, self.keep_finished)
-            self._evict()
-        self._groups.move_to_end(prompt)
         if request.request_id in self._live:  # a reused id: the old request ended without release
             self.release(request)
+        group = self._groups.get(prompt)
+        if group is None:
+            if self._live_groups() + 2 > self.max_total_nodes:  # no room for one more root next to the live ones
+                return  # untracked: the request drafts nothing
+            group = self._groups[prompt] = _Group(list(prompt), self.depth, self.max_group_nodes, self.keep_finished)
+        self._groups.move_to_end(prompt)
         group.open(request.request_id)
-        group.append(request.request_id, ids[-1:])
         self._live[request.request_id] = (group, len(prompt))
+        group.append(request.request_id, ids[-1:])
+        self._fit()
 
     def on_verified(self, requests, drafts, results, starts, target_out) -> None:
         for request in requests:
@@ -152,6 +179,7 @@ class SuffixDrafter(DrafterBase):
             new = ids[prompt_len + len(group.live[request.request_id]):]
             if new:
                 group.append(request.request_id, list(new))
+        self._fit()
 
     def release(self, request) -> None:
         entry = self._live.pop(request.request_id, None)
@@ -160,17 +188,34 @@ class SuffixDrafter(DrafterBase):
         output = entry[0].close(request.request_id)
         if self.cross_prompt and output:
             self._history.add(output)
+            self._fit()
 
-    def _evict(self) -> None:
-        live_groups = {id(g) for g, _ in self._live.values()}
-        while len(self._groups) > 1:
-            total = sum(len(g.trie) for g in self._groups.values()) + len(self._history.trie)
-            if len(self._groups) <= self.max_prompts and total <= self.max_total_nodes:
-                return
-            victim = next((key for key, g in self._groups.items() if id(g) not in live_groups), None)
+    def nodes(self) -> int:
+        """Nodes of all tries together: what max_total_nodes bounds."""
+        return sum(len(g.trie) for g in self._groups.values()) + len(self._history.trie)
+
+    def _live_groups(self) -> int:
+        return len({id(g) for g, _ in self._live.values()})
+
+    def _fit(self) -> None:
+        """Back within max_prompts and max_total_nodes: evict prompts with no live request (least recently used first);
+        if the nodes are still over, trim the history, then the largest live groups, to 3/4 of the cap (room to grow
+        before the next trim). Live groups are never evicted, so the one just opened survives."""
+        live = {id(g) for g, _ in self._live.values()}
+        while len(self._groups) > self.max_prompts or self.nodes() > self.max_total_nodes:
+            victim = next((key for key, g in self._groups.items() if id(g) not in live), None)
             if victim is None:
-                return
+                break
             del self._groups[victim]
+        if self.nodes() <= self.max_total_nodes:
+            return
+        over = self.nodes() - (self.max_total_nodes - self.max_total_nodes // 4)
+        for trie_owner in [self._history] + sorted(self._groups.values(), key=lambda g: -len(g.trie)):
+            if over <= 0:
+                break
+            before = len(trie_owner.trie)
+            trie_owner.trim(max(1, before - over))
+            over -= before - len(trie_owner.trie)
 
     def stats(self) -> dict:
         return {"prompts": len(self._groups), "nodes": sum(len(g.trie) for g in self._groups.values()),

@@ -2,7 +2,7 @@
 
 Layout: policy.safetensors (learner parameters), optimizer.safetensors (AdamW moments and step per
 parameter, keyed "<param>::<field>"), optional eagle/ (head via save_eagle) + eagle_optimizer.safetensors,
-state.json (step, versions, the learning-rate schedule, the run's config, history, evals). Written into a
+state.json (step, versions, the learning-rate schedule, the run's config, history, evals, the model when given). Written into a
 temporary directory that is renamed into place, so a crash never leaves a half-written checkpoint. A
 checkpoint resumes only the run it came from: a different GRPOConfig is refused, naming the fields that
 differ (`steps` may grow: a run can be extended).
@@ -42,7 +42,8 @@ def _trainable(module: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
     return {n: p for n, p in module.named_parameters() if p.requires_grad}
 
 
-def save_checkpoint(trainer, path: str | Path) -> Path:
+def save_checkpoint(trainer, path: str | Path, model: str | None = None) -> Path:
+    """`model`: the run's model (zoo name or directory), recorded for `tandem export`."""
     from safetensors.torch import save_file
 
     from tandem.models.eagle import save_eagle
@@ -57,7 +58,7 @@ def save_checkpoint(trainer, path: str | Path) -> Path:
     state = {
         "schema_version": SCHEMA_VERSION, "step": trainer.step_index, "learner": learner_state,
         "lr": lr, "config": trainer.cfg.as_dict(), "history": trainer.history, "evals": trainer.evals,
-    }
+    } | ({"model": model} if model else {})
     if trainer.online is not None:
         online = trainer.online
         save_eagle(online.head, tmp / "eagle")

@@ -1,7 +1,9 @@
 """`tandem rl`: GRPO on reasoning-gym tasks with speculative rollouts; with --compare, every drafter decodes
 each step's rollouts.
 
-Thin: args -> GRPOConfig -> build_trainer -> run (checkpoint every step when asked) -> summary, sweep, plot.
+Thin: args -> GRPOConfig -> build_trainer -> run (checkpoint every step when asked) -> summary, sweep, plot, export.
+Each step's line and the JSON carry the reward (what trains; reasoning-gym's scorers give partial credit) and the
+exact accuracy (the scorer's full score) side by side, for training samples and the held-out evaluation.
 """
 from __future__ import annotations
 
@@ -50,8 +52,9 @@ def add_rl_command(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--checkpoint", default=None, help="directory: saved after every step")
     p.add_argument("--resume", default=None, help="checkpoint directory to continue from (the same settings)")
+    p.add_argument("--export", default=None, help="directory: the trained policy as a Hugging Face model (safetensors, config, tokenizer)")
     p.add_argument("--json", dest="json_out", default=None)
-    p.add_argument("--plot", default=None, help="PNG: held-out reward, rollout time per drafter, the long tail")
+    p.add_argument("--plot", default=None, help="PNG: held-out reward and exact accuracy, rollout time per drafter, the long tail")
     p.set_defaults(func=run_rl)
     return p
 
@@ -93,9 +96,11 @@ def run_rl(args, build=None) -> int:
     rollouts run on Ray workers); checkpoint, resume, evaluation and the report are the same for every builder."""
     import torch
 
+    from tandem.models.hf_export import check_destination
     from tandem.rl.checkpoint import load_checkpoint, save_checkpoint
+    from tandem.rl.export import export_policy
     from tandem.rl.report import batch_sweep, plot, summarize, timestamp
-    from tandem.rl.rewards import load_reward
+    from tandem.rl.rewards import load_reward, reward_label
     from tandem.rl.setup import build_trainer
 
     if args.threads:
@@ -107,20 +112,23 @@ def run_rl(args, build=None) -> int:
     sizes = [int(s) for s in args.sweep.split(",") if s]
     cfg = grpo_config(args)
     reward_fn = load_reward(args.reward)
+    if args.export:
+        check_destination(args.export)  # refused before training, not after
     max_batch = max([cfg.prompts_per_step * cfg.group_size, cfg.eval_problems] + sizes)
     trainer = (build or build_trainer)(args.model, drafters, cfg, args.num_draft_tokens, not args.no_adaptive_k, max_batch=min(max_batch, 128),
                                        reward_fn=reward_fn)
     if args.resume:
         load_checkpoint(trainer, args.resume)
     started = timestamp()
+    model_ref = str(Path(args.model).resolve()) if Path(args.model).is_dir() else args.model  # what the checkpoint records
 
     def on_step(record: dict) -> None:
         line = {k: round(record[k], 4) if isinstance(record[k], float) else record[k]
-                for k in ("step", "reward_mean", "completion_tokens_mean", "train_s", "sync_s", "step_wall_s", "entropy", "clip_fraction")}
+                for k in ("step", "reward_mean", "exact_mean", "completion_tokens_mean", "train_s", "sync_s", "step_wall_s", "entropy", "clip_fraction")}
         line |= {"rollout_s": {d: round(s, 2) for d, s in record["rollout_s"].items()}, "eval": record.get("eval")}
         print(json.dumps(line), flush=True)
         if args.checkpoint:
-            save_checkpoint(trainer, args.checkpoint)
+            save_checkpoint(trainer, args.checkpoint, model=model_ref)
         if args.json_out:  # progress survives an interrupted run
             Path(args.json_out).write_text(json.dumps({"partial": True, "history": trainer.history, "evals": trainer.evals}) + "\n")
 
@@ -136,9 +144,12 @@ def run_rl(args, build=None) -> int:
         prompts = (prompts * (max(sizes) // len(prompts) + 1))[: max(sizes)]
         result["sweep"] = batch_sweep(trainer.engines, prompts, sizes, cfg.max_tokens, cfg.temperature, cfg.seed)
     if args.plot:
-        plot(trainer.history, trainer.evals, args.plot, f"tandem rl: {args.model}, {'async' if args.async_mode else 'sync'}")
+        plot(trainer.history, trainer.evals, args.plot, f"tandem rl: {args.model}, {'async' if args.async_mode else 'sync'}",
+             reward_label(args.reward))
+    if args.export:
+        result["export"] = str(export_policy(trainer.learner.named_tensors(), args.model, args.export))
     text = json.dumps(result, indent=1)
     if args.json_out:
         Path(args.json_out).write_text(text + "\n")
-    print(json.dumps({"summary": result["summary"], "evals": trainer.evals, "sweep": result.get("sweep")}, indent=1))
+    print(json.dumps({"summary": result["summary"], "evals": trainer.evals, "sweep": result.get("sweep"), "export": result.get("export")}, indent=1))
     return 0

@@ -171,6 +171,15 @@ class ReasoningEnv:
         """reasoning-gym's own scorer for `task` on an extracted answer (None = no answer given)."""
         return float(self._train[task].score_answer(answer, entry))
 
+    def exact(self, problem: Problem, text: str) -> bool:
+        """Exact accuracy: the answer in the completion's last <answer>...</answer> gets the task scorer's full score,
+        1.0: equal to the reference after that scorer's own normalisation (basic_arithmetic: the same string;
+        chain_sum: the same decimal, sign, leading zeros and commas tolerated; gsm_symbolic: its first number equal),
+        never the partial credit those scorers give otherwise ("17" against "7": 0.5)."""
+        from reasoning_gym.utils import extract_answer
+
+        return self.score(problem.task, extract_answer(text), problem.entry) == 1.0
+
 
 def wilson_interval(successes: float, n: int, z: float = 1.96) -> tuple[float, float]:
     """The 95 % Wilson score interval of a mean of n rewards in [0, 1] (successes = their sum)."""

@@ -9,6 +9,10 @@ learner's own forward, detached, and is published; suffix drafters keep their hi
 Sync mode runs those phases in order. Async mode overlaps the rollouts of step t+1 (on the weights of
 step t) with the update of step t in a thread, so the learner trains one version off-policy; the
 objective is then anchored to the learner's current policy (decoupled PPO, see tandem.rl.learner).
+Rewards are always computed on the trainer's own thread (math-verify's timeouts use signal.alarm).
+
+Two scores per completion: the reward that trains (reward_fn; reasoning-gym's scorers give partial credit,
+e.g. "17" against "7" scores 0.5) and exact accuracy (the env's scorer gives the full 1.0), both reported.
 
 Randomness: sample i of prompt j at step s is drawn with the seed SeedSequence([seed, 1, s, j, i]),
 so no two (step, prompt, sample) share a stream; held-out evaluation uses [seed, 2, j] at every eval.
@@ -115,21 +119,29 @@ class GRPOTrainer:
         batches = {e.name: e.generate_rollouts(prompts, self.cfg.group_size, params, seeds=seeds) for e in order}
         return batch_problems, {e.name: batches[e.name] for e in self.engines}
 
-    def rewards(self, batch: RolloutBatch, batch_problems: list[Problem]) -> torch.Tensor:  # [N]
-        texts = self.tokenizer.batch_decode([r.completion_ids for r in batch.rollouts], skip_special_tokens=True)
-        return torch.tensor([float(self.reward_fn(t, batch_problems[r.prompt_index], self.env)) for t, r in zip(texts, batch.rollouts)])
-
-    def update(self, batch: RolloutBatch, batch_problems: list[Problem], step: int) -> dict:
+    def score(self, batch: RolloutBatch, batch_problems: list[Problem]) -> dict:
+        """Per rollout: "rewards" [N] (reward_fn: may give partial credit) and "exact" [N] (1.0 where the env's scorer
+        gives the tagged answer the full score, see ReasoningEnv.exact), and "reward_s". Runs on the calling thread:
+        rewards may use signal-based timeouts (math-verify's), which work only on the main thread."""
         t0 = time.perf_counter()
-        rewards = self.rewards(batch, batch_problems)
+        texts = self.tokenizer.batch_decode([r.completion_ids for r in batch.rollouts], skip_special_tokens=True)
+        problems = [batch_problems[r.prompt_index] for r in batch.rollouts]
+        rewards = torch.tensor([float(self.reward_fn(t, p, self.env)) for t, p in zip(texts, problems)])
+        exact = torch.tensor([float(self.env.exact(p, t)) for t, p in zip(texts, problems)])
+        return {"rewards": rewards, "exact": exact, "reward_s": time.perf_counter() - t0}
+
+    def update(self, batch: RolloutBatch, batch_problems: list[Problem], step: int, scored: dict | None = None) -> dict:
+        """The learner's update on `batch`, scored here unless `scored` (score()'s result) is given."""
+        scored = scored if scored is not None else self.score(batch, batch_problems)
+        rewards = scored["rewards"]
         groups = torch.tensor([r.prompt_index for r in batch.rollouts])
         advantages = group_advantages(rewards, groups, scale_by_std=self.cfg.scale_adv_by_std)
-        reward_s = time.perf_counter() - t0
         stats = self.learner.update(batch.rollouts, advantages, step, self.online)
         versions = [r.policy_version for r in batch.rollouts]
         lengths = [len(r.completion_ids) for r in batch.rollouts]
-        return stats | {"reward_s": reward_s, "reward_mean": float(rewards.mean()), "sample_staleness": self.learner.version - 1 - min(versions),
-                        "completion_tokens_mean": float(np.mean(lengths)), "truncated_share": float(np.mean([n >= self.cfg.max_tokens for n in lengths]))}
+        return stats | {"reward_s": scored["reward_s"], "reward_mean": float(rewards.mean()), "exact_mean": float(scored["exact"].mean()),
+                        "sample_staleness": self.learner.version - 1 - min(versions), "completion_tokens_mean": float(np.mean(lengths)),
+                        "truncated_share": float(np.mean([n >= self.cfg.max_tokens for n in lengths]))}
 
     def sync(self) -> dict:
         start = time.perf_counter()
@@ -141,7 +153,8 @@ class GRPOTrainer:
         return {"sync_s": time.perf_counter() - start, "sync": {k: round(v, 4) for k, v in timings.items()}}
 
     def evaluate(self) -> dict:
-        """Held-out reward with its 95 % Wilson interval: greedy and one sample at the rollout temperature."""
+        """Held-out reward ("greedy", "sampled") and exact accuracy ("greedy_exact", "sampled_exact"), each with its 95 %
+        Wilson interval: greedy and one sample at the rollout temperature."""
         if not self.held_out:
             return {}
         t0 = time.perf_counter()
@@ -150,10 +163,11 @@ class GRPOTrainer:
         for name, temperature in (("greedy", 0.0), ("sampled", self.cfg.temperature)):
             seeds = [[sample_seed(self.cfg.seed, EVAL_STREAM, j)] for j in range(len(prompts))]
             batch = self.engines[0].generate_rollouts(prompts, 1, SamplingParams(max_tokens=self.cfg.max_tokens, temperature=temperature), seeds=seeds)
-            rewards = self.rewards(batch, self.held_out)
-            low, high = wilson_interval(float(rewards.sum()), len(rewards))
-            out[name] = float(rewards.mean())
-            out[f"{name}_ci95"] = [round(low, 4), round(high, 4)]
+            scored = self.score(batch, self.held_out)
+            for key, values in ((name, scored["rewards"]), (f"{name}_exact", scored["exact"])):
+                low, high = wilson_interval(float(values.sum()), len(values))
+                out[key] = float(values.mean())
+                out[f"{key}_ci95"] = [round(low, 4), round(high, 4)]
             out[f"{name}_tokens_mean"] = float(np.mean([len(r.completion_ids) for r in batch.rollouts]))
         out["eval_s"] = time.perf_counter() - t0
         self.evals.append(out)
@@ -189,14 +203,17 @@ class GRPOTrainer:
         return self._record(batches, stats, rollout_wall) | self.sync()
 
     def _async_step(self, pending, more: bool):
-        """Update on `pending` (from the previous weights) in a thread while the next rollouts run."""
+        """Update on `pending` (from the previous weights) in a thread while the next rollouts run. The rewards are
+        computed first, on this thread (see score)."""
         batch_problems, batches = pending
         result: dict = {}
         step = self.step_index
+        primary = batches[self.engines[0].name]
+        scored = self.score(primary, batch_problems)
 
         def work():
             try:
-                result["stats"] = self.update(batches[self.engines[0].name], batch_problems, step)
+                result["stats"] = self.update(primary, batch_problems, step, scored)
             except BaseException as e:  # re-raised in the caller's thread
                 result["error"] = e
 

@@ -1,5 +1,5 @@
 """What `tandem rl --compare` reports: rollout and step speedups per drafter, the Amdahl prediction,
-the batch-size sweep, and a plot (held-out reward, rollout time per drafter, the long-tail profile).
+the batch-size sweep, and a plot (held-out reward and exact accuracy, rollout time per drafter, the long-tail profile).
 
 Step time of drafter d (all measured in the same steps, same prompts, seeds and weights):
     step_d = rollout_d + update + sync_target + resync_d
@@ -104,7 +104,19 @@ def batch_sweep(engines, prompts: list[list[int]], sizes: list[int], max_tokens:
     return out
 
 
-def plot(history: list[dict], evals: list[dict], path: str, title: str = "") -> None:
+def learning_curves(evals: list[dict], reward_label: str = "reward") -> list[tuple[str, list[int], list[float]]]:
+    """The plot's learning panel: (label, steps, values) per held-out curve, the reward and the exact accuracy
+    (evals from before exact accuracy was recorded have the reward alone)."""
+    steps = [e["step"] for e in evals]
+    curves = []
+    for mode in ("greedy", "sampled"):
+        curves.append((f"{reward_label}, {mode}", steps, [e[mode] for e in evals]))
+        if evals and all(f"{mode}_exact" in e for e in evals):
+            curves.append((f"exact accuracy, {mode}", steps, [e[f"{mode}_exact"] for e in evals]))
+    return curves
+
+
+def plot(history: list[dict], evals: list[dict], path: str, title: str = "", reward_label: str = "reward") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -112,9 +124,9 @@ def plot(history: list[dict], evals: list[dict], path: str, title: str = "") -> 
 
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
     ax = axes[0]
-    for key in ("greedy", "sampled"):
-        ax.plot([e["step"] for e in evals], [e[key] for e in evals], marker="o", label=f"held-out reward ({key})")
-    ax.set_xlabel("GRPO step"), ax.set_ylabel("exact-match reward"), ax.set_ylim(0, 1), ax.legend(), ax.set_title("learning")
+    for label, steps, values in learning_curves(evals, reward_label):
+        ax.plot(steps, values, marker="o", linestyle="--" if label.startswith("exact") else "-", label=label)
+    ax.set_xlabel("GRPO step"), ax.set_ylabel("held-out score"), ax.set_ylim(0, 1), ax.legend(fontsize=8), ax.set_title("learning")
     ax = axes[1]
     for d in history[0]["rollout_s"]:
         ax.plot([h["step"] for h in history], [h["rollout_s"][d] for h in history], marker=".", label=d)

@@ -32,6 +32,12 @@ def math_verify_reward(text: str, problem, env) -> float:
 
 
 BUILTIN = {"reasoning_gym": reasoning_gym_reward, "math_verify": math_verify_reward}
+LABELS = {"reasoning_gym": "reward (reasoning-gym score, partial credit)", "math_verify": "reward (math-verify, 0 or 1)"}
+
+
+def reward_label(spec: str) -> str:
+    """What a plot calls the reward `spec` names."""
+    return LABELS.get(spec, f"reward ({spec})")
 
 
 def load_reward(spec: str):

@@ -102,6 +102,88 @@ def test_memory_is_bounded():
     assert stats["history_nodes"] <= 400 + 51 * d.depth  # rebuilt from the newest half past 400 nodes
 
 
+def total_nodes(d) -> int:
+    stats = d.stats()
+    return stats["nodes"] + stats["history_nodes"]
+
+
+def test_a_new_prompt_is_kept_when_every_older_prompt_is_live():
+    """Past max_prompts, or past max_total_nodes, with every older prompt live, eviction must not pick the prompt that
+    just arrived (it used to, and on_prefill raised KeyError)."""
+    d = SuffixDrafter(num_draft_tokens=4, max_prompts=1, min_prob=0.0, prior=0.0)
+    a, b, b2 = request("a", PROMPT), request("b", [9, 8, 7]), request("b2", [9, 8, 7])
+    start(d, a, 10)
+    start(d, b, 20)
+    emit(d, b, [21, 22])
+    start(d, b2, 20)
+    assert draft(d, b2) == [21, 22] and d.stats()["prompts"] == 2 and d.stats()["live"] == 3
+    d = SuffixDrafter(num_draft_tokens=4, max_total_nodes=300, min_prob=0.0, prior=0.0)
+    a, b = request("a", PROMPT), request("b", [9, 8, 7])
+    start(d, a, 10)
+    emit(d, a, list(range(11, 60)))  # one live prompt alone past the cap
+    assert total_nodes(d) <= 300
+    start(d, b, 20)
+    assert total_nodes(d) <= 300 and d.stats()["prompts"] == 2 and d.stats()["live"] == 2
+    emit(d, a, [60])
+    assert draft(d, a) == []  # it still decodes and drafts from what is left (nothing followed ...59, 60)
+
+
+def test_the_node_cap_holds_exactly_at_the_boundary():
+    """depth 3 (max_match 2 + 1 draft token): prompt [1, 2, 3] and first token 4 make 10 group nodes (the root, the 6
+    substrings of 1 2 3, then 4, 3 4, 2 3 4) + the history's root = 11. At a cap of 11 nothing is lost; a sibling with
+    the same context adds no node; one token more (5, 4 5, 3 4 5: 14 nodes) trims the live group (to its newest 2
+    context tokens per request: 9 nodes), and the sibling still drafts the 5 that followed 4."""
+    d = SuffixDrafter(num_draft_tokens=1, max_match=2, max_total_nodes=11, min_prob=0.0, prior=0.0)
+    a, b = request("a", [1, 2, 3]), request("b", [1, 2, 3])
+    start(d, a, 4)
+    trie = d._groups[(1, 2, 3)].trie
+    assert total_nodes(d) == 11 and trie.find([1, 2, 3]) > 0 and trie.find([2, 3, 4]) > 0
+    start(d, b, 4)
+    assert total_nodes(d) == 11 and d._groups[(1, 2, 3)].trie is trie
+    emit(d, a, [5])
+    assert total_nodes(d) == 9 and d.stats()["live"] == 2
+    assert draft(d, b) == [5]
+
+
+@pytest.mark.parametrize("cap", [40, 97, 400])
+def test_the_node_caps_hold_after_every_call(cap):
+    """Three prompts, three samples each, interleaved, 12 random tokens a step, released in turn: after every
+    on_prefill / on_verified / release the tries together hold <= max_total_nodes and each group <= max_group_nodes."""
+    d = SuffixDrafter(num_draft_tokens=4, max_prompts=2, max_group_nodes=cap, max_total_nodes=cap, keep_finished=4)
+    gen = torch.Generator().manual_seed(1)
+    for wave in range(3):
+        live = []
+        for p in range(3):
+            for s in range(3):
+                r = request(f"{wave}-{p}-{s}", [200 + p] * 4 + [wave])
+                start(d, r, int(torch.randint(0, 30, (1,), generator=gen)))
+                live.append(r)
+                assert total_nodes(d) <= cap
+        for _ in range(4):
+            for r in live:
+                emit(d, r, torch.randint(0, 30, (3,), generator=gen).tolist())
+                assert total_nodes(d) <= cap and all(len(g.trie) <= cap for g in d._groups.values())
+                draft(d, r)
+        for r in live:
+            d.release(r)
+            assert total_nodes(d) <= cap
+    assert d.stats()["live"] == 0 and d.stats()["prompts"] <= 2
+
+
+def test_greedy_identical_to_plain_decoding_under_a_tiny_node_cap(tiny_llama):
+    """Trimming rebuilds the tries under running requests: their cursors stay valid and the output is plain greedy."""
+    prompts = group_prompts()
+    target = load_transformer(tiny_llama)
+    target.pack()
+    config = EngineConfig(max_batch_size=6, max_model_len=128)
+    plain = [r.output_ids for r in Engine(target, config).run(prompts, [GREEDY] * 6)]
+    drafter = build_drafter("suffix", target=target, num_draft_tokens=4, max_group_nodes=150, max_total_nodes=200)
+    engine = Engine(target, config, drafter=drafter)
+    for _ in range(2):
+        assert [r.output_ids for r in engine.run(prompts, [GREEDY] * 6)] == plain
+        assert total_nodes(drafter) <= 200
+
+
 def test_bad_options_are_refused():
     with pytest.raises(InvalidParameterError):
         SuffixDrafter(min_prob=1.5)

@@ -67,6 +67,18 @@ def test_reasoning_gym_reward_uses_the_library_scorer():
     assert reasoning_gym_reward(f"<answer>0</answer> then <answer>{p.answer}</answer>", p, env) == 1.0  # the last pair counts
 
 
+def test_exact_accuracy_is_the_scorers_full_score_never_partial_credit():
+    """reasoning-gym gives "17" against "7" half the reward (the reference is a substring); exact accuracy counts only
+    the scorer's 1.0, after its own normalisation (chain_sum: "+07" is the decimal 7)."""
+    env = ReasoningEnv(EnvConfig.for_tasks(["basic_arithmetic", "chain_sum"]), held_out_size=2)
+    seven = Problem("What is 3 + 4?", "7", "basic_arithmetic", 0, {"answer": "7"})
+    assert reasoning_gym_reward("<answer>17</answer>", seven, env) == 0.5 and env.exact(seven, "<answer>17</answer>") is False
+    assert reasoning_gym_reward("<answer>7</answer>", seven, env) == 1.0 and env.exact(seven, "<answer>7</answer>") is True
+    assert env.exact(seven, "7") is False  # untagged: no answer
+    chain = Problem("3 + 4 =", "7", "chain_sum", 0, {"answer": "7"})
+    assert env.exact(chain, "<answer>+07</answer>") is True and env.exact(chain, "<answer>17</answer>") is False
+
+
 def test_math_verify_reward_accepts_equivalent_forms():
     p = Problem("Simplify 2/4", "1/2", "fraction_simplification", 0, {})
     assert math_verify_reward(r"<answer>\frac{1}{2}</answer>", p, None) == 1.0

@@ -40,3 +40,16 @@ def test_tail_profile_buckets_the_controllers_decisions():
     assert rows["2-4"]["steps"] == 0 and rows["2-4"]["time_share"] == 0.0
     assert rows["5-15"] == {"steps": 2, "seconds": 3.0, "mean_k": 0.5, "spec_share": 0.25, "time_share": 0.375}
     assert rows[">=16"] == {"steps": 1, "seconds": 4.0, "mean_k": 0.0, "spec_share": 0.0, "time_share": 0.5}
+
+
+def test_the_learning_panel_names_reward_and_exact_accuracy():
+    from tandem.rl.report import learning_curves
+    from tandem.rl.rewards import reward_label
+
+    evals = [{"step": 0, "greedy": 0.25, "greedy_exact": 0.125, "sampled": 0.5, "sampled_exact": 0.375},
+             {"step": 5, "greedy": 0.5, "greedy_exact": 0.25, "sampled": 0.75, "sampled_exact": 0.625}]
+    assert learning_curves(evals, reward_label("reasoning_gym")) == [
+        ("reward (reasoning-gym score, partial credit), greedy", [0, 5], [0.25, 0.5]), ("exact accuracy, greedy", [0, 5], [0.125, 0.25]),
+        ("reward (reasoning-gym score, partial credit), sampled", [0, 5], [0.5, 0.75]), ("exact accuracy, sampled", [0, 5], [0.375, 0.625])]
+    assert [c[0] for c in learning_curves([{"step": 0, "greedy": 0.1, "sampled": 0.2}], "reward (my.mod:f)")] == [
+        "reward (my.mod:f), greedy", "reward (my.mod:f), sampled"]  # evals recorded before exact accuracy
