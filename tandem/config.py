@@ -6,6 +6,9 @@ from dataclasses import dataclass, field
 from tandem.errors import InvalidParameterError
 
 
+MAX_TOP_LOGPROBS = 20  # alternatives per token at most (vLLM's default max_logprobs)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request samples from the target (the same with and without speculation)."""
@@ -15,10 +18,17 @@ class SamplingParams:
     top_p: float = 1.0  # nucleus mass kept, in (0, 1]
     top_k: int = 0  # keep the k most likely tokens; 0 = all
     seed: int | None = None  # per-request generator seed; None = nondeterministic
-    stop: tuple[str, ...] = ()  # stop strings (text not included in the output)
+    stop: tuple[str, ...] = ()  # stop strings (text not included in the output unless include_stop_str_in_output)
     stop_token_ids: tuple[int, ...] = ()  # extra token ids that end the request (included)
     ignore_eos: bool = False  # keep generating past the model's EOS token
     logprobs: bool = False  # record each output token's log-prob (sampled distribution and untempered policy)
+    top_logprobs: int = 0  # with logprobs: also record the MAX_TOP_LOGPROBS-bounded most likely tokens per position (untempered)
+    min_tokens: int = 0  # EOS and stop_token_ids have probability 0 (and stop strings do not match) before this many tokens
+    min_p: float = 0.0  # drop tokens whose (tempered) probability is below min_p x the most likely token's; 0 = off
+    repetition_penalty: float = 1.0  # tokens in the prompt or output: positive logits / this, negative x this; 1 = off
+    frequency_penalty: float = 0.0  # subtracted from a token's logit once per occurrence in the output; 0 = off
+    presence_penalty: float = 0.0  # subtracted from the logit of a token that occurs in the output; 0 = off
+    include_stop_str_in_output: bool = False  # a matched stop string stays at the end of the text
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -33,10 +43,32 @@ class SamplingParams:
         _check(all(isinstance(s, str) and s for s in self.stop), f"stop must be non-empty strings, got {self.stop!r}")
         _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), f"stop_token_ids must be ints >= 0, got {self.stop_token_ids!r}")
         _check(isinstance(self.logprobs, bool), f"logprobs must be a bool, got {self.logprobs!r}")
+        _check(isinstance(self.top_logprobs, int) and 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS,
+               f"top_logprobs must be an int in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs!r}")
+        _check(self.top_logprobs == 0 or self.logprobs, "top_logprobs needs logprobs=True")
+        _check(isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,
+               f"min_tokens must be an int in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
+        _check(_is_number(self.min_p) and 0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p!r}")
+        _check(_is_number(self.repetition_penalty) and 0.0 < self.repetition_penalty < float("inf"),
+               f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            _check(_is_number(value) and -2.0 <= value <= 2.0, f"{name} must be in [-2, 2], got {value!r}")
+        _check(isinstance(self.include_stop_str_in_output, bool), f"include_stop_str_in_output must be a bool, got {self.include_stop_str_in_output!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        """The target's logits depend on the tokens so far (repetition / frequency / presence penalties)."""
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """The target's distribution is changed per position before sampling (tandem.engine.adjust)."""
+        return self.penalized or self.min_tokens > 0
 
 
 def _is_number(x: object) -> bool:

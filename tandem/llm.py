@@ -152,13 +152,20 @@ class LLM:
         return requests
 
     def _hit_stop_string(self, request: Request) -> bool:
-        text = self.tokenizer.decode(request.output_ids, skip_special_tokens=True)
-        return any(s in text for s in request.params.stop)
+        return self._stop_in(request.output_ids, request.params) is not None
+
+    def _stop_in(self, token_ids: list[int], params: SamplingParams) -> int | None:
+        """Where the text of `token_ids` ends at its first stop string (`stop_cut`), or None."""
+        if len(token_ids) <= params.min_tokens:
+            return None
+        text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
+        floor = len(self.tokenizer.decode(token_ids[: params.min_tokens], skip_special_tokens=True)) if params.min_tokens else 0
+        return stop_cut(text, params.stop, floor, params.include_stop_str_in_output)
 
     def _output(self, prompt, request: Request, wall: float) -> RequestOutput:
         text = self.tokenizer.decode(request.output_ids, skip_special_tokens=True)
         token_ids, reason = list(request.output_ids), request.finish_reason.value
-        cut = _first_stop(text, request.params.stop)
+        cut = self._stop_in(token_ids, request.params)
         if cut is not None:
             text, reason = text[:cut], "stop"
             token_ids = self._tokens_for_text(token_ids, cut)
@@ -208,9 +215,19 @@ def load_tokenizer(model_dir: Path):
         raise ModelLoadError(f"cannot load the tokenizer from {model_dir}: {e}") from e
 
 
-def _first_stop(text: str, stops: tuple[str, ...]) -> int | None:
-    hits = [text.find(s) for s in stops if s in text]
-    return min(hits) if hits else None
+def stop_cut(text: str, stops: tuple[str, ...], floor: int = 0, include: bool = False, start: int = 0) -> int | None:
+    """Where `text` ends at its first stop string (found at or after `start`), None if none: the match's start, or its
+    end with `include` (include_stop_str_in_output). A match counts only if it ends after `floor`, the text of the
+    first min_tokens tokens (vLLM does not look for stop strings before min_tokens are emitted)."""
+    hits = []
+    for stop in stops:
+        at = text.find(stop, max(start, floor - len(stop) + 1, 0))
+        if at >= 0:
+            hits.append((at, at + len(stop)))
+    if not hits:
+        return None
+    first = min(hits)
+    return first[1] if include else first[0]
 
 
 def _as_prompt_list(prompts) -> list:

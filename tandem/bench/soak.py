@@ -10,8 +10,9 @@ thirds one carries the step marker (the step running it raises, failing every re
 
 Each request ends as: ok, client_disconnected, 4xx, 5xx (split into the injected prefill's, the injected step's
 and unexplained ones, from the engine request ids the faults logged), transport_error, or hung (no end within
-the server's request timeout + `hang_margin_s`). The run passes when nothing hung, no 5xx is unexplained and the
-faults hit exactly the requests they logged.
+the server's request timeout + `hang_margin_s`). The run passes when nothing hung, no 5xx is unexplained, the
+faults hit exactly the requests they logged, and neither the server's RSS nor its state directory grew after the
+warm-up by more than the bounds below explain (`rss_allowance_mb`, `state_dir_allowance_mb`).
 """
 from __future__ import annotations
 
@@ -33,8 +34,23 @@ from tandem.bench.machine import machine_info
 from tandem.bench.vllm_client import scrape
 from tandem.data.prompts import load_prompts
 from tandem.errors import InvalidParameterError
+from tandem.server.admin import KEEP_VERSIONS
+from tandem.server.runtime import ServerConfig
 
 SERVED = "soak"
+# RSS growth after the warm-up that is not a leak: by then the weights, their packed copies, the KV cache, the
+# drafter and the thread pools are allocated; what may still grow is the allocator's high-water mark (a batch of
+# longer prompts than any seen in the warm-up: activations, freed to the allocator but not to the OS) and Python's
+# per-request objects (bounded by the concurrency). Both are a fraction of what the server already holds, so the
+# bound is a quarter of the warm-up-end RSS, at least 128 MB (a small model's allocator arenas alone reach tens of MB).
+RSS_GROWTH_FRACTION = 0.25
+RSS_GROWTH_FLOOR_MB = 128.0
+# What the state directory holds: drafter version files, of which the server keeps the newest KEEP_VERSIONS plus the
+# one served; online, versions are pruned every 10 s, so up to PRUNE_SLACK_VERSIONS more may exist between prunes,
+# the trainer's checkpoint (overwritten in place: the head's weights and Adam's two moments, CHECKPOINT_VERSIONS
+# version files) and the spilled traces (deleted beyond the server's spill cap). Nothing else is written there.
+PRUNE_SLACK_VERSIONS = 8
+CHECKPOINT_VERSIONS = 3
 ERROR_STATUS = {"server_error": 503, "timeout_error": 408, "invalid_request_error": 400, "rate_limit_error": 429}
 
 
@@ -259,6 +275,11 @@ def dir_mb(path: Path) -> float:
     return round(total / (1 << 20), 2)
 
 
+def largest_file_mb(path: Path) -> float:
+    sizes = [p.stat().st_size for p in path.glob("*") if p.is_file()] if path.is_dir() else []
+    return round(max(sizes, default=0) / (1 << 20), 3)
+
+
 def markers(vocab_size: int) -> dict:
     """Token-id sequences no text prompt produces in practice (the vocabulary's last ids, alternating)."""
     v = vocab_size
@@ -333,9 +354,28 @@ def growth(samples: list[dict], key: str, warmup_s: float) -> dict:
     return {"warmup_end": first, "end": last, "max_after_warmup": max(s[key] for s in after), "change": round(last - first, 2)}
 
 
-def verdict(requests: dict, faults: dict, publishes: dict) -> dict:
+def rss_allowance_mb(warmup_end_mb: float) -> float:
+    return max(RSS_GROWTH_FLOOR_MB, RSS_GROWTH_FRACTION * warmup_end_mb)
+
+
+def state_dir_allowance_mb(version_file_mb: float, online: bool, spill_cap_mb: float) -> float:
+    """The most the state directory may hold (see the constants): the versions kept, and online the checkpoint and traces."""
+    versions = KEEP_VERSIONS + 1 + (PRUNE_SLACK_VERSIONS if online else 0)
+    return version_file_mb * (versions + (CHECKPOINT_VERSIONS if online else 0)) + (spill_cap_mb if online else 0.0)
+
+
+def growth_checks(rss: dict, state_dir: dict, state_allowance_mb: float) -> dict:
+    """RSS growth after the warm-up within `rss_allowance_mb`, and the state directory never above what it may hold;
+    a run with no sample after the warm-up fails (nothing was checked)."""
+    rss_ok = rss["warmup_end"] is not None and rss["max_after_warmup"] - rss["warmup_end"] <= rss_allowance_mb(rss["warmup_end"])
+    state_ok = state_dir["max_after_warmup"] is not None and state_dir["max_after_warmup"] <= state_allowance_mb
+    return {"rss_growth_within_bound": bool(rss_ok), "state_dir_within_bound": bool(state_ok)}
+
+
+def verdict(requests: dict, faults: dict, publishes: dict, growth: dict) -> dict:
+    """Every check of the run (`growth`: `growth_checks`); passed when all hold."""
     hung = requests["by_outcome"].get("hung", 0)
-    checks = {"no_hung_requests": hung == 0, "no_unexplained_5xx": requests["5xx"]["unexplained"] == 0,
+    checks = growth | {"no_hung_requests": hung == 0, "no_unexplained_5xx": requests["5xx"]["unexplained"] == 0,
               "no_transport_errors": requests["by_outcome"].get("transport_error", 0) == 0,
               "every_publish_accepted": publishes["failed"] == 0,
               "prefill_fault_hit_one_request": requests["5xx"]["injected_prefill"] == 1 and len(faults["prefill"]) == 1,
@@ -367,6 +407,7 @@ def run_soak(config: SoakConfig, progress=print) -> dict:
             run = Run(config, server.url, server.pid, state_dir, prompts, marks, admin_key)
             asyncio.run(run.main())
             metrics = scrape(server.url)
+            version_mb = largest_file_mb(state_dir / "versions")
         finally:
             exit_code = server.close()
             if config.state_dir is None:  # the temporary state (drafter versions, up to ~1 GB) goes, the logs stay in `work`
@@ -382,7 +423,11 @@ def run_soak(config: SoakConfig, progress=print) -> dict:
         "rss_mb": growth(run.samples, "rss_mb", config.warmup), "state_dir_mb": growth(run.samples, "state_dir_mb", config.warmup),
         "samples": run.samples,
     }
-    report["verdict"] = verdict(requests, faults, run.publishes)
+    spill_cap_mb = (ServerConfig.spill_max_bytes or 0) / (1 << 20)  # the soak's server runs with the default cap
+    allowance = state_dir_allowance_mb(version_mb, config.online, spill_cap_mb)
+    report["state_dir_mb"]["allowed"] = round(allowance, 2)
+    report["rss_mb"]["allowed_growth"] = None if report["rss_mb"]["warmup_end"] is None else round(rss_allowance_mb(report["rss_mb"]["warmup_end"]), 1)
+    report["verdict"] = verdict(requests, faults, run.publishes, growth_checks(report["rss_mb"], report["state_dir_mb"], allowance))
     if config.state_dir is None:
         shutil.rmtree(state_dir, ignore_errors=True)
     return report
@@ -408,7 +453,8 @@ def markdown_table(report: dict) -> str:
              f"{report['server']['drafter_swaps']} |"]
     for key, label in (("rss_mb", "server RSS MB"), ("state_dir_mb", "state dir MB")):
         g = report[key]
-        lines.append(f"| {label}: warm-up end -> end (max after warm-up) | {g['warmup_end']} -> {g['end']} ({g['max_after_warmup']}) |")
+        bound = f"growth allowed {g.get('allowed_growth')}" if key == "rss_mb" else f"allowed {g.get('allowed')}"
+        lines.append(f"| {label}: warm-up end -> end (max after warm-up; {bound}) | {g['warmup_end']} -> {g['end']} ({g['max_after_warmup']}) |")
     lines.append(f"| verdict | {'passed' if v['passed'] else 'FAILED: ' + ', '.join(k for k, ok in v.items() if not ok and k != 'passed')} |")
     return "\n".join(lines)
 

@@ -20,6 +20,7 @@ import torch
 from tandem.config import WEIGHTS, EngineConfig, SamplingParams
 from tandem.engine.admission import first_of_each_prompt, prefill_groups, take_waiting
 from tandem.engine.request import FinishReason, Request
+from tandem.engine.adjust import draft_paths
 from tandem.engine.sampling_step import emitted_logprobs, step_target_probs, target_probs
 from tandem.engine.stats import EngineStats, add_position_counts
 from tandem.engine.policy_update import copy_named_, validate_named_tensors
@@ -101,7 +102,8 @@ class Engine:
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if any(r.request_id == request_id for r in itertools.chain(self.waiting, self.running)):
             raise InvalidParameterError(f"request id {request_id!r} is already in use")
-        request = Request(request_id, list(prompt_ids), params, Request.make_generator(params.seed), tags=dict(tags or {}))
+        request = Request(request_id, list(prompt_ids), params, Request.make_generator(params.seed), tags=dict(tags or {}),
+                          min_tokens_stops=frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else frozenset(self.eos_ids)))
         request.metrics.prompt_tokens = len(prompt_ids)
         self.waiting.append(request)
         return request_id
@@ -338,7 +340,8 @@ class Engine:
         return logits.argmax(-1).cpu()
 
     def _needs_target_probs(self, request: Request) -> bool:
-        return not request.params.greedy or self.config.record_steps
+        """Greedy rows whose logits are adjusted (min_tokens, penalties) verify against the adjusted argmax's one-hot."""
+        return not request.params.greedy or self.config.record_steps or request.params.adjusts_logits
 
     def _verify(self, request: Request, draft: DraftTree, logits: torch.Tensor, argmax: torch.Tensor | None = None,
                 probs: torch.Tensor | None = None):  # logits [N+1, V]
@@ -348,7 +351,7 @@ class Engine:
             return verify_greedy(draft.parents, draft.tokens, logits.argmax(-1).cpu() if argmax is None else argmax), None
         n = len(draft)
         if probs is None:
-            probs = target_probs([request] * (n + 1), logits)
+            probs = target_probs([request] * (n + 1), logits, draft_paths(draft))
         uniform = draw_uniform([request.generator], n + 1)[0]
         return verify_tree(draft.parents, draft.tokens, draft.probs(probs.shape[-1]), probs, uniform), probs
 
@@ -363,7 +366,7 @@ class Engine:
         self.drafter.attach_target_cache(self.cache)  # each step: a drafter may serve more than one engine
         return self.drafter.propose(requests, budgets)
 
-    def _commit(self, request: Request, tokens: list[int], logprobs: list[tuple[float, float]] | None = None) -> StepOutput:
+    def _commit(self, request: Request, tokens: list[int], logprobs: list[tuple] | None = None) -> StepOutput:
         """Append emitted tokens, stopping at EOS / a stop token / max_tokens (later tokens are dropped)."""
         new = []
         for i, token in enumerate(tokens):
@@ -372,6 +375,8 @@ class Engine:
             if logprobs is not None:
                 request.output_logprobs.append(logprobs[i][0])
                 request.output_policy_logprobs.append(logprobs[i][1])
+                if logprobs[i][2] is not None:
+                    request.output_top_logprobs.append(logprobs[i][2])
             if self._is_stop_token(request, token):
                 request.finish_reason = FinishReason.STOP
                 break

@@ -77,6 +77,8 @@ class Request:
     tags: dict = field(default_factory=dict)  # e.g. {"domain": "sql"}; carried into StepRecords
     output_logprobs: list[float] = field(default_factory=list)  # params.logprobs: log-prob under the sampled distribution
     output_policy_logprobs: list[float] = field(default_factory=list)  # params.logprobs: under the untempered policy
+    output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # params.top_logprobs: (token, policy log-prob), most likely first
+    min_tokens_stops: frozenset[int] = frozenset()  # the tokens held at probability 0 before params.min_tokens (stop ids, EOS unless ignored)
 
     @staticmethod
     def make_generator(seed: int | None) -> torch.Generator:

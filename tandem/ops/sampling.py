@@ -3,6 +3,10 @@
 The same transform is used with and without speculation: speculative verification compares the
 drafter against `target_probs` produced here, so output is distributed exactly as plain sampling.
 Greedy (temperature 0) is the degenerate distribution: a one-hot on the argmax.
+
+vLLM's order: logits -> `suppress_tokens` (min_tokens) -> `apply_penalties` (repetition, frequency,
+presence) -> greedy argmax, or temperature -> min_p -> top-k / top-p -> softmax. The first two depend on
+the tokens before the position; the caller passes them per row (the engine: tandem.engine.adjust).
 """
 from __future__ import annotations
 
@@ -14,11 +18,14 @@ def sampling_probs(
     temperature: torch.Tensor,  # [N]; 0 = greedy
     top_k: torch.Tensor,  # [N] long; 0 = off
     top_p: torch.Tensor,  # [N]; 1.0 = off
+    min_p: torch.Tensor | None = None,  # [N]; 0 = off: drop tokens below min_p x the most likely one's probability
 ) -> torch.Tensor:  # [N, V] float32 probabilities
     logits = logits.float()
     greedy = temperature == 0
     safe_t = torch.where(greedy, torch.ones_like(temperature), temperature).to(logits.dtype)
     scaled = logits / safe_t.unsqueeze(-1)
+    if min_p is not None and bool((min_p > 0).any()):
+        scaled = _mask_min_p(scaled, min_p)
     if bool(((top_k > 0) | (top_p < 1.0)).any()):
         scaled = _mask_top_k_top_p(scaled, top_k, top_p)
     probs = torch.softmax(scaled, dim=-1)
@@ -26,6 +33,52 @@ def sampling_probs(
         one_hot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
         probs = torch.where(greedy.unsqueeze(-1), one_hot, probs)
     return probs
+
+
+def _mask_min_p(
+    scaled: torch.Tensor,  # [N, V] temperature-scaled logits
+    min_p: torch.Tensor,  # [N]
+) -> torch.Tensor:  # [N, V] with tokens below min_p x max prob at -inf
+    """prob(x) < min_p * max prob  <=>  scaled(x) < max scaled + log(min_p): no softmax needed; the most likely
+    token always stays (vLLM's MinPLogitsProcessor, on the tempered distribution)."""
+    threshold = scaled.max(-1, keepdim=True).values + torch.log(min_p.to(scaled.dtype)).unsqueeze(-1)  # log(0) = -inf: off
+    return scaled.masked_fill(scaled < threshold, float("-inf"))
+
+
+def suppress_tokens(
+    logits: torch.Tensor,  # [N, V]
+    banned: torch.Tensor,  # [N, V] bool
+) -> torch.Tensor:  # [N, V] float32 with banned tokens at -inf
+    """min_tokens: a request's stop tokens get probability 0 (and never win the argmax) until it has emitted enough."""
+    return logits.float().masked_fill(banned, float("-inf"))
+
+
+def apply_penalties(
+    logits: torch.Tensor,  # [N, V] raw logits
+    prompt_mask: torch.Tensor,  # [N, V] bool: the token occurs in the prompt
+    output_counts: torch.Tensor,  # [N, V] how often the token occurs in the output before this position
+    repetition: torch.Tensor,  # [N]; 1 = off
+    frequency: torch.Tensor,  # [N]; 0 = off
+    presence: torch.Tensor,  # [N]; 0 = off
+) -> torch.Tensor:  # [N, V] float32
+    """vLLM's penalties: a token seen in the prompt or output has a positive logit divided by `repetition` and a
+    negative one multiplied by it; then `frequency` x its output count and `presence` (once) are subtracted."""
+    logits = logits.float()
+    counts = output_counts.to(logits.dtype)
+    seen = prompt_mask | (counts > 0)
+    factor = repetition.to(logits.dtype).unsqueeze(-1).expand_as(logits)
+    penalized = torch.where(logits > 0, logits / factor, logits * factor)
+    logits = torch.where(seen, penalized, logits)
+    return logits - frequency.to(logits.dtype).unsqueeze(-1) * counts - presence.to(logits.dtype).unsqueeze(-1) * (counts > 0).to(logits.dtype)
+
+
+def top_logprobs(
+    logits: torch.Tensor,  # [N, V] raw logits
+    k: int,
+) -> tuple[torch.Tensor, torch.Tensor]:  # values [N, k] (descending), token ids [N, k]
+    """The k most likely tokens under the untempered policy (log_softmax of the raw logits): the API's alternatives."""
+    values, ids = torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)
+    return values, ids
 
 
 def _mask_top_k_top_p(
@@ -70,10 +123,13 @@ def token_logprobs(
     temperature: torch.Tensor,  # [N]
     top_k: torch.Tensor,  # [N] long
     top_p: torch.Tensor,  # [N]
+    min_p: torch.Tensor | None = None,  # [N]
+    policy_logits: torch.Tensor | None = None,  # [N, V] the raw logits when `logits` were adjusted (penalties); None: `logits`
 ) -> tuple[torch.Tensor, torch.Tensor]:  # sampled [N], policy [N]
     """Log-prob of each token under the distribution it was sampled from (`sampling_probs`: greedy rows
     give 0) and under the untempered policy (log_softmax of the raw logits)."""
     index = tokens.view(-1, 1).to(logits.device)
-    sampled = sampling_probs(logits, temperature, top_k, top_p).gather(-1, index).squeeze(-1).log()
-    policy = torch.log_softmax(logits.float(), dim=-1).gather(-1, index).squeeze(-1)
+    sampled = sampling_probs(logits, temperature, top_k, top_p, min_p).gather(-1, index).squeeze(-1).log()
+    raw = logits if policy_logits is None else policy_logits
+    policy = torch.log_softmax(raw.float(), dim=-1).gather(-1, index).squeeze(-1)
     return sampled, policy

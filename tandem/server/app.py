@@ -75,6 +75,8 @@ def _describe(errors) -> tuple[str, str | None]:
         return f"malformed JSON body: {first.get('ctx', {}).get('error', first.get('msg'))}", None
     param = ".".join(loc) or None
     message = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
+    if param is None and ": " in message and message.split(": ", 1)[0].isidentifier():  # a check across fields names its field first
+        return message, message.split(": ", 1)[0]
     return (f"{param}: {message}" if param else message), param
 
 
@@ -112,12 +114,14 @@ def _routes(app: FastAPI, runtime: Runtime) -> None:
         _check_model(body.model, name)
         prompts = [body.prompt] if isinstance(body.prompt, str) or isinstance(body.prompt[0], int) else list(body.prompt)
         ids = await run_in_threadpool(lambda: [runtime.encode_prompt(p) for p in prompts])
-        return await _serve(runtime, request, body, ids, "cmpl", chat=False)
+        echoes = [p if isinstance(p, str) else runtime.decode(i) for p, i in zip(prompts, ids)] if body.echo else None
+        return await _serve(runtime, request, body, ids, "cmpl", chat=False, echoes=echoes)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         _check_model(body.model, name)
-        messages = [{"role": m.role if m.role != "developer" else "system", "content": m.text()} for m in body.messages]
+        messages = [{"role": m.role if m.role != "developer" else "system", "content": m.text()} | ({"name": m.name} if m.name is not None else {})
+                    for m in body.messages]
         try:
             ids = await run_in_threadpool(runtime.chat_prompt, messages)
         except InvalidParameterError as e:
@@ -139,8 +143,8 @@ def _params(runtime: Runtime, body, prompt_ids: list[int], chat: bool) -> list[S
     temperature = 1.0 if body.temperature is None else body.temperature
     try:
         params = [SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=1.0 if body.top_p is None else body.top_p,
-                                 top_k=max(0, body.top_k or 0), seed=None if body.seed is None else body.seed + i,
-                                 stop=body.stop_list(), ignore_eos=body.ignore_eos, logprobs=body.wants_logprobs()) for i in range(body.n)]
+                                 top_k=max(0, body.top_k or 0), seed=None if body.seed is None else body.seed + i, logprobs=body.wants_logprobs(),
+                                 top_logprobs=body.top_logprobs_n(), **body.sampling_fields()) for i in range(body.n)]
         runtime.validate(prompt_ids, params[0])
     except PromptTooLongError as e:
         raise ApiError(400, str(e), param="max_tokens", code="context_length_exceeded") from e
@@ -149,14 +153,15 @@ def _params(runtime: Runtime, body, prompt_ids: list[int], chat: bool) -> list[S
     return params
 
 
-async def _serve(runtime: Runtime, request: Request, body, prompts: list[list[int]], prefix: str, chat: bool):
+async def _serve(runtime: Runtime, request: Request, body, prompts: list[list[int]], prefix: str, chat: bool, echoes: list[str] | None = None):
     params = [p for ids in prompts for p in _params(runtime, body, ids, chat)]
+    prompt_logprobs = body.top_logprobs_n() if echoes is not None and body.wants_logprobs() else None
     if runtime.draining:
         runtime.metrics.failed("draining")
         raise ApiError(503, "the server is shutting down and takes no new requests", "server_error", code="draining")
     try:
         generation = Generation(runtime.loop, runtime.decode, prompts, params, prefix, runtime.config.request_timeout_s,
-                                request.scope.get("tandem.request_id"))
+                                request.scope.get("tandem.request_id"), echoes, prompt_logprobs)
     except QueueFullError as e:
         runtime.metrics.failed("queue_full")
         raise ApiError(429, str(e), "rate_limit_error", code="queue_full") from e

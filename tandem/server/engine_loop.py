@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from tandem.config import SamplingParams
+from tandem.engine.prompt_logprobs import prompt_logprobs
 from tandem.errors import TandemError
 from tandem.server.logs import RateLimitedLog
 
@@ -51,6 +52,8 @@ class Event:
     error: str | None = None  # the step serving this request failed; the request is over
     error_code: str | None = None  # with error: engine_step_failed | engine_loop_failed | queue_timeout | request_rejected | shutting_down
     logprobs: list[float] | None = None  # params.logprobs: each new token's log-prob under the target (untempered)
+    top_logprobs: list[list[tuple[int, float]]] | None = None  # params.top_logprobs: each new token's most likely (token, log-prob)
+    prompt_logprobs: list[tuple[int, float | None, list | None]] | None = None  # Submission.prompt_logprobs: before any token
 
 
 @dataclass
@@ -60,6 +63,7 @@ class Submission:
     prompt_ids: list[int]
     params: SamplingParams
     submitted: float = field(default_factory=time.perf_counter)  # the clock of RequestMetrics (queue time)
+    prompt_logprobs: int | None = None  # alternatives per prompt token: the prompt's log-probs are sent before its tokens
 
 
 @dataclass
@@ -246,6 +250,8 @@ class EngineLoop:
             if admitted and len(sub.prompt_ids) > budget:
                 return
             self._backlog.popleft()
+            if sub.prompt_logprobs is not None and not self._send_prompt_logprobs(sub, sink):
+                continue
             try:
                 engine.add_request(sub.prompt_ids, sub.params, request_id=sub.request_id)
             except Exception as e:  # noqa: BLE001 - validated when queued; never let one request stop the loop
@@ -255,6 +261,21 @@ class EngineLoop:
             self._entries[sub.request_id] = _Entry(sink, sub.index, engine.waiting[-1], sub.submitted)
             budget -= len(sub.prompt_ids)
             admitted += 1
+
+    def _send_prompt_logprobs(self, sub: Submission, sink) -> bool:
+        """The prompt's log-probs (one forward, on this thread: it owns the model) before the request is admitted; if
+        the forward raises, this request alone fails, like a failed prefill."""
+        try:
+            logprobs = prompt_logprobs(self.engine.model, sub.prompt_ids, sub.prompt_logprobs)
+        except Exception as e:  # noqa: BLE001 - one request's forward: it alone ends
+            self.prefills_failed += 1
+            errors.exception("prompt_logprobs", "a prompt log-prob forward failed (%s); failing its request", e, exc_info=e)
+            self._release(1)
+            _send(sink, Event(sub.index, [], True, "error", error=f"computing the prompt's log-probs failed ({type(e).__name__}: {e})",
+                              error_code="engine_step_failed"))
+            return False
+        _send(sink, Event(sub.index, [], prompt_logprobs=logprobs))
+        return True
 
     def _abort(self, request_id: str) -> None:
         """Abort a request; its sink still gets a final "abort" event (with the usage so far, if it ran)."""
@@ -297,6 +318,8 @@ class EngineLoop:
         start, entry.delivered = entry.delivered, entry.delivered + len(out.new_token_ids)
         if entry.request.params.logprobs:  # one step may emit a request's prefill and decode outputs: index, don't tail
             event.logprobs = list(entry.request.output_policy_logprobs[start:entry.delivered])
+        if entry.request.params.top_logprobs:
+            event.top_logprobs = list(entry.request.output_top_logprobs[start:entry.delivered])
         if out.finished:
             del self._entries[out.request_id]
             self._release(1)

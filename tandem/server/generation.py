@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from tandem.config import SamplingParams
+from tandem.llm import stop_cut
 from tandem.server.engine_loop import EngineLoop, Event, Submission
 
 REPLACEMENT = "\ufffd"  # what a partial UTF-8 sequence decodes to
@@ -84,11 +85,18 @@ class ChoiceText:
     Text grows by windows (vLLM's offsets): `decode(ids[prefix:]) - decode(ids[prefix:read])` is the text the
     tokens after `read` add (decoding from `prefix` keeps a word-leading space right); it is taken only once it
     does not end in an incomplete UTF-8 sequence. Stop strings are searched in the new text plus the longest
-    stop's length before it. A stop cut maps back to tokens through the window ends (`marks`).
+    stop's length before it. A stop cut maps back to tokens through the window ends (`marks`). With min_tokens a stop
+    string counts only once it ends past the text of the first min_tokens tokens (`tandem.llm.stop_cut`).
     """
 
     decode: Callable[[list[int]], str]  # token ids -> text (the tokenizer's decode, special tokens skipped)
     stops: tuple[str, ...]
+    include_stop: bool = False  # include_stop_str_in_output: the matched stop string stays in the text
+    min_tokens: int = 0
+    echo: str = ""  # completions echo: the prompt's text, released before the first completion text
+    echo_logprobs: list[tuple[int, float | None, list | None]] | None = None  # per prompt token (id, log-prob, top), with echo + logprobs
+    echo_sent: bool = False
+    floor: int | None = None  # characters of the first min_tokens tokens: a stop string must end past them
     token_ids: list[int] = field(default_factory=list)
     sent: int = 0  # characters already released
     text: str = ""
@@ -96,12 +104,15 @@ class ChoiceText:
     finish_reason: str | None = None
     cut_tokens: int | None = None  # tokens kept when a stop string cut the text
     logprobs: list[float] | None = None  # per token, when requested
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # per token, when alternatives were requested
     logprobs_sent: int = 0  # tokens whose log-probs were streamed
+    text_offset: int = 0  # completions logprobs: characters of the tokens whose log-probs were sent
     prefix_offset: int = 0  # the decode window starts here
     read_offset: int = 0  # tokens before this are in `text`
     marks: list[tuple[int, int]] = field(default_factory=list)  # (read_offset, len(text)) after each window
 
-    def push(self, ids: list[int], finished: bool, reason: str | None, logprobs: list[float] | None = None) -> str:
+    def push(self, ids: list[int], finished: bool, reason: str | None, logprobs: list[float] | None = None,
+             top_logprobs: list[list[tuple[int, float]]] | None = None) -> str:
         """Add tokens; returns the newly releasable text (empty when nothing can be released yet)."""
         if self.done:
             return ""
@@ -109,6 +120,7 @@ class ChoiceText:
         if logprobs is not None:
             self.logprobs = self.logprobs if self.logprobs is not None else []
             self.logprobs.extend(logprobs)
+        self.top_logprobs.extend(top_logprobs or [])
         before = len(self.text)
         self.text += self._new_text(final=finished)
         cut = self._find_stop(before)
@@ -137,12 +149,12 @@ class ChoiceText:
         return new
 
     def _find_stop(self, before: int) -> int | None:
-        """The first stop string's position, searching only where the new text could complete one."""
-        if not self.stops or len(self.text) == before:
+        """Where the text ends at the first stop string, searching only where the new text could complete one."""
+        if not self.stops or len(self.text) == before or len(self.token_ids) <= self.min_tokens:
             return None
-        start = max(0, before - max(map(len, self.stops)) + 1)
-        hits = [i for i in (self.text.find(s, start) for s in self.stops) if i >= 0]
-        return min(hits) if hits else None
+        if self.floor is None:  # decoded once, when the choice first has more than min_tokens tokens
+            self.floor = len(self.decode(self.token_ids[: self.min_tokens])) if self.min_tokens else 0
+        return stop_cut(self.text, self.stops, self.floor, self.include_stop, start=max(0, before - max(map(len, self.stops)) + 1))
 
     def _safe_end(self) -> int:
         """Release up to where a stop string could still begin."""
@@ -167,20 +179,37 @@ class ChoiceText:
     def num_tokens(self) -> int:
         return self.cut_tokens if self.cut_tokens is not None else len(self.token_ids)
 
-    def take_logprobs(self) -> tuple[list[int], list[float]] | None:
-        """Tokens and log-probs not streamed yet (up to the stop-string cut), or None when not requested."""
-        if self.logprobs is None:
+    def take_echo(self) -> str:
+        """The echoed prompt text, once (the first chunk of the choice carries it)."""
+        if self.echo_sent:
+            return ""
+        self.echo_sent = True
+        return self.echo
+
+    def take_logprobs(self) -> list[tuple[int, float | None, list | None]] | None:
+        """(token, log-prob, top alternatives or None) of the tokens not sent yet (up to the stop-string cut), echoed
+        prompt tokens first, or None when not requested."""
+        if self.logprobs is None and self.echo_logprobs is None:
             return None
-        end = self.num_tokens if self.done else len(self.logprobs)
-        start, self.logprobs_sent = self.logprobs_sent, max(self.logprobs_sent, end)
-        return self.token_ids[start:end], self.logprobs[start:end]
+        taken = []
+        if self.echo_logprobs is not None:
+            taken, self.echo_logprobs = self.echo_logprobs, []
+        if self.logprobs is not None:
+            end = self.num_tokens if self.done else len(self.logprobs)
+            start, self.logprobs_sent = self.logprobs_sent, max(self.logprobs_sent, end)
+            tops = self.top_logprobs[start:end] if self.top_logprobs else [None] * max(0, end - start)
+            taken += list(zip(self.token_ids[start:end], self.logprobs[start:end], tops))
+        return taken
 
 
 class Generation:
     """The choices of one HTTP request in flight: `async for delta in generation` until all finish."""
 
     def __init__(self, loop: EngineLoop, decode, prompts: list[list[int]], params: list[SamplingParams], prefix: str,
-                 timeout_s: float | None = None, request_id: str | None = None):
+                 timeout_s: float | None = None, request_id: str | None = None, echoes: list[str] | None = None,
+                 prompt_logprobs: int | None = None):
+        """echoes: per prompt, the text each of its choices starts with (completions echo); prompt_logprobs: with echo
+        and logprobs, the alternatives per prompt token (the loop computes the prompt's log-probs first)."""
         self.id = f"{prefix}-{uuid.uuid4().hex}"
         self.request_id = request_id or self.id  # X-Request-Id (logs, engine request ids)
         self.timeout_s = timeout_s
@@ -192,12 +221,14 @@ class Generation:
         self._loop = loop
         self._queue: asyncio.Queue[Event] = asyncio.Queue()
         self._ids = [f"{self.id}-{i}" for i in range(len(params))]
-        self.choices = [ChoiceText(decode, p.stop) for p in params]
+        self.choices = [ChoiceText(decode, p.stop, p.include_stop_str_in_output, p.min_tokens) for p in params]
         self.usages: list[dict | None] = [None] * len(params)
         self._engine_done = [False] * len(params)
         aio = asyncio.get_running_loop()
         per_prompt = len(params) // len(prompts)
-        subs = [Submission(rid, i, prompts[i // per_prompt], p) for i, (rid, p) in enumerate(zip(self._ids, params))]
+        for i, choice in enumerate(self.choices):
+            choice.echo = echoes[i // per_prompt] if echoes else ""
+        subs = [Submission(rid, i, prompts[i // per_prompt], p, prompt_logprobs=prompt_logprobs) for i, (rid, p) in enumerate(zip(self._ids, params))]
         dispatcher, queue = Dispatcher.of(aio), self._queue
         loop.submit(subs, lambda event: dispatcher.post(queue, event))  # QueueFullError: nothing queued
 
@@ -232,7 +263,9 @@ class Generation:
             self.first_token_s = time.perf_counter() - self.start
         choice = self.choices[i]
         was_done = choice.done
-        text = choice.push(event.token_ids, event.finished, event.finish_reason, event.logprobs)
+        if event.prompt_logprobs is not None:
+            choice.echo_logprobs = event.prompt_logprobs
+        text = choice.push(event.token_ids, event.finished, event.finish_reason, event.logprobs, event.top_logprobs)
         if event.finished:
             self._engine_done[i] = True
             self.usages[i] = event.usage

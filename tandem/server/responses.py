@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import time
 
-from tandem.server.generation import Delta, EngineFailure, Generation, RequestTimeout
+from tandem.server.generation import ChoiceText, Delta, EngineFailure, Generation, RequestTimeout
 from tandem.server.schemas import error_body
 
 
@@ -17,37 +17,60 @@ def _head(generation: Generation, runtime, chat: bool, chunk: bool = False) -> d
     return {"id": generation.id, "object": kind, "created": generation.created, "model": runtime.config.model_name}
 
 
-def logprobs_body(runtime, taken: tuple[list[int], list[float]] | None, chat: bool) -> dict | None:
-    """OpenAI's logprobs object for these tokens (no alternatives: top_logprobs empty / null)."""
+MIN_LOGPROB = -9999.0  # what -inf is sent as (JSON has no infinity; OpenAI's and vLLM's value)
+
+
+def _lp(value: float) -> float:
+    return max(value, MIN_LOGPROB)
+
+
+def logprobs_body(runtime, choice: ChoiceText, chat: bool) -> dict | None:
+    """OpenAI's logprobs object for the choice's tokens not sent yet (`ChoiceText.take_logprobs`), None when not asked.
+
+    Chat: content[i] = {token, logprob, bytes, top_logprobs: the N most likely [{token, logprob, bytes}]}. Completions
+    (vLLM's): tokens, token_logprobs, text_offset, and top_logprobs[i] = {token text: log-prob} of the token itself
+    and the N most likely (so N or N + 1 entries); an echoed prompt's first token has None for both."""
+    taken = choice.take_logprobs()
     if taken is None:
         return None
-    tokens = [runtime.token_text(t) for t in taken[0]]
+    tokens = [runtime.token_text(t) for t, _, _ in taken]
     if chat:
-        return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode("utf-8")), "top_logprobs": []} for t, lp in zip(tokens, taken[1])]}
-    offsets = [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
-    return {"tokens": tokens, "token_logprobs": list(taken[1]), "top_logprobs": None, "text_offset": offsets}
+        return {"content": [{"token": text, "logprob": _lp(lp), "bytes": list(text.encode("utf-8")),
+                             "top_logprobs": [_alternative(runtime, t, v) for t, v in top or []]} for text, (_, lp, top) in zip(tokens, taken)]}
+    offsets = []
+    for text in tokens:
+        offsets.append(choice.text_offset)
+        choice.text_offset += len(text)
+    tops = [None if lp is None else {text: _lp(lp)} | {runtime.token_text(t): _lp(v) for t, v in top or []} for text, (_, lp, top) in zip(tokens, taken)]
+    return {"tokens": tokens, "token_logprobs": [None if lp is None else _lp(lp) for _, lp, _ in taken], "top_logprobs": tops, "text_offset": offsets}
+
+
+def _alternative(runtime, token: int, logprob: float) -> dict:
+    text = runtime.token_text(token)
+    return {"token": text, "logprob": _lp(logprob), "bytes": list(text.encode("utf-8"))}
 
 
 def full(runtime, generation: Generation, chat: bool) -> dict:
     choices = []
     for i, choice in enumerate(generation.choices):
-        logprobs = logprobs_body(runtime, choice.take_logprobs(), chat)
+        logprobs = logprobs_body(runtime, choice, chat)
         if chat:
             choices.append({"index": i, "message": {"role": "assistant", "content": choice.text}, "logprobs": logprobs, "finish_reason": choice.finish_reason})
         else:
-            choices.append({"index": i, "text": choice.text, "logprobs": logprobs, "finish_reason": choice.finish_reason})
+            choices.append({"index": i, "text": choice.take_echo() + choice.text, "logprobs": logprobs, "finish_reason": choice.finish_reason})
     return _head(generation, runtime, chat) | {"choices": choices, "usage": generation.usage()}
 
 
 def _chunk(runtime, generation: Generation, chat: bool, delta: Delta, first: bool) -> dict:
-    logprobs = None if first else logprobs_body(runtime, generation.choices[delta.index].take_logprobs(), chat)
+    logprobs = None if first else logprobs_body(runtime, generation.choices[delta.index], chat)
     if chat:
         content = {"role": "assistant", "content": delta.text} if first else {"content": delta.text}
         if delta.finish_reason is not None and not delta.text and not first:
             content = {}
         choice = {"index": delta.index, "delta": content, "logprobs": logprobs, "finish_reason": delta.finish_reason}
     else:
-        choice = {"index": delta.index, "text": delta.text, "logprobs": logprobs, "finish_reason": delta.finish_reason}
+        choice = {"index": delta.index, "text": generation.choices[delta.index].take_echo() + delta.text, "logprobs": logprobs,
+                  "finish_reason": delta.finish_reason}
     return _head(generation, runtime, chat, chunk=True) | {"choices": [choice]}
 
 

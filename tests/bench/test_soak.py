@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from tandem.bench.soak import Result, SoakConfig, classify, markdown_table, run_soak
+from tandem.bench.soak import Result, SoakConfig, classify, growth, growth_checks, markdown_table, run_soak, state_dir_allowance_mb, verdict
 
 
 def test_classify_attributes_each_5xx():
@@ -18,6 +18,32 @@ def test_classify_attributes_each_5xx():
     assert counts["5xx"] == {"injected_prefill": 1, "injected_step": 2, "injected_step_matched_by_count": 1, "unexplained": 2}
     assert counts["by_outcome"] == {"5xx": 5, "client_disconnected": 1, "ok": 1, "4xx": 1}
     assert counts["4xx_by_code"] == {"408 request_timeout": 1} and counts["step_fault_requests_unaccounted"] == 0
+
+
+def _clean_run() -> tuple[dict, dict, dict]:
+    requests = {"by_outcome": {"ok": 10}, "5xx": {"unexplained": 0, "injected_prefill": 1}, "step_fault_requests_unaccounted": 0}
+    return requests, {"prefill": ["cmpl-p"], "step": ["cmpl-s"]}, {"ok": 3, "failed": 0}
+
+
+def _series(key: str, values: list[float]) -> list[dict]:
+    return [{"t_s": 10.0 * i, key: v} for i, v in enumerate(values)]
+
+
+def test_the_verdict_fails_on_rss_and_state_dir_growth_it_cannot_explain():
+    allowance = state_dir_allowance_mb(version_file_mb=1.0, online=False, spill_cap_mb=2048.0)
+    assert allowance == 17.0  # the 16 newest versions plus the one served, 1 MB each; nothing else offline
+    flat_state = growth(_series("state_dir_mb", [1, 5, 12, 17, 17, 17]), "state_dir_mb", warmup_s=10)
+    # 600 MB after the warm-up: 150 MB growth allowed (a quarter); a leak climbing to 900 MB is not explained
+    steady = growth(_series("rss_mb", [400, 600, 640, 700, 720, 730]), "rss_mb", warmup_s=10)
+    leaking = growth(_series("rss_mb", [400, 600, 680, 760, 840, 900]), "rss_mb", warmup_s=10)
+    assert verdict(*_clean_run(), growth_checks(steady, flat_state, allowance))["passed"]
+    leak = verdict(*_clean_run(), growth_checks(leaking, flat_state, allowance))
+    assert leak["rss_growth_within_bound"] is False and leak["state_dir_within_bound"] is True and not leak["passed"]
+    filling = growth(_series("state_dir_mb", [1, 5, 12, 17, 18, 25]), "state_dir_mb", warmup_s=10)  # retention not holding
+    disk = verdict(*_clean_run(), growth_checks(steady, filling, allowance))
+    assert disk["state_dir_within_bound"] is False and disk["rss_growth_within_bound"] is True and not disk["passed"]
+    unsampled = growth([], "rss_mb", warmup_s=10)  # nothing sampled after the warm-up: nothing was checked
+    assert not verdict(*_clean_run(), growth_checks(unsampled, flat_state, allowance))["passed"]
 
 
 @pytest.mark.slow

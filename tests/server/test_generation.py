@@ -96,3 +96,26 @@ def test_incremental_text_equals_a_whole_decode_with_a_real_tokenizer(tiny_llama
             out.append(choice.push(ids[pos:pos + step], last, "length" if last else None))
             pos += step
         assert "".join(out) == choice.text == decode(ids)
+
+
+def test_include_stop_str_in_output_keeps_the_stop_string_and_its_tokens():
+    choice = ChoiceText(byte_decode, ("END",), include_stop=True)
+    deltas = [choice.push(list(b"hello E"), False, None), choice.push(list(b"ND and more"), False, None)]
+    assert "".join(deltas) == choice.text == "hello END" and choice.num_tokens == len(b"hello END") and choice.finish_reason == "stop"
+
+
+def test_a_stop_string_before_min_tokens_does_not_end_the_choice():
+    choice = ChoiceText(byte_decode, ("ab",), min_tokens=4)
+    assert choice.push(list(b"ab"), False, None) == "a" and not choice.done  # 2 tokens < min_tokens: no stop check yet
+    assert choice.push(list(b"cd"), False, None) == "bc" and not choice.done  # "ab" ends inside the first 4 tokens' text
+    choice.push(list(b"xab"), False, None)
+    assert choice.done and choice.text == "abcdx" and choice.num_tokens == 5
+
+
+def test_echo_and_logprobs_are_taken_once_prompt_tokens_first():
+    choice = ChoiceText(byte_decode, (), echo="hi")
+    choice.echo_logprobs = [(104, None, None), (105, -1.5, [(105, -1.5), (7, -2.0)])]
+    choice.push(list(b"ok"), True, "length", logprobs=[-0.5, -0.25], top_logprobs=[[(111, -0.5)], [(107, -0.25)]])
+    assert choice.take_echo() == "hi" and choice.take_echo() == ""
+    assert choice.take_logprobs() == [(104, None, None), (105, -1.5, [(105, -1.5), (7, -2.0)]), (111, -0.5, [(111, -0.5)]), (107, -0.25, [(107, -0.25)])]
+    assert choice.take_logprobs() == []

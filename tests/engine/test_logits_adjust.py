@@ -1,0 +1,159 @@
+"""min_tokens, min_p and the repetition / frequency / presence penalties change the target's distribution: plain decoding
+follows an independent reference (a full forward per token, the adjustments written out), and speculation, chains and
+trees, stays token-identical to plain greedy decoding and has the adjusted distribution when sampling."""
+from collections import Counter
+
+import pytest
+import torch
+from scipy.stats import chi2
+
+from tandem.config import EngineConfig, SamplingParams
+from tandem.drafters import build_drafter
+from tandem.engine.engine import Engine
+from tandem.models.loader import load_transformer
+from tandem.models.tiny import make_tiny_model
+from tandem.ops.sampling import apply_penalties, sampling_probs, suppress_tokens
+
+PENALIZED = dict(repetition_penalty=1.6, frequency_penalty=0.3, presence_penalty=0.2)
+
+
+def repetitive_prompts(n=4, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        chunk = torch.randint(0, 256, (5,), generator=gen).tolist()
+        out.append(chunk + torch.randint(0, 256, (3,), generator=gen).tolist() + chunk + chunk[:2])
+    return out
+
+
+def load(path):
+    model = load_transformer(path)
+    model.pack()
+    return model
+
+
+def engine_for(path, drafter=None, batch=4, **kw):
+    target = load(path)
+    draft = build_drafter(drafter, target=target, num_draft_tokens=4, max_batch=batch, max_len=128, **kw) if drafter else None
+    return Engine(target, EngineConfig(max_batch_size=batch, max_model_len=128), drafter=draft)
+
+
+def reference_logits(model, prompt, output, params, eos_ids):
+    """The adjusted logits written out one token at a time (vLLM's definitions), over a full forward."""
+    with torch.inference_mode():
+        raw = model(torch.tensor([prompt + output])).logits[0, -1].float()
+    logits = raw.clone()  # outside inference mode: a tensor that can be written
+    if len(output) < params.min_tokens:
+        for t in set(params.stop_token_ids) | (set() if params.ignore_eos else eos_ids):
+            logits[t] = float("-inf")
+    for t in set(prompt) | set(output):
+        logits[t] = logits[t] / params.repetition_penalty if logits[t] > 0 else logits[t] * params.repetition_penalty
+    for t, count in Counter(output).items():
+        logits[t] -= params.frequency_penalty * count + params.presence_penalty
+    return logits
+
+
+def reference_greedy(path, prompt, params, eos_ids):
+    model, output = load_transformer(path), []
+    while len(output) < params.max_tokens:
+        output.append(int(reference_logits(model, prompt, output, params, eos_ids).argmax()))
+        if output[-1] in params.stop_token_ids or (output[-1] in eos_ids and not params.ignore_eos):
+            break
+    return output
+
+
+def test_penalties_and_min_p_ops_known_values():
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0]])
+    prompt = torch.tensor([[True, True, False, False]])
+    counts = torch.tensor([[0.0, 0.0, 2.0, 0.0]])
+    out = apply_penalties(logits, prompt, counts, torch.tensor([2.0]), torch.tensor([0.5]), torch.tensor([0.25]))
+    # 2 / 2 (prompt); -1 * 2 (prompt); 0.5 / 2 - 0.5 * 2 - 0.25 (twice in the output); 3 untouched
+    assert out.tolist() == [[1.0, -2.0, -1.0, 3.0]]
+    assert suppress_tokens(logits, torch.tensor([[False, False, False, True]])).argmax().item() == 0
+    probs = sampling_probs(torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])), torch.ones(1), torch.zeros(1, dtype=torch.long), torch.ones(1),
+                           min_p=torch.tensor([0.35]))  # keep p >= 0.175: the first two, renormalized
+    assert torch.allclose(probs, torch.tensor([[0.625, 0.375, 0.0, 0.0]]))
+
+
+@pytest.mark.parametrize("drafter,penalties", [(None, PENALIZED), ("self_draft", PENALIZED),
+                                               # prompt lookup finds nothing to draft once strong penalties stop the output repeating
+                                               ("ngram", {"repetition_penalty": 1.15}), ("ngram_tree", {"repetition_penalty": 1.15})])
+def test_penalized_greedy_follows_the_reference_with_and_without_speculation(tiny_llama, drafter, penalties):
+    prompts = repetitive_prompts()
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, **penalties)
+    engine = engine_for(tiny_llama, drafter)
+    got = [r.output_ids for r in engine.run(prompts, [params] * len(prompts))]
+    assert got == [reference_greedy(tiny_llama, p, params, engine.eos_ids) for p in prompts]
+    unpenalized = [r.output_ids for r in engine_for(tiny_llama).run(prompts, [SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)] * 4)]
+    assert got != unpenalized  # the penalties changed the output
+    if drafter:
+        assert engine.stats.drafted_tokens > engine.stats.accepted_tokens > 0  # verified drafts, some rejected by the penalties
+
+
+@pytest.mark.parametrize("drafter", [None, "self_draft"])
+def test_min_tokens_suppresses_stop_tokens_until_reached(tiny_llama, drafter):
+    prompt = repetitive_prompts(1, seed=3)[0]
+    free = engine_for(tiny_llama).run([prompt], [SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)])[0].output_ids
+    stop = free[1]  # greedy would stop at its second token
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, stop_token_ids=(stop,), min_tokens=6)
+    engine = engine_for(tiny_llama, drafter)
+    [request] = engine.run([prompt], [params])
+    assert engine_for(tiny_llama).run([prompt], [SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, stop_token_ids=(stop,))])[0].output_ids == free[:2]
+    assert request.output_ids == reference_greedy(tiny_llama, prompt, params, engine.eos_ids)
+    assert stop not in request.output_ids[:6] and len(request.output_ids) >= 6
+
+
+VOCAB = 12
+PROMPT = [3, 5, 7, 3, 5, 7, 3, 5]
+SAMPLES = 1200
+FALSE_FAILURE = 1e-4  # each chi-square test's false-failure probability (fixed seeds: the run is deterministic)
+
+
+def exact_distribution(model, params, length=3):
+    """The adjusted target's exact distribution over the first `length` tokens (the reference transform above)."""
+    dist = {(): 1.0}
+    for _ in range(length):
+        nxt = {}
+        for context, mass in dist.items():
+            if mass == 0:
+                continue
+            logits = reference_logits(model, PROMPT, list(context), params, set())
+            one = torch.ones(1)
+            probs = sampling_probs(logits.unsqueeze(0), one * params.temperature, torch.zeros(1, dtype=torch.long), one * params.top_p,
+                                   min_p=one * params.min_p)[0]
+            nxt.update({context + (t,): mass * probs[t].item() for t in range(VOCAB)})
+        dist = nxt
+    return dist
+
+
+def chi_square_p_value(counts, expected, n):
+    big = [c for c in expected if expected[c] * n >= 5]
+    stat = sum((counts.get(c, 0) - expected[c] * n) ** 2 / (expected[c] * n) for c in big)
+    rest_expected, rest_observed = n - sum(expected[c] * n for c in big), n - sum(counts.get(c, 0) for c in big)
+    dof = len(big) - 1
+    if rest_expected >= 5:
+        stat, dof = stat + (rest_observed - rest_expected) ** 2 / rest_expected, dof + 1
+    elif rest_observed > 10:
+        return 0.0
+    return float(chi2.sf(stat, dof))
+
+
+@pytest.fixture(scope="module")
+def small_vocab_model(tmp_path_factory):
+    return str(make_tiny_model(tmp_path_factory.mktemp("v12"), "llama", seed=11, vocab_size=VOCAB))
+
+
+@pytest.mark.parametrize("drafter", [None, "ngram", "self_draft"])
+def test_sampled_penalized_min_p_output_has_the_adjusted_distribution(small_vocab_model, drafter):
+    params = SamplingParams(max_tokens=3, temperature=0.9, top_p=0.95, min_p=0.05, ignore_eos=True, **PENALIZED)
+    exact = exact_distribution(load_transformer(small_vocab_model), params)
+    target = load(small_vocab_model)
+    draft = build_drafter(drafter, target=target, num_draft_tokens=3, max_batch=16, max_len=64) if drafter else None
+    engine = Engine(target, EngineConfig(max_batch_size=16, max_model_len=64), drafter=draft)
+    outputs = engine.run([PROMPT] * SAMPLES, [SamplingParams(**(params.__dict__ | {"seed": s})) for s in range(SAMPLES)])
+    counts = Counter(tuple(r.output_ids) for r in outputs)
+    assert chi_square_p_value(counts, exact, SAMPLES) > FALSE_FAILURE
+    unadjusted = exact_distribution(load_transformer(small_vocab_model), SamplingParams(max_tokens=3, temperature=0.9, top_p=0.95, ignore_eos=True))
+    assert chi_square_p_value(counts, unadjusted, SAMPLES) < FALSE_FAILURE  # the check can tell the adjustments apart
+    if drafter:
+        assert engine.stats.drafted_tokens > engine.stats.accepted_tokens > 0
