@@ -196,22 +196,36 @@ def stop_app(deployed: ServeDeployment) -> None:
 
 
 def serve_on_ray(config: ServerConfig, replicas: int, trainer_spec=None, replica_cpus: float = 1.0, address: str | None = None) -> None:
-    """`tandem serve --ray`: run until interrupted, then delete this deployment (and stop Ray, when this process started it)."""
+    """`tandem serve --ray`: run until SIGINT or SIGTERM, then delete this deployment (and stop Ray, when this process
+    started it). Both signals are handled here: a process started in the background inherits SIGINT ignored, and
+    SIGTERM (what `kill`, systemd and Kubernetes send) would otherwise end it with its application left on the cluster."""
     import logging
 
+    stop = threading.Event()
+    previous = _on_signals(lambda *_: stop.set())
     started_here, deployed = not require_ray().is_initialized(), None
     try:
         deployed = start(config, replicas, trainer_spec, replica_cpus, address)
         logging.getLogger("tandem.server").warning("serving %s on Ray Serve (application %s): %d replicas at http://%s:%d", config.model_name,
                                                    deployed.app, replicas, config.host, config.port)
-        while True:
-            time.sleep(3600)
-    except KeyboardInterrupt:
-        pass
+        while not stop.wait(1.0):
+            pass
     finally:
+        _on_signals(previous)
         try:
             if deployed is not None:
                 stop_app(deployed)
         finally:
             if started_here:  # a caller's own Ray session (tests, notebooks) stays up
                 shutdown()
+
+
+def _on_signals(handler) -> dict:
+    """Install `handler` (one callable, or {signal: handler} as returned here) for SIGINT and SIGTERM; returns the
+    handlers it replaced. Off the main thread (where Python refuses handlers) it does nothing."""
+    import signal
+
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    handlers = handler if isinstance(handler, dict) else {signal.SIGINT: handler, signal.SIGTERM: handler}
+    return {sig: signal.signal(sig, h) for sig, h in handlers.items()}

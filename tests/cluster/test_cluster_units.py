@@ -257,3 +257,27 @@ def test_the_health_check_fails_for_a_broken_engine_loop_not_only_a_dead_one(tin
     loop.stop()
     with pytest.raises(RuntimeError, match="the engine loop is not running"):
         check_loop_health(loop)
+
+
+def test_serve_ray_takes_sigterm_and_sigint_even_when_started_with_sigint_ignored():
+    """A background process inherits SIGINT ignored, and SIGTERM's default ends it with its Serve application left behind."""
+    import os
+    import signal
+
+    from tandem.cluster.serve import _on_signals
+
+    outer = signal.signal(signal.SIGINT, signal.SIG_IGN)  # as `tandem serve --ray ... &` from a script starts
+    term = signal.getsignal(signal.SIGTERM)
+    hits = []
+    replaced = _on_signals(lambda signum, frame: hits.append(signum))
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGINT)
+        deadline = time.monotonic() + 5
+        while len(hits) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        _on_signals(replaced)
+    assert hits == [signal.SIGTERM, signal.SIGINT]
+    assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN and signal.getsignal(signal.SIGTERM) is term  # restored on the way out
+    signal.signal(signal.SIGINT, outer)
