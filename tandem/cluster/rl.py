@@ -151,16 +151,26 @@ class RemoteRolloutEngine:
                                 "finish: rerun with --resume DIR (the --checkpoint directory) to continue from the last step saved")
 
     def _resync(self, i: int) -> None:
-        """Wait for worker i to be back, then give it the policy last broadcast (a restarted worker holds the initial one)."""
+        """Wait for worker i to be back (at most RESTART_TIMEOUT_S), then give it the policy last broadcast (a
+        restarted worker holds the initial one). Still down: the next try fails fast and counts."""
         import ray
-        from ray.exceptions import GetTimeoutError, RayActorError
+        from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
 
-        try:
-            status = ray.get(self.workers[i].status.remote(), timeout=RESTART_TIMEOUT_S)
-            if self._policy is not None and status["policy_version"] != self._policy[1]:
-                ray.get(self.workers[i].update_policy.remote(*self._policy), timeout=RESTART_TIMEOUT_S)
-        except (RayActorError, GetTimeoutError) as e:  # still down: the next try fails fast and counts
-            log.warning("rollout worker %d is not back yet (%s)", i, type(e).__name__)
+        deadline = time.monotonic() + RESTART_TIMEOUT_S
+        while True:
+            try:
+                status = ray.get(self.workers[i].status.remote(), timeout=max(1.0, deadline - time.monotonic()))
+                if self._policy is not None and status["policy_version"] != self._policy[1]:
+                    ray.get(self.workers[i].update_policy.remote(*self._policy), timeout=RESTART_TIMEOUT_S)
+                return
+            except ActorUnavailableError as e:  # restarting: Ray answers at once until the new process is up
+                if time.monotonic() >= deadline:
+                    log.warning("rollout worker %d is not back after %.0f s (%s)", i, RESTART_TIMEOUT_S, type(e).__name__)
+                    return
+                time.sleep(0.5)
+            except (RayActorError, GetTimeoutError) as e:  # dead for good, or no answer
+                log.warning("rollout worker %d is not back (%s)", i, type(e).__name__)
+                return
 
     def update_policy(self, named_tensors: "dict[str, torch.Tensor] | PolicyRef", version: int) -> dict[str, float]:
         """The new policy into the object store once (a remote learner's is there already); every worker copies it in
