@@ -76,7 +76,7 @@ def rl_ray(args) -> int:
     format, a resumed run continues to `--steps` in all), evaluation and the report stay in this process. A rollout
     worker that dies is restarted and its prompts decoded again (tandem.cluster.rl); a learner that dies ends the run
     with an error that names it, and `--resume` continues from the last checkpoint."""
-    from tandem.cluster.ray_env import connect, require_ray, shutdown
+    from tandem.cluster.ray_env import connect, require_ray, shutdown, warn_if_short
     from tandem.cluster.rl import build_ray_trainer
     from tandem.cluster.specs import Placement
     from tandem.rl.command import run_rl
@@ -95,6 +95,8 @@ def rl_ray(args) -> int:
 
     started_here = not require_ray().is_initialized()
     ray = connect(args.address)
+    warn_if_short(args.rollout_workers * args.worker_cpus + args.learner_cpus,
+                  f"tandem rl --ray ({args.rollout_workers} rollout workers x {args.worker_cpus:g} CPUs + the learner's {args.learner_cpus:g})")
     try:
         return run_rl(args, build)
     finally:

@@ -22,7 +22,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from tandem.cluster.ray_env import connect, require_ray, shutdown
+from tandem.cluster.ray_env import connect, require_ray, shutdown, warn_if_short
 from tandem.cluster.replica import RayRuntime, replica_capacity
 from tandem.server.runtime import ServerConfig
 
@@ -166,6 +166,8 @@ def start(config: ServerConfig, replicas: int, trainer_spec=None, replica_cpus: 
     """Join/start Ray, the trainer actor (online), the metrics hub and the Serve application `tandem-<deployment_id>`
     (default: a fresh id). Serve's HTTP proxy listens on config.host:config.port."""
     connect(address, num_cpus)  # first: an unreachable address fails in seconds, before Serve is imported
+    trainer_cpus = trainer_spec.placement.num_cpus if config.online else 0.0
+    warn_if_short(replicas * replica_cpus + trainer_cpus, f"tandem serve --ray ({replicas} replicas x {replica_cpus:g} CPUs + the trainer's {trainer_cpus:g})")
     import ray
     from ray import serve
 

@@ -281,3 +281,12 @@ def test_serve_ray_takes_sigterm_and_sigint_even_when_started_with_sigint_ignore
     assert hits == [signal.SIGTERM, signal.SIGINT]
     assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN and signal.getsignal(signal.SIGTERM) is term  # restored on the way out
     signal.signal(signal.SIGINT, outer)
+
+
+def test_asking_for_more_cpus_than_the_cluster_has_is_said_not_waited_on_in_silence():
+    from tandem.cluster.ray_env import shortfall
+
+    what = "tandem rl --ray (2 rollout workers x 1 CPUs + the learner's 1)"  # the README's command on a 2-CPU machine
+    assert shortfall(3.0, 2.0, what) == (f"{what} asks Ray for 3 CPUs and the cluster has 2: the actors that do not fit wait until it grows "
+                                         "(lower the --*-cpus options, or add nodes)")
+    assert shortfall(2.0, 2.0, what) is None
