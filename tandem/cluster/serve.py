@@ -194,32 +194,62 @@ def stop_app(deployed: ServeDeployment) -> None:
             ray.get(deployed.trainer.stop.remote(), timeout=120)
         finally:
             ray.kill(deployed.trainer, no_restart=True)
-    ray.kill(deployed.hub, no_restart=True)
+    if deployed.hub is not None:
+        ray.kill(deployed.hub, no_restart=True)
+
+
+def _stop_partial(app: str) -> None:
+    """Remove what a start interrupted part-way left of application `app`, found by its names."""
+    import logging
+
+    import ray
+
+    def actor(name):
+        try:
+            return ray.get_actor(name)
+        except ValueError:  # never started
+            return None
+
+    try:
+        stop_app(ServeDeployment(app, actor(f"{app}-trainer"), actor(f"{app}-metrics-hub")))
+    except Exception as e:  # noqa: BLE001 - Serve itself may not have started: nothing of it to delete
+        logging.getLogger("tandem.server").warning("stopping the part-started application %s: %s: %s", app, type(e).__name__, e)
 
 
 def serve_on_ray(config: ServerConfig, replicas: int, trainer_spec=None, replica_cpus: float = 1.0, address: str | None = None) -> None:
-    """`tandem serve --ray`: run until SIGINT or SIGTERM, then delete this deployment (and stop Ray, when this process
-    started it). Both signals are handled here: a process started in the background inherits SIGINT ignored, and
-    SIGTERM (what `kill`, systemd and Kubernetes send) would otherwise end it with its application left on the cluster."""
+    """`tandem serve --ray`: run until SIGINT or SIGTERM, then delete this deployment, also one interrupted while it
+    starts (and stop Ray, when this process started it). Both signals are handled here, after Ray's start-up (which
+    installs a SIGTERM handler of its own that ends the process): a process started in the background inherits SIGINT
+    ignored, and SIGTERM (what `kill`, systemd and Kubernetes send) would end it with its application left on the cluster."""
     import logging
 
-    stop = threading.Event()
-    previous = _on_signals(lambda *_: stop.set())
-    started_here, deployed = not require_ray().is_initialized(), None
+    started_here = not require_ray().is_initialized()
+    connect(address)
+    previous = _on_signals(_interrupt)
+    deployment_id = uuid.uuid4().hex[:8]
+    deployed = None
     try:
-        deployed = start(config, replicas, trainer_spec, replica_cpus, address)
+        deployed = start(config, replicas, trainer_spec, replica_cpus, address, deployment_id=deployment_id)
         logging.getLogger("tandem.server").warning("serving %s on Ray Serve (application %s): %d replicas at http://%s:%d", config.model_name,
                                                    deployed.app, replicas, config.host, config.port)
-        while not stop.wait(1.0):
-            pass
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        pass
     finally:
-        _on_signals(previous)
+        _on_signals(previous)  # a second signal acts as it did before: SIGTERM ends the process at once
         try:
             if deployed is not None:
                 stop_app(deployed)
+            else:
+                _stop_partial(f"{APP_PREFIX}-{deployment_id}")
         finally:
             if started_here:  # a caller's own Ray session (tests, notebooks) stays up
                 shutdown()
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def _on_signals(handler) -> dict:
