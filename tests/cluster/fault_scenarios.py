@@ -63,6 +63,10 @@ def _slow_steps(actor) -> None:
     _user_replica(actor).runtime.engine.between_steps.append(lambda engine: time.sleep(0.05))  # requests stay in flight for seconds
 
 
+def _held(actor) -> int:
+    return _user_replica(actor).runtime.loop.held
+
+
 def _replicas() -> set[str]:
     import ray
 
@@ -123,7 +127,10 @@ def _ready(names: set[str]) -> bool:
 def _serve_checks(model: str, out: dict, stop: threading.Event) -> None:
     import httpx
 
-    up = lambda: len(_replicas()) == 2 and httpx.get(f"{BASE}/v1/models", headers={"Authorization": f"Bearer {KEY}"}).status_code == 200  # noqa: E731
+    def up() -> bool:  # both replicas constructed (not only named) and the proxy routing
+        names = _replicas()
+        return len(names) == 2 and _ready(names) and httpx.get(f"{BASE}/v1/models", headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
+
     out["up"] = _wait(lambda: _safe(up), REPLACE_S, stop)
     if not out["up"]:
         return
@@ -136,11 +143,15 @@ def _serve_checks(model: str, out: dict, stop: threading.Event) -> None:
     out["broken_loop_alive"] = _on(broken, _break_loop)
     out["broken_replaced"], out["broken_replaced_s"] = _replaced(broken, stop)
     out["after_broken_lossless"] = _lossless(model, make_prompts(8, seed=42))
-    victim = sorted(_replicas())[0]
-    _on(victim, _slow_steps)
+    current = sorted(_replicas())
+    for name in current:
+        _on(name, _slow_steps)
     with ThreadPoolExecutor(6) as pool:
         inflight = [pool.submit(_complete, p, 100) for p in make_prompts(6, seed=43)]
         time.sleep(2.0)
+        held = {name: _on(name, _held) for name in current}
+        victim = max(current, key=held.get)  # the replica holding the most requests (Serve's router chose where they went)
+        out["victim_held"] = held[victim]
         import ray
 
         ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
