@@ -10,6 +10,13 @@ every replica (each polls and fetches the same object). Replicas and trainer dec
 them on any node with room) and may be pinned to cores (`Placement.cores`). A replica or trainer whose
 process dies is restarted by Ray; a request a dead replica was serving fails with `ReplicaFailed` (never
 hangs, never retried: sampling with a seed would be safe to retry, but a client may already hold tokens).
+
+Why this routes by hand (round-robin, or `replica=` given) while `tandem serve --ray` leaves routing and replacing
+replicas to Ray Serve: this class is the harness of the cluster tests and benchmarks, which must know which
+replica served each request and send work to one chosen replica (compare a replica's output with plain decoding
+after it swapped, kill the replica that holds the requests, time one replica against another). Serve's router
+picks a replica by queue length and hides which one it picked. What users run is the Serve path; its replica
+kill and health replacement are tested through `tandem serve --ray` (tests/cluster/scenarios.py `serve_cli`).
 """
 from __future__ import annotations
 

@@ -7,6 +7,10 @@ policy workers. `RemoteLearner` is what GRPOTrainer sees: `version`, `update(...
 returns it as safetensors bytes into Ray's object store once (`policy`), and `named_tensors()` hands that
 reference (`PolicyRef`) to the rollout workers' broadcast (tandem.cluster.rl.RemoteRolloutEngine). Rollouts go
 to the actor as plain dicts, tensors as safetensors bytes: nothing here unpickles a tensor.
+
+The learner actor is never restarted (max_restarts 0): a restarted one would hold the initial policy and a fresh
+optimizer and training would go on from there as if nothing happened. Its death ends the run with `LearnerDied`,
+and `--resume` continues from the last checkpoint (saved after every step with `--checkpoint`).
 """
 from __future__ import annotations
 
@@ -18,7 +22,16 @@ import torch
 from tandem.cluster.ray_env import pin_to_cores
 from tandem.cluster.specs import Placement
 from tandem.cluster.wire import tensors_from_bytes, tensors_to_bytes
-from tandem.errors import InvalidParameterError
+from tandem.errors import InvalidParameterError, TandemError
+
+
+class LearnerDied(TandemError):
+    """The learner actor died: its policy and optimizer state since the last checkpoint are gone."""
+
+
+def learner_died_message(during: str, error: Exception) -> str:
+    return (f"the learner actor died while {during} ({type(error).__name__}); the policy and optimizer state it held are lost: "
+            "rerun with --resume DIR (the --checkpoint directory) to continue from the last step saved")
 
 
 class LearnerActor:
@@ -61,17 +74,23 @@ class PolicyRef:
 
 class RemoteLearner:
     def __init__(self, actor):
-        import ray
-
         self.actor = actor
-        self.version = ray.get(actor.status.remote())["version"]
+        self.version = self._get(actor.status.remote(), "starting")["version"]
+
+    @staticmethod
+    def _get(ref, during: str):
+        import ray
+        from ray.exceptions import RayActorError
+
+        try:
+            return ray.get(ref)
+        except RayActorError as e:
+            raise LearnerDied(learner_died_message(during, e)) from e
 
     def update(self, rollouts: list, advantages: torch.Tensor, step: int, online=None) -> dict:
-        import ray
-
         if online is not None:
             raise InvalidParameterError("a remote learner does not train an online EAGLE head")
-        out = ray.get(self.actor.update.remote([dataclasses.asdict(r) for r in rollouts], advantages.tolist(), step))
+        out = self._get(self.actor.update.remote([dataclasses.asdict(r) for r in rollouts], advantages.tolist(), step), f"updating the policy at step {step}")
         self.version = out["version"]
         return out["stats"]
 
@@ -79,19 +98,16 @@ class RemoteLearner:
         return PolicyRef(self.actor.policy.remote())
 
     def checkpoint(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict, float]:
-        import ray
-
-        policy, moments, state, lr = ray.get(self.actor.checkpoint.remote())
+        policy, moments, state, lr = self._get(self.actor.checkpoint.remote(), "saving a checkpoint")
         return tensors_from_bytes(policy)[0], tensors_from_bytes(moments)[0], state, lr
 
     def restore(self, policy: dict[str, torch.Tensor], moments: dict[str, torch.Tensor], state: dict) -> None:
-        import ray
-
-        self.version = ray.get(self.actor.restore.remote(tensors_to_bytes(policy), tensors_to_bytes(moments), state))
+        self.version = self._get(self.actor.restore.remote(tensors_to_bytes(policy), tensors_to_bytes(moments), state), "restoring a checkpoint")
 
 
 def learner_actor(model: str, cfg, placement: Placement = Placement(), threads: int = 1):
+    """Start the learner actor; never restarted (see the module's docstring), whatever placement.max_restarts says."""
     import ray
 
-    actor = ray.remote(LearnerActor).options(**placement.options())
+    actor = ray.remote(LearnerActor).options(**dataclasses.replace(placement, max_restarts=0).options())
     return actor.remote(model, cfg, threads, placement.cores)

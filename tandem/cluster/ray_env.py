@@ -72,6 +72,26 @@ def shutdown() -> None:
         ray.shutdown()
 
 
+def warn_if_short(asked_cpus: float, what: str) -> float:
+    """Log a warning when the cluster has fewer CPUs than `what` asks for (Ray would hold the actors that do not fit
+    as pending, and the command would wait without a word); returns the cluster's CPUs. A warning, not an error: an
+    autoscaling cluster grows to fit."""
+    import logging
+
+    total = float(require_ray().cluster_resources().get("CPU", 0.0))
+    message = shortfall(asked_cpus, total, what)
+    if message is not None:
+        logging.getLogger("tandem.cluster").warning("%s", message)
+    return total
+
+
+def shortfall(asked_cpus: float, total_cpus: float, what: str) -> str | None:
+    if asked_cpus <= total_cpus:
+        return None
+    return (f"{what} asks Ray for {asked_cpus:g} CPUs and the cluster has {total_cpus:g}: the actors that do not fit wait until it grows "
+            "(lower the --*-cpus options, or add nodes)")
+
+
 def pin_to_cores(cores: tuple[int, ...] | None) -> tuple[int, ...]:
     """Bind this process (all its threads created later) to `cores`; None leaves it as it is. Returns the
     affinity now in force."""

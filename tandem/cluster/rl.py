@@ -11,21 +11,36 @@ Engine.update_target) and re-syncs its drafter.
 
 GRPOTrainer.sync() calls tandem.rl.rollout.update_policy(engines, ...), which hands the weights to an engine's own
 `update_policy` where it has one (this proxy: one broadcast), so GRPOTrainer runs unchanged on remote engines.
+
+A rollout worker that dies is restarted by Ray (Placement.max_restarts); its slice of the prompts is decoded again
+(at most WORKER_RETRIES times) once the restarted worker holds the policy the others decode with: the policy last
+broadcast is pushed to it first, and a worker never decodes with another version (`generate` checks). Per-sample
+seeds make the retried rollouts the same as the lost ones. A worker that does not come back ends the step with
+`RolloutWorkerDied`, naming it; `--resume` continues from the last checkpoint.
 """
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 
 import torch
 
-from tandem.cluster.learner import PolicyRef, RemoteLearner, learner_actor
+from tandem.cluster.learner import LearnerDied, PolicyRef, RemoteLearner, learner_actor, learner_died_message
 from tandem.cluster.ray_env import pin_to_cores
 from tandem.cluster.specs import Placement
 from tandem.cluster.wire import tensors_from_bytes, tensors_to_bytes
 from tandem.config import SamplingParams
-from tandem.errors import InvalidParameterError
+from tandem.errors import InvalidParameterError, TandemError
 from tandem.rl.rollout import SEED_STRIDE, Rollout, RolloutBatch, StepProfile, update_policy
+
+WORKER_RETRIES = 2  # re-decodes of one worker's slice in one call after it died
+RESTART_TIMEOUT_S = 300.0  # a restarted worker imports torch and loads the model again
+log = logging.getLogger("tandem.cluster")
+
+
+class RolloutWorkerDied(TandemError):
+    """A rollout worker died and did not come back (or kept dying) within WORKER_RETRIES tries."""
 
 
 class RolloutWorker:
@@ -41,7 +56,11 @@ class RolloutWorker:
         target.pack()
         [self.engine] = build_engines(target, [drafter], max_batch, max_len, num_draft_tokens, adaptive_k, model_name=model)
 
-    def generate(self, prompts: list[list[int]], n_per_prompt: int, params: dict, first_prompt: int, seeds: list[list[int]] | None = None) -> dict:
+    def generate(self, prompts: list[list[int]], n_per_prompt: int, params: dict, first_prompt: int, seeds: list[list[int]] | None = None,
+                 policy_version: int | None = None) -> dict:
+        """The rollouts of `prompts`, or {"stale": version} when this worker does not hold `policy_version` (restarted)."""
+        if policy_version is not None and self.engine.policy_version != policy_version:
+            return {"stale": self.engine.policy_version}
         seed = params["seed"]
         shifted = SamplingParams(**dict(params, stop=tuple(params["stop"]), stop_token_ids=tuple(params["stop_token_ids"]),
                                         seed=None if seed is None else seed + SEED_STRIDE * first_prompt))
@@ -72,6 +91,8 @@ class RemoteRolloutEngine:
             raise InvalidParameterError("RemoteRolloutEngine needs at least one rollout worker")
         self.workers, self.name = workers, name
         self.last_sync: dict[str, float] = {}
+        self.retries = 0  # worker slices decoded again after their worker died
+        self._policy = None  # (object ref, version) of the policy last broadcast: what a restarted worker is given
         status = ray.get([w.status.remote() for w in workers])
         self._policy_version = status[0]["policy_version"]
         self.drafter = None if name == "ar" else _DrafterView(status[0]["drafter_version"])
@@ -82,35 +103,98 @@ class RemoteRolloutEngine:
 
     def generate_rollouts(self, prompts: list[list[int]], n_per_prompt: int, params: SamplingParams,
                           seeds: list[list[int]] | None = None) -> RolloutBatch:
-        import ray
-
         if n_per_prompt < 1:
             raise InvalidParameterError(f"n_per_prompt must be >= 1, got {n_per_prompt}")
         if seeds is not None and len(seeds) != len(prompts):
             raise InvalidParameterError(f"seeds must be {len(prompts)} lists of {n_per_prompt} seeds")
         start = time.perf_counter()
-        slices = _slices(len(prompts), len(self.workers))
-        calls = [w.generate.remote(prompts[a:b], n_per_prompt, dataclasses.asdict(params), a, None if seeds is None else seeds[a:b])
-                 for w, (a, b) in zip(self.workers, slices) if b > a]
-        parts = ray.get(calls)
+        jobs = {i: (prompts[a:b], n_per_prompt, dataclasses.asdict(params), a, None if seeds is None else seeds[a:b])
+                for i, (a, b) in enumerate(_slices(len(prompts), len(self.workers))) if b > a}
+        parts = self._gather(jobs)
         rollouts = [Rollout(**r) for part in parts for r in part["rollouts"]]
         profile = [StepProfile(**p) for part in parts for p in part["profile"]]
         return RolloutBatch(self.name, rollouts, time.perf_counter() - start, profile)
 
+    def _gather(self, jobs: dict[int, tuple]) -> list[dict]:
+        """Every worker's part, in worker order; a worker that died (or came back without the policy) is given the
+        policy and its slice again, at most WORKER_RETRIES times."""
+        import ray
+        from ray.exceptions import RayActorError
+
+        done: dict[int, dict] = {}
+        pending = dict(jobs)
+        for attempt in range(WORKER_RETRIES + 1):
+            refs = {i: self.workers[i].generate.remote(*args, self._policy_version) for i, args in pending.items()}
+            failed = {}
+            for i, ref in refs.items():
+                try:
+                    out = ray.get(ref)
+                except RayActorError as e:
+                    failed[i] = f"died ({type(e).__name__})"
+                    continue
+                if "stale" in out:
+                    failed[i] = f"came back holding policy version {out['stale']}, not {self._policy_version}"
+                else:
+                    done[i] = out
+            if not failed:
+                return [done[i] for i in sorted(jobs)]
+            pending = {i: jobs[i] for i in failed}
+            if attempt == WORKER_RETRIES:
+                break
+            for i, why in failed.items():
+                log.warning("rollout worker %d of %d %s: decoding its %d prompts again (try %d of %d)", i, len(self.workers), why,
+                            len(jobs[i][0]), attempt + 1, WORKER_RETRIES)
+                self.retries += 1
+                self._resync(i)
+        i, why = next(iter(failed.items()))
+        raise RolloutWorkerDied(f"rollout worker {i} of {len(self.workers)} {why} and was not back after {WORKER_RETRIES} tries; the step did not "
+                                "finish: rerun with --resume DIR (the --checkpoint directory) to continue from the last step saved")
+
+    def _resync(self, i: int) -> None:
+        """Wait for worker i to be back (at most RESTART_TIMEOUT_S), then give it the policy last broadcast (a
+        restarted worker holds the initial one). Still down: the next try fails fast and counts."""
+        import ray
+        from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
+
+        deadline = time.monotonic() + RESTART_TIMEOUT_S
+        while True:
+            try:
+                status = ray.get(self.workers[i].status.remote(), timeout=max(1.0, deadline - time.monotonic()))
+                if self._policy is not None and status["policy_version"] != self._policy[1]:
+                    ray.get(self.workers[i].update_policy.remote(*self._policy), timeout=RESTART_TIMEOUT_S)
+                return
+            except ActorUnavailableError as e:  # restarting: Ray answers at once until the new process is up
+                if time.monotonic() >= deadline:
+                    log.warning("rollout worker %d is not back after %.0f s (%s)", i, RESTART_TIMEOUT_S, type(e).__name__)
+                    return
+                time.sleep(0.5)
+            except (RayActorError, GetTimeoutError) as e:  # dead for good, or no answer
+                log.warning("rollout worker %d is not back (%s)", i, type(e).__name__)
+                return
+
     def update_policy(self, named_tensors: "dict[str, torch.Tensor] | PolicyRef", version: int) -> dict[str, float]:
         """The new policy into the object store once (a remote learner's is there already); every worker copies it in
-        and re-syncs its drafter."""
+        and re-syncs its drafter. A worker that dies meanwhile is given it when it is back (`_gather`)."""
         import ray
+        from ray.exceptions import RayActorError
 
         t0 = time.perf_counter()
         ref = named_tensors.ref if isinstance(named_tensors, PolicyRef) else ray.put(tensors_to_bytes(named_tensors))  # a remote learner's is there
         put_s = time.perf_counter() - t0
-        timings = ray.get([w.update_policy.remote(ref, version) for w in self.workers])
-        status = ray.get(self.workers[0].status.remote())
-        self._policy_version = status["policy_version"]
-        if self.drafter is not None:
-            self.drafter.version = status["drafter_version"]
-        self.last_sync = {"put": put_s, "workers": time.perf_counter() - t0} | {f"worker{i}/{k}": v for i, t in enumerate(timings) for k, v in t.items()}
+        self._policy, self._policy_version = (ref, version), version
+        refs = [w.update_policy.remote(ref, version) for w in self.workers]
+        timings = {}
+        for i, worker_ref in enumerate(refs):
+            try:
+                timings[i] = ray.get(worker_ref)
+            except RayActorError as e:
+                if e.actor_id not in (None, self.workers[i]._actor_id.hex()):  # not this worker: the learner that was to make `ref`
+                    raise LearnerDied(learner_died_message("handing out the new policy", e)) from e
+                log.warning("rollout worker %d died while taking policy version %d (%s); it is given it when back", i, version, type(e).__name__)
+        if self.drafter is not None and timings:
+            i = next(iter(timings))
+            self.drafter.version = ray.get(self.workers[i].status.remote())["drafter_version"]
+        self.last_sync = {"put": put_s, "workers": time.perf_counter() - t0} | {f"worker{i}/{k}": v for i, t in timings.items() for k, v in t.items()}
         return self.last_sync
 
 

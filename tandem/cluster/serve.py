@@ -8,19 +8,27 @@ bodies). Ray Serve's proxy takes HTTP on --host/--port and routes each request t
 /metrics covers every replica: each replica pushes its Prometheus text to the `MetricsHub` actor every
 PUSH_S seconds, and whichever replica answers /metrics renders all of them with a `replica` label (a
 replica silent for STALE_S is left out and counted in tandem:cluster_replicas_stale).
+
+Ray Serve routes (each request to a replica with room) and replaces replicas: one whose process dies, and one
+whose `check_health` raises because its engine loop is broken (every request would get 503). A replica sizes
+itself from its own Ray resources (tandem.cluster.replica.replica_config), not from the whole node's. Each
+deployment's names carry a deployment id (`tandem-<id>` for the Serve application, its trainer and metrics
+hub): stopping one deletes its own application only, and two deployments on one cluster never share an actor.
 """
 from __future__ import annotations
 
 import threading
 import time
+import uuid
+from dataclasses import dataclass
 
-from tandem.cluster.ray_env import connect, shutdown
+from tandem.cluster.ray_env import connect, require_ray, shutdown, warn_if_short
 from tandem.cluster.replica import RayRuntime, replica_capacity
 from tandem.server.runtime import ServerConfig
 
 PUSH_S = 1.0
 STALE_S = 30.0
-APP_NAME = "tandem"
+APP_PREFIX = "tandem"
 
 
 class MetricsHub:
@@ -120,12 +128,20 @@ class TandemReplica:
                 pass
 
     def check_health(self) -> None:
-        if not self.runtime.loop.alive:
-            raise RuntimeError("the engine loop is not running")
+        check_loop_health(self.runtime.loop)
 
     def __del__(self):
         self._stop.set()
         self.runtime.close()
+
+
+def check_loop_health(loop) -> None:
+    """Serve's health check: raises unless the engine loop takes requests. A loop that is alive but broken (too many
+    failed iterations in a row) answers every request 503, so Serve must replace its replica."""
+    if not loop.alive:
+        raise RuntimeError("the engine loop is not running")
+    if loop.broken:
+        raise RuntimeError(f"the engine loop is broken ({loop.consecutive_failures} failed iterations in a row): it refuses every request")
 
 
 def deployment(replicas: int, num_cpus: float = 1.0, max_ongoing: int = 72):
@@ -136,51 +152,112 @@ def deployment(replicas: int, num_cpus: float = 1.0, max_ongoing: int = 72):
                             max_ongoing_requests=max_ongoing, health_check_period_s=5)
 
 
-def start(config: ServerConfig, replicas: int, trainer_spec=None, replica_cpus: float = 1.0, address: str | None = None, num_cpus: int | None = None):
-    """Join/start Ray, the trainer actor (online), the metrics hub and the Serve application; returns
-    (trainer handle or None, hub handle). Serve's HTTP proxy listens on config.host:config.port."""
+@dataclass(frozen=True)
+class ServeDeployment:
+    """What one `tandem serve --ray` started: its Serve application and, by name, its actors."""
+
+    app: str  # the Serve application (tandem-<id>)
+    trainer: object | None  # the trainer actor's handle (--online), named app + "-trainer"
+    hub: object  # the metrics hub's handle, named app + "-metrics-hub"
+
+
+def start(config: ServerConfig, replicas: int, trainer_spec=None, replica_cpus: float = 1.0, address: str | None = None, num_cpus: int | None = None,
+          deployment_id: str | None = None) -> ServeDeployment:
+    """Join/start Ray, the trainer actor (online), the metrics hub and the Serve application `tandem-<deployment_id>`
+    (default: a fresh id). Serve's HTTP proxy listens on config.host:config.port."""
     connect(address, num_cpus)  # first: an unreachable address fails in seconds, before Serve is imported
+    trainer_cpus = trainer_spec.placement.num_cpus if config.online else 0.0
+    warn_if_short(replicas * replica_cpus + trainer_cpus, f"tandem serve --ray ({replicas} replicas x {replica_cpus:g} CPUs + the trainer's {trainer_cpus:g})")
     import ray
     from ray import serve
 
     from tandem.cluster.trainer_actor import trainer_actor
 
-    trainer = trainer_actor(trainer_spec, name="tandem-trainer") if config.online else None
-    hub = ray.remote(MetricsHub).options(num_cpus=0, name="tandem-metrics-hub", get_if_exists=True, max_restarts=-1).remote()
+    app = f"{APP_PREFIX}-{deployment_id or uuid.uuid4().hex[:8]}"
+    trainer = trainer_actor(trainer_spec, name=f"{app}-trainer") if config.online else None
+    hub = ray.remote(MetricsHub).options(num_cpus=0, name=f"{app}-metrics-hub", max_restarts=-1).remote()
     serve.start(http_options={"host": config.host, "port": config.port})
-    app = deployment(replicas, replica_cpus, replica_capacity(config)).bind(config, trainer, hub)
-    serve.run(app, name=APP_NAME, route_prefix="/")
-    return trainer, hub
+    bound = deployment(replicas, replica_cpus, replica_capacity(config)).bind(config, trainer, hub)
+    serve.run(bound, name=app, route_prefix="/")
+    return ServeDeployment(app, trainer, hub)
 
 
-def stop_app(trainer=None, hub=None) -> None:
-    """Shut the Serve application down (replicas close their runtimes), then the trainer (checkpointing) and the hub."""
+def stop_app(deployed: ServeDeployment) -> None:
+    """Delete this deployment's Serve application (its replicas close their runtimes; other applications on the
+    cluster keep running), then stop its trainer (checkpointing) and its hub."""
     import ray
     from ray import serve
 
-    serve.shutdown()
-    if trainer is not None:
+    serve.delete(deployed.app)
+    if deployed.trainer is not None:
         try:
-            ray.get(trainer.stop.remote(), timeout=120)
+            ray.get(deployed.trainer.stop.remote(), timeout=120)
         finally:
-            ray.kill(trainer, no_restart=True)
-    if hub is not None:
-        ray.kill(hub, no_restart=True)
+            ray.kill(deployed.trainer, no_restart=True)
+    if deployed.hub is not None:
+        ray.kill(deployed.hub, no_restart=True)
+
+
+def _stop_partial(app: str) -> None:
+    """Remove what a start interrupted part-way left of application `app`, found by its names."""
+    import logging
+
+    import ray
+
+    def actor(name):
+        try:
+            return ray.get_actor(name)
+        except ValueError:  # never started
+            return None
+
+    try:
+        stop_app(ServeDeployment(app, actor(f"{app}-trainer"), actor(f"{app}-metrics-hub")))
+    except Exception as e:  # noqa: BLE001 - Serve itself may not have started: nothing of it to delete
+        logging.getLogger("tandem.server").warning("stopping the part-started application %s: %s: %s", app, type(e).__name__, e)
 
 
 def serve_on_ray(config: ServerConfig, replicas: int, trainer_spec=None, replica_cpus: float = 1.0, address: str | None = None) -> None:
-    """`tandem serve --ray`: run until interrupted, then shut Serve down (and Ray, when this process started it)."""
+    """`tandem serve --ray`: run until SIGINT or SIGTERM, then delete this deployment, also one interrupted while it
+    starts (and stop Ray, when this process started it). Both signals are handled here, after Ray's start-up (which
+    installs a SIGTERM handler of its own that ends the process): a process started in the background inherits SIGINT
+    ignored, and SIGTERM (what `kill`, systemd and Kubernetes send) would end it with its application left on the cluster."""
     import logging
 
-    trainer, hub = start(config, replicas, trainer_spec, replica_cpus, address)
-    logging.getLogger("tandem.server").warning("serving %s on Ray Serve: %d replicas at http://%s:%d", config.model_name, replicas, config.host, config.port)
+    started_here = not require_ray().is_initialized()
+    connect(address)
+    previous = _on_signals(_interrupt)
+    deployment_id = uuid.uuid4().hex[:8]
+    deployed = None
     try:
+        deployed = start(config, replicas, trainer_spec, replica_cpus, address, deployment_id=deployment_id)
+        logging.getLogger("tandem.server").warning("serving %s on Ray Serve (application %s): %d replicas at http://%s:%d", config.model_name,
+                                                   deployed.app, replicas, config.host, config.port)
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
         pass
     finally:
+        _on_signals(previous)  # a second signal acts as it did before: SIGTERM ends the process at once
         try:
-            stop_app(trainer, hub)
+            if deployed is not None:
+                stop_app(deployed)
+            else:
+                _stop_partial(f"{APP_PREFIX}-{deployment_id}")
         finally:
-            shutdown()
+            if started_here:  # a caller's own Ray session (tests, notebooks) stays up
+                shutdown()
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def _on_signals(handler) -> dict:
+    """Install `handler` (one callable, or {signal: handler} as returned here) for SIGINT and SIGTERM; returns the
+    handlers it replaced. Off the main thread (where Python refuses handlers) it does nothing."""
+    import signal
+
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    handlers = handler if isinstance(handler, dict) else {signal.SIGINT: handler, signal.SIGTERM: handler}
+    return {sig: signal.signal(sig, h) for sig, h in handlers.items()}

@@ -36,6 +36,9 @@ class TrainerSpec:
     buffer_bytes: int = 256 << 20
     buffer_policy: str = "balance_domains"
     state_dir: str | None = None  # checkpoint/ and traces/ (spill) under it: a restarted trainer resumes from them
+    spill: bool = True  # write traces to Parquet under state_dir/traces (False: memory only; a restart starts with an empty buffer)
+    spill_max_bytes: int | None = 2 << 30  # spilled traces kept (the oldest shards are deleted beyond), as `tandem serve`
+    spill_max_age_s: float | None = 7 * 86_400.0  # spilled shards older than this are deleted
     checkpoint_every: int = 100
     threads: int = 1
     placement: Placement = field(default_factory=Placement)
@@ -46,4 +49,4 @@ class TrainerSpec:
 
     @property
     def spill_dir(self) -> str | None:
-        return None if self.state_dir is None else f"{self.state_dir}/traces"
+        return None if self.state_dir is None or not self.spill else f"{self.state_dir}/traces"

@@ -83,6 +83,11 @@ def _first_version(spec: TrainerSpec, served_version: int) -> int:
     return max(served_version, int(published)) + 1
 
 
+def trace_buffer(spec: TrainerSpec) -> TraceBuffer:
+    """The actor's buffer: spilled under spec.spill_dir with the spec's retention (the oldest shards pruned beyond it)."""
+    return TraceBuffer(spec.buffer_bytes, spec.buffer_policy, spec.spill_dir, spill_max_bytes=spec.spill_max_bytes, spill_max_age_s=spec.spill_max_age_s)
+
+
 class TrainerActor:
     """Wrapped by `trainer_actor(spec)`; every method is called through Ray (a threaded actor)."""
 
@@ -98,7 +103,7 @@ class TrainerActor:
         extra = {"draft_vocab_size": spec.draft_vocab_size} if spec.draft_vocab_size else {}
         drafter = build_drafter("eagle", target=target, num_draft_tokens=spec.num_draft_tokens, drafter_path=spec.drafter_path, max_batch=1,
                                 max_len=64, **extra)
-        self.buffer = TraceBuffer(spec.buffer_bytes, spec.buffer_policy, spec.spill_dir)
+        self.buffer = trace_buffer(spec)
         self.restored_traces = refill(self.buffer, spec.spill_dir)
         self.ledger = TraceLedger(spec.state_dir)  # traces a dead predecessor held but never spilled: counted lost
         self.store = ObjectStoreWeights(first_version=_first_version(spec, drafter.version))

@@ -173,14 +173,19 @@ def rl(model: str, work: Path) -> dict:
     return out
 
 
+def rl_argv(model: str) -> tuple[list[str], list[str]]:
+    """`tandem rl` of a tiny run (2 steps of 9 rollouts, 8 tokens each), embedded and on Ray (2 workers, a learner)."""
+    common = ["rl", "--model", model, "--drafters", "ngram", "--no-adaptive-k", "--num-draft-tokens", "3", "--prompts-per-step", "3",
+              "--group-size", "3", "--max-tokens", "8", "--lr", "1e-3", "--micro-batch", "4", "--eval-problems", "4", "--eval-every", "1",
+              "--seed", "1", "--task", "basic_arithmetic,chain_sum", "--no-demonstration", "--reward", "scenarios:parity_reward"]
+    return common, common + ["--ray", "--rollout-workers", "2", "--worker-cpus", "0.5", "--learner-cpus", "0.5"]
+
+
 def rl_resume(model: str, work: Path) -> dict:
     """`tandem rl --ray --checkpoint`: 2 steps at once; 1 step, then --resume to --steps 2; and the embedded run."""
     from tandem.cli import main as cli
 
-    common = ["rl", "--model", model, "--drafters", "ngram", "--no-adaptive-k", "--num-draft-tokens", "3", "--prompts-per-step", "3",
-              "--group-size", "3", "--max-tokens", "8", "--lr", "1e-3", "--micro-batch", "4", "--eval-problems", "4", "--eval-every", "1",
-              "--seed", "1", "--task", "basic_arithmetic,chain_sum", "--no-demonstration", "--reward", "scenarios:parity_reward"]
-    on_ray = common + ["--ray", "--rollout-workers", "2", "--worker-cpus", "0.5", "--learner-cpus", "0.5"]
+    common, on_ray = rl_argv(model)
     runs = {"whole": on_ray + ["--steps", "2", "--checkpoint", str(work / "whole")],
             "first": on_ray + ["--steps", "1", "--checkpoint", str(work / "split")],
             "resumed": on_ray + ["--steps", "2", "--resume", str(work / "split"), "--checkpoint", str(work / "split")],
@@ -226,7 +231,8 @@ def serve_scenario(model: str, work: Path) -> dict:
     spec = TrainerSpec(model=model, draft_vocab_size=200, loss=FlywheelConfig(publish_every=2, min_traces=2), state_dir=str(work / "trainer"),
                        checkpoint_every=50, placement=Placement(num_cpus=0.25))
     t0 = time.monotonic()
-    trainer, hub = ray_serve.start(config, replicas=2, trainer_spec=spec, replica_cpus=0.5)
+    deployed = ray_serve.start(config, replicas=2, trainer_spec=spec, replica_cpus=0.5)
+    trainer = deployed.trainer
     out["start_s"] = round(time.monotonic() - t0, 2)
     try:
         client = openai.OpenAI(base_url="http://127.0.0.1:8000/v1", api_key=key, max_retries=0, timeout=120)
@@ -272,20 +278,20 @@ def serve_scenario(model: str, work: Path) -> dict:
         out["metrics_drafter_version_replicas"] = len([line for line in lines if line.startswith("tandem:drafter_version{replica=")])
         out["metrics_trace_losses"] = [line for line in lines if line.startswith(("tandem:trace_buffer_dropped_total{", "tandem:trace_collector_dropped_records_total{"))]
     finally:
-        ray_serve.stop_app(trainer, hub)
+        ray_serve.stop_app(deployed)
     return out
 
 
 SCENARIOS = {"flywheel": flywheel, "rl": rl, "rl_resume": rl_resume, "serve": serve_scenario}
 
 
-def main() -> int:
+def main(scenarios: dict = SCENARIOS) -> int:
     from tandem.cluster.netns import in_private_netns
 
     if not in_private_netns():
         sys.exit("scenarios.py starts Ray: run it inside `python -m tandem.cluster.netns --ray-local -- ...` (loopback only)")
     model, work, target = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
-    names = sys.argv[4:] or list(SCENARIOS)
+    names = sys.argv[4:] or list(scenarios)
     results: dict = {}
     began = time.monotonic()
     connect(num_cpus=2)
@@ -294,7 +300,7 @@ def main() -> int:
         for name in names:
             t0 = time.monotonic()
             try:
-                results[name] = SCENARIOS[name](model, work / name)
+                results[name] = scenarios[name](model, work / name)
             except Exception:  # noqa: BLE001 - recorded for the test to report
                 results[name] = {"traceback": traceback.format_exc()}
             results[name]["seconds"] = round(time.monotonic() - t0, 2)

@@ -178,3 +178,115 @@ def test_replica_capacity_takes_the_runtimes_largest_defaults_where_sizes_are_un
     cluster = FlywheelCluster(ServerConfig(model="m"), replicas=2)  # was a TypeError (None + None) before any actor started
     assert cluster._pool._max_workers == 2 * 320
     cluster.close()
+
+
+def _serve_args(*extra):
+    from tandem.cli import build_parser
+
+    return build_parser().parse_args(["serve", "--ray", "--replicas", "2", "--online", "--drafter", "eagle", "--model", "unused", *extra])
+
+
+def test_serve_ray_online_from_the_command_line_gets_as_far_as_joining_the_cluster(tmp_path, capsys):
+    """`tandem serve --ray --replicas 2 --online` read an option the parser never defined (AttributeError) before Ray started."""
+    from tandem.cli import main
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    argv = ["serve", "--ray", "--replicas", "2", "--online", "--drafter", "eagle", "--model", "unused", "--state-dir", str(tmp_path), "--address", f"127.0.0.1:{port}"]
+    assert main(argv) == 1
+    assert f"cannot reach the Ray cluster at 127.0.0.1:{port}" in capsys.readouterr().err
+
+
+def test_the_trainer_actor_takes_its_threads_and_spill_retention_from_the_command_line(tmp_path):
+    from tandem.cluster.cli import serve_plan
+    from tandem.cluster.trainer_actor import trace_buffer
+
+    config, spec = serve_plan(_serve_args("--state-dir", str(tmp_path), "--trainer-cpus", "2", "--spill-max-gb", "0.5", "--spill-max-age-hours", "1"))
+    assert (spec.threads, spec.placement.num_cpus, spec.state_dir, config.state_dir) == (2, 2.0, str(tmp_path), None)
+    assert (spec.spill_dir, spec.spill_max_bytes, spec.spill_max_age_s) == (str(tmp_path / "traces"), 1 << 29, 3600.0)
+    (tmp_path / "traces").mkdir()
+    old = tmp_path / "traces" / f"traces-{time.time_ns() - 2 * 3600 * 10**9:020d}.parquet"  # written two hours ago
+    old.write_bytes(b"")
+    buffer = trace_buffer(spec)
+    assert not old.exists() and buffer.stats().spill_pruned == 1  # the actor's buffer prunes by the command line's retention
+    buffer.close()
+    _, unspilled = serve_plan(_serve_args("--state-dir", str(tmp_path), "--no-spill"))
+    assert unspilled.spill_dir is None
+    with pytest.raises(InvalidParameterError, match="--replica-cpus and --trainer-cpus must be > 0"):
+        serve_plan(_serve_args("--replica-cpus", "0"))
+
+
+def test_a_replica_sizes_its_threads_and_kv_cache_from_its_own_resources_not_the_nodes():
+    from tandem.cluster.replica import memory_share, replica_config
+    from tandem.server.runtime import ServerConfig
+
+    node = 64 << 30  # a 4-CPU node with 64 GiB: four 1-CPU replicas each get 16 GiB, a KV budget of 4 GiB (the node's: 16 GiB)
+    sized = replica_config(ServerConfig(model="m"), 1.0, memory_share(1.0, 4.0, node))
+    assert (sized.threads, sized.kv_cache_bytes) == (1, 4 << 30)
+    assert (replica_config(ServerConfig(model="m"), 2.5, memory_share(2.5, 4.0, node)).threads, memory_share(0.5, 2.0, 8 << 30)) == (2, 2 << 30)
+    assert replica_config(ServerConfig(model="m"), 8.0, node).kv_cache_bytes == 8 << 30  # at most 8 GiB, as the embedded server
+    assert memory_share(8.0, 4.0, node) == node  # never more than the node
+    explicit = replica_config(ServerConfig(model="m", threads=3, kv_cache_bytes=1 << 20), 1.0, 1 << 30)
+    assert (explicit.threads, explicit.kv_cache_bytes) == (3, 1 << 20)  # the command line's sizes win
+
+
+def test_the_health_check_fails_for_a_broken_engine_loop_not_only_a_dead_one(tiny_llama):
+    """Serve replaces a replica whose check_health raises; a broken loop (alive, answering every request 503) must."""
+    from tandem.cluster.serve import check_loop_health
+    from tandem.config import EngineConfig
+    from tandem.engine.engine import Engine
+    from tandem.server.engine_loop import EngineLoop
+
+    from tiny_helpers import load_packed
+
+    engine = Engine(load_packed(tiny_llama), EngineConfig(max_batch_size=2, max_model_len=64))
+    loop = EngineLoop(engine, max_queue=4, max_consecutive_failures=3).start()
+    check_loop_health(loop)  # healthy: no exception
+
+    def fault():
+        raise RuntimeError("injected: the engine's state is corrupt")
+
+    engine.has_unfinished = fault  # every iteration now fails before it can do anything
+    deadline = time.monotonic() + 10
+    while not loop.broken and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert loop.alive and loop.broken
+    with pytest.raises(RuntimeError, match=r"the engine loop is broken \(\d+ failed iterations in a row\): it refuses every request"):
+        check_loop_health(loop)
+    loop.stop()
+    with pytest.raises(RuntimeError, match="the engine loop is not running"):
+        check_loop_health(loop)
+
+
+def test_serve_ray_takes_sigterm_and_sigint_even_when_started_with_sigint_ignored():
+    """A background process inherits SIGINT ignored, and SIGTERM's default ends it with its Serve application left behind."""
+    import os
+    import signal
+
+    from tandem.cluster.serve import _on_signals
+
+    outer = signal.signal(signal.SIGINT, signal.SIG_IGN)  # as `tandem serve --ray ... &` from a script starts
+    term = signal.getsignal(signal.SIGTERM)
+    hits = []
+    replaced = _on_signals(lambda signum, frame: hits.append(signum))
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGINT)
+        deadline = time.monotonic() + 5
+        while len(hits) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        _on_signals(replaced)
+    assert hits == [signal.SIGTERM, signal.SIGINT]
+    assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN and signal.getsignal(signal.SIGTERM) is term  # restored on the way out
+    signal.signal(signal.SIGINT, outer)
+
+
+def test_asking_for_more_cpus_than_the_cluster_has_is_said_not_waited_on_in_silence():
+    from tandem.cluster.ray_env import shortfall
+
+    what = "tandem rl --ray (2 rollout workers x 1 CPUs + the learner's 1)"  # the README's command on a 2-CPU machine
+    assert shortfall(3.0, 2.0, what) == (f"{what} asks Ray for 3 CPUs and the cluster has 2: the actors that do not fit wait until it grows "
+                                         "(lower the --*-cpus options, or add nodes)")
+    assert shortfall(2.0, 2.0, what) is None
