@@ -23,6 +23,7 @@ import torch
 from tandem.errors import InvalidParameterError
 from tandem.flywheel.traces import SequenceTrace
 from tandem.models.eagle import EagleHead, target_to_draft
+from tandem.models.eagle_train import entry_context, forward_on, lm_head_rows
 from tandem.ops.losses import discard_loss, rejection_probability, soft_cross_entropy
 from tandem.training.offline import Example, eagle_states, step_stats, target_states
 
@@ -132,14 +133,14 @@ def committed_context(head: EagleHead, trace: SequenceTrace, length: int) -> tup
     """Keys and values of the committed entries 0..length-1 computed on their own (the flywheel loss takes
     them from the unroll instead)."""
     fused = head.fuse([trace.features[:length].float().unsqueeze(0)])
-    return head.context(trace.tokens[1 : length + 1].unsqueeze(0), fused, torch.arange(length).unsqueeze(0))
+    return entry_context(head, trace.tokens[1 : length + 1].unsqueeze(0), fused, torch.arange(length).unsqueeze(0))
 
 
 def branch_hidden(head: EagleHead, batch: BranchBatch, context: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:  # [Nb, d] normed
     """What the LM head reads at the branch nodes. context: keys and values of at least the first C committed
     entries ([1, Hkv, >= C, D]; the unroll's step 0 has them), so the pass costs the branch nodes only."""
     keys, values = (c[:, :, : batch.committed] for c in context)
-    hidden = head.forward_on((keys, values), batch.ids, head.fuse([batch.features.float()]), batch.positions, batch.mask)
+    hidden = forward_on(head, (keys, values), batch.ids, head.fuse([batch.features.float()]), batch.positions, batch.mask)
     return head.norm(hidden[0])
 
 
@@ -181,7 +182,7 @@ def flywheel_loss(head: EagleHead, target_rows: torch.Tensor, traces: list[Seque
     """Mean over traces of the switched-on terms (cfg: a FlywheelConfig). Each trace runs alone (no
     padding): its step-0 logits are read at the generated positions only, and its chains are a
     `chain_fraction` sample of them plus every root a scored proposal past depth 0 needs. The LM head runs
-    once over every row of every trace (EagleHead.lm_head_rows), after the per-trace passes of the layer, and
+    once over every row of every trace (eagle_train.lm_head_rows), after the per-trace passes of the layer, and
     the target's distributions for every trace and term come from one pass over `target_rows`."""
     traces = [t for t in traces if len(t.features) >= 2]
     if not traces:
@@ -200,7 +201,7 @@ def flywheel_loss(head: EagleHead, target_rows: torch.Tensor, traces: list[Seque
             hidden = hidden + [branch_hidden(head, branch, context)]
         plans.append(TracePlan(trace, example, events, normaliser, step_roots, branch, slice(len(normed), len(normed) + len(hidden))))
         normed += hidden
-    projected = head.lm_head_rows(normed)  # one LM-head GEMM for the whole batch
+    projected = lm_head_rows(head, normed)  # one LM-head GEMM for the whole batch
     states = ([target_states([p.example], p.step_roots) for p in plans] if cfg.imitation else []) + [p.branch.final for p in plans if p.branch is not None]
     distributions = target_distributions(states, target_rows) if states else []
     imitation, branches = distributions[: len(plans) if cfg.imitation else 0], iter(distributions[len(plans) if cfg.imitation else 0 :])

@@ -2,7 +2,7 @@
 
 For greedy decoding the emitted sequence is the target's greedy continuation whatever the drafter does,
 and a greedy chain drafter's acceptance depends only on its weights and the target's outputs: at a step
-whose pending token sits at position n, the head's chain is what `EagleHead.unroll` predicts at root
+whose pending token sits at position n, the head's chain is what `eagle_train.unroll` predicts at root
 n - 1 (step 0 from the target features of the committed context, step s from its own hidden state fed
 back, exactly as `EagleDrafter` drafts), and the accepted count is the leading run of predictions equal
 to the committed tokens, capped by the step's budget (the engine's: min(k, max_tokens - output - 1)).

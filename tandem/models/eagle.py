@@ -11,7 +11,7 @@ at position t, i.e. what the target computed after reading x_0..x_t):
 Draft-cache entry j holds (f_j, x_{j+1}) at RoPE position j. After the target committed n tokens and the
 pending token x_n was emitted, entry n-1 predicts the first draft token; a draft node at depth d sits at
 position n + d and is fed its parent's output h instead of a target feature (the "training-time test":
-`unroll` trains exactly that).
+`tandem.models.eagle_train.unroll_states` trains exactly that).
 
 The token embedding is the target's (shared, frozen, never saved); the LM head covers only
 `draft_to_target` [Vd], the most frequent target tokens in observed traffic, initialised from the
@@ -155,14 +155,6 @@ def tree_cache_mask(
     queries = ancestors[:, m - num_query :].to(torch.bool).cpu()  # [B, T, M]
     seen = torch.gather(queries, 2, rel.clamp(0, m - 1).expand(batch, num_query, total))  # [B, T, S]
     return ((key < start) | (in_tree & seen)).unsqueeze(1)
-
-
-def unroll_mask(roots: torch.Tensor, num_tokens: int, step: int) -> torch.Tensor:  # [R, T + step R] bool
-    """Training-time-test attention at unroll step s for chains rooted at `roots` [R]: causal over the T
-    target-feature entries (up to the root), then each chain sees only its own entries from steps 1..s
-    (one per step, on the diagonal)."""
-    causal = torch.arange(num_tokens).unsqueeze(0) <= roots.unsqueeze(1)
-    return torch.cat([causal] + [torch.eye(len(roots), dtype=torch.bool)] * step, dim=1)
 
 
 # ---- modules ----------------------------------------------------------------------------------------------
@@ -310,88 +302,6 @@ class EagleHead(nn.Module):
                                              batch.rows.start or 0, batch.starts, batch.tree, cfg.num_heads, cfg.num_kv_heads)
         hidden, h = decode_glue.add_rms_norm(self.attn.o(attended), features, self.mlp_norm.weight, self.mlp_norm.eps)
         return hidden + self.mlp.down(decode_glue.silu_mul(self.mlp.gate_up(h)))
-
-    def unroll(self, *args, **kwargs) -> list[torch.Tensor]:
-        """`unroll_states` without the step-0 context."""
-        return self.unroll_states(*args, **kwargs)[0]
-
-    def unroll_states(
-        self,
-        input_ids: torch.Tensor,  # [B, T + steps - 1]: x_1 .. (token t+1 pairs with feature t)
-        fused: torch.Tensor,  # [B, T, d] fused target features f_0 .. f_{T-1}
-        steps: int,
-        chain_roots: torch.Tensor | None = None,  # [R] increasing: roots whose chains go past step 0; None = all T
-        first_roots: torch.Tensor | None = None,  # [R0]: roots whose step-0 logits are wanted; None = all T
-        project: bool = True,  # False: the normed hidden states [.., d] the LM head would read, for one LM-head pass over many (lm_head_rows)
-    ) -> tuple[list[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
-        """Training-time test: step s feeds step s-1's hidden states back in place of target features.
-
-        Step 0 projects keys and values at every position (the context of every chain); later steps are
-        independent per chain, so training may unroll only a sample of roots (`chain_roots`) and read
-        step-0 logits at a subset (`first_roots`, e.g. the generated part only). Given both, step 0's
-        queries, attention output and MLP run only at the rows read afterwards (their union): the rows of a
-        prompt feed keys and values and nothing else, so the result and its gradient are the same.
-
-        Returns the outputs per step ([B, T or R0, Vd], then steps-1 x [B, R, Vd]: step s at root t predicts
-        x_{t+s+2}; normed hidden states instead of logits with project=False) and step 0's keys and values
-        at every entry ([B, Hkv, T, D] each: the context `forward_on` extends, e.g. with branch nodes).
-        """
-        t = fused.shape[1]
-        roots = torch.arange(t)
-        read = torch.unique(torch.cat([first_roots.cpu(), chain_roots.cpu()])) if first_roots is not None and chain_roots is not None else None
-        keys, values, logits = [], [], []
-        features = fused
-        for step in range(steps):
-            if step == 1 and chain_roots is not None:
-                roots = chain_roots.cpu()
-                at = roots if read is None else torch.searchsorted(read, roots)
-                features = features[:, at.to(features.device)]
-            index = (roots + step).to(fused.device)
-            cos, sin = self.rope(index.unsqueeze(0))
-            q, k, v = self.attn.project(self.layer_input(input_ids[:, index], features), cos, sin)
-            keys.append(k.transpose(1, 2))
-            values.append(v.transpose(1, 2))
-            mask = unroll_mask(roots, t, step)
-            if step == 0 and read is not None:
-                q, mask, features = q[:, read.to(q.device)], mask[read], features[:, read.to(features.device)]
-            mask = mask.to(fused.device).view(1, 1, q.shape[1], -1)
-            features = self.residual(features, self.attn.attend(q, torch.cat(keys, 2), torch.cat(values, 2), mask, False))
-            wanted = features
-            if step == 0 and first_roots is not None:
-                wanted = features[:, (first_roots.cpu() if read is None else torch.searchsorted(read, first_roots.cpu())).to(features.device)]
-            normed = self.norm(wanted)
-            logits.append(self.lm_head(normed) if project else normed)
-        return logits, (keys[0], values[0])
-
-    def context(self, input_ids: torch.Tensor, fused: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values [B, Hkv, T, D] of T entries (token x_{t+1} with fused feature f_t at position t): the
-        context other entries attend to, as step 0 of `unroll_states` computes it."""
-        cos, sin = self.rope(positions)
-        _, k, v = self.attn.project(self.layer_input(input_ids, fused), cos, sin)
-        return k.transpose(1, 2), v.transpose(1, 2)
-
-    def forward_on(
-        self,
-        context: tuple[torch.Tensor, torch.Tensor],  # keys, values [1, Hkv, C, D] of entries computed elsewhere
-        input_ids: torch.Tensor,  # [1, N] the new entries
-        fused: torch.Tensor,  # [1, N, d]
-        positions: torch.Tensor,  # [1, N]
-        mask: torch.Tensor,  # [N, C + N] bool: which context entries and new entries each new entry sees
-    ) -> torch.Tensor:  # hidden [1, N, d]
-        """The layer at N new entries over a context of C entries whose keys and values exist already: the
-        context costs nothing here, and its gradient flows into whatever computed it."""
-        cos, sin = self.rope(positions)
-        q, k, v = self.attn.project(self.layer_input(input_ids, fused), cos, sin)
-        keys, values = torch.cat([context[0], k.transpose(1, 2)], 2), torch.cat([context[1], v.transpose(1, 2)], 2)
-        return self.residual(fused, self.attn.attend(q, keys, values, mask.view(1, 1, *mask.shape), False))
-
-    def lm_head_rows(self, normed: list[torch.Tensor]) -> list[torch.Tensor]:  # [..., d] each -> [..., Vd] each
-        """The LM head over many tensors of normed hidden states in one GEMM: the 16k x d weight is read once
-        instead of once per tensor (at a few dozen rows a call, an LM-head call streams the weight from memory
-        and costs ~8x its arithmetic), in the forward and again in the backward."""
-        rows = torch.cat([h.reshape(-1, h.shape[-1]) for h in normed])
-        out = self.lm_head(rows).split([h[..., 0].numel() for h in normed])
-        return [o.view(*h.shape[:-1], o.shape[-1]) for o, h in zip(out, normed)]
 
     def layer_input(self, input_ids: torch.Tensor, features: torch.Tensor) -> torch.Tensor:  # -> [B, T, 2d]
         embeds = F.embedding(input_ids, self.embed_weight).to(features.dtype)

@@ -6,7 +6,7 @@
 2. The reduced draft vocabulary is the most frequent tokens of those sequences.
 3. Loss: soft cross-entropy of the draft logits against the target distribution restricted to the draft
    vocabulary (tandem.ops.losses), the target logits recomputed on the fly from the final hidden state
-   and the target's LM-head rows. EAGLE trains with the training-time-test unroll (`EagleHead.unroll`,
+   and the target's LM-head rows. EAGLE trains with the training-time-test unroll (`eagle_train.unroll`,
    `unroll` steps feeding its own hidden states back); MTP head i learns position t+1+i's distribution.
 4. AdamW with warm-up and cosine decay, a step and wall-clock budget; then per-position draft accuracy on
    held-out prompts (continuation rows only, where the fed tokens are the target's greedy ones, so the
@@ -26,6 +26,7 @@ from tqdm import tqdm
 
 from tandem.errors import InvalidParameterError
 from tandem.models.eagle import EagleConfig, EagleHead, draft_vocab_from_tokens, new_eagle_head, save_eagle
+from tandem.models.eagle_train import unroll_states
 from tandem.models.mtp import MtpConfig, MtpHeads, new_mtp_heads, save_mtp
 from tandem.models.transformer import Transformer
 from tandem.ops.losses import soft_cross_entropy
@@ -157,7 +158,7 @@ def eagle_logits(
     """The training-time-test unroll over a padded batch: logits per step ([B, T or R0, Vd], then [B, R, Vd])
     and the roots of each step. chain_roots [R]: roots unrolled past step 0 (a sample makes training
     cheaper); first_roots [R0]: roots whose step-0 logits are computed; None = all. project=False: the normed hidden
-    states instead of logits (EagleHead.lm_head_rows projects many at once)."""
+    states instead of logits (eagle_train.lm_head_rows projects many at once)."""
     logits, roots, _ = eagle_states(head, examples, unroll, chain_roots, first_roots, project)
     return logits, roots
 
@@ -166,12 +167,12 @@ def eagle_states(
     head: EagleHead, examples: list[Example], unroll: int, chain_roots: torch.Tensor | None = None, first_roots: torch.Tensor | None = None,
     project: bool = True,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
-    """eagle_logits, and step 0's keys and values at every entry (EagleHead.unroll_states)."""
+    """eagle_logits, and step 0's keys and values at every entry (eagle_train.unroll_states)."""
     length = max(len(e.tokens) for e in examples)
     t = length - 1  # chain roots 0 .. L-2 (entry t pairs feature t with token t+1)
     tokens = _pad(examples, "tokens", length + unroll)  # [B, L+S]
     fused = head.fuse([_pad(examples, "taps", t)])
-    logits, context = head.unroll_states(tokens[:, 1 : t + unroll], fused, unroll, chain_roots, first_roots, project)
+    logits, context = unroll_states(head, tokens[:, 1 : t + unroll], fused, unroll, chain_roots, first_roots, project)
     later = torch.arange(t) if chain_roots is None else chain_roots
     return logits, [torch.arange(t) if first_roots is None else first_roots] + [later] * (unroll - 1), context
 

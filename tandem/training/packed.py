@@ -5,7 +5,7 @@ position with attention causal *within* each document. Steps 1..S-1 continue a s
 same root positions in every row): the query of chain r at step s sees the step-0 keys of its document
 up to r, plus its own keys from steps 1..s, one per step. Instead of a [R, L + s R] mask that is almost
 all False, the own-chain scores are computed as s dot products per query and concatenated to the
-[R, L] scores before one softmax: memory O(R L), not O(s R L). `EagleHead.unroll` is the reference (one
+[R, L] scores before one softmax: memory O(R L), not O(s R L). `eagle_train.unroll` is the reference (one
 unpacked sequence, explicit masks); tests/training/test_packed.py checks they agree.
 
 Indexing as in tandem.models.eagle: at step s the chain rooted at t reads token x_{t+s+1} and predicts

@@ -1,11 +1,56 @@
-"""bench aurora: a run directory keeps each finished variant, refuses other settings, and --jobs children replay
-the same thing the serial run does (slow: the real SmolLM2 target)."""
+"""bench aurora: a variant scores each request before it trains on it and reports its trainer's core load (tiny
+model); a run directory keeps each finished variant, refuses other settings, and --jobs children replay the same
+thing the serial run does (slow: the real SmolLM2 target)."""
 import json
 
 import pytest
 
-from tandem.bench.aurora import AuroraConfig, run_aurora
+from tandem.bench.aurora import AuroraConfig, replay_variant, run_aurora
 from tandem.errors import InvalidParameterError
+
+from tiny_helpers import load_packed, make_prompts
+
+
+def test_a_variant_scores_each_request_before_it_trains_on_it_and_reports_the_trainers_core_load(tiny_llama, monkeypatch):
+    """Rung +steps on 8 requests (2 trainer steps after each once the buffer holds 2 traces: after requests 2..8, 14 in
+    all; a version published every 10 steps). Version 1 is published by the steps after request 6, so requests 1..6
+    are scored by the starting head, exactly as the frozen variant scores them, and requests 7, 8 by version 1.
+    The trainer's core load is its step time over the modelled decode time: with a clock that moves 0.25 s per
+    trainer step and 1 s per verify (drafting free), 14 x 0.25 s over the requests' verify steps."""
+    import types
+
+    import tandem.flywheel.setups as setups
+    from tandem.data.prompts import Prompt
+    from tandem.flywheel.replay import target_traces
+    from tandem.flywheel.stream import prompt_key
+    from tandem.flywheel.trainer import OnlineTrainer
+    from tandem.models.eagle import EagleConfig
+
+    target = load_packed(tiny_llama)
+    stream = [Prompt("code" if i < 4 else "sql", f"prompt {i}", id=str(i)) for i in range(8)]
+    ids = dict(zip([prompt_key(p) for p in stream], make_prompts(8, seed=2)))
+    traces = target_traces(target, ids, 16, EagleConfig.for_target(target.cfg).taps)
+    heads = {"static": setups.scratch_head(target, 200, seed=0)}
+    costs = {"verify_s": {t: 1.0 for t in range(1, 6)}, "draft_step_s": 0.0}
+    cfg = AuroraConfig(general_head="unused", requests=8, block=2, domains=("code", "sql"), max_tokens=16, steps=2.0)
+    now, step = [0.0], OnlineTrainer.train_step
+
+    def timed_step(trainer):
+        record = step(trainer)
+        now[0] += 0.25 if record is not None else 0.0  # a step taken costs 0.25 s; a wait for traces nothing
+        return record
+
+    monkeypatch.setattr(setups, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+    monkeypatch.setattr(OnlineTrainer, "train_step", timed_step)
+    frozen = replay_variant("static", cfg, target, stream, traces, heads, costs)["rows"]
+    online = replay_variant("+steps", cfg, target, stream, traces, heads, costs)
+    rows, extras = online["rows"], online["extras"]
+    assert [r["version"] for r in rows] == [0] * 6 + [1] * 2 and [r["version"] for r in frozen] == [0] * 8
+    assert [r["acceptance_length"] for r in rows[:6]] == [r["acceptance_length"] for r in frozen[:6]]
+    assert (extras["trainer_steps"], extras["trainer_s"], extras["swaps"]["swaps"]) == (14, 3.5, 1)
+    outputs = [len(traces[prompt_key(p)].tokens) - traces[prompt_key(p)].prompt_len for p in stream]
+    verifies = sum(round((n - 1) / r["acceptance_length"]) for n, r in zip(outputs, rows))  # (output tokens - 1) / acceptance length
+    assert extras["modelled_serve_s"] == round(float(verifies), 1) and extras["trainer_core_load"] == round(3.5 / verifies, 3)
 
 
 @pytest.fixture()

@@ -11,7 +11,8 @@ from tandem.flywheel.objective import flywheel_loss
 from tandem.flywheel.trainer import (FlywheelConfig, OnlineTrainer, latest_checkpoint, load_target_tables, rest_after, save_target_tables, target_lm_rows,
                                      trainer_copy, wait_for)
 from tandem.flywheel.weights import HotSwapper, WeightStore
-from tandem.models.eagle import load_eagle, save_eagle, target_to_draft
+from tandem.models.eagle import copy_head, load_eagle, save_eagle, target_to_draft
+from tandem.models.head_state import make_trainable
 
 from flywheel_helpers import GREEDY, eagle_engine, make_prompts, plain_outputs, save_shared_head, served_traces
 
@@ -54,20 +55,35 @@ def test_discard_term_lowers_the_rejected_tokens_probability(target, traces):
     assert float(after.detach()) < float(before.detach())
 
 
-def test_training_lowers_the_loss_and_publishes(target, traces):
-    trainer = make_trainer(target, traces, lr=3e-3, publish_every=5, warmup=1)
-    gen = lambda: torch.Generator().manual_seed(0)  # noqa: E731
-    before, _ = flywheel_loss(trainer.head, trainer.target_rows, traces, trainer.cfg, gen())
-    for _ in range(15):
+@pytest.mark.parametrize("terms", [{}, {"imitation": False, "branch_weight": 0.0, "discard_weight": 1.0}])
+def test_a_step_is_one_clipped_adamw_step_on_the_loss_of_the_drawn_batch(target, traces, terms):
+    """train_step written out by hand: the batch drawn by the trainer's seeded rng from the buffer (oldest first), the
+    flywheel loss of that batch, gradients clipped to norm 1, one AdamW step at the warmed-up lr. Two steps (the
+    second at twice the first's lr) must give the same loss and the same weights bit for bit; then every 5th step
+    publishes."""
+    trainer = make_trainer(target, traces, lr=3e-3, publish_every=5, warmup=4, **terms)
+    reference = make_trainable(copy_head(trainer.head))
+    params = [p for p in reference.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=3e-3, weight_decay=0.0)
+    rng, generator = random.Random(0), torch.Generator().manual_seed(0)
+    for step in (1, 2):
+        batch = [rng.choice(traces) for _ in range(4)]
+        loss, _ = flywheel_loss(reference, trainer.target_rows, batch, trainer.cfg, generator)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.param_groups[0]["lr"] = 3e-3 * step / 4
+        optimizer.step()
+        assert trainer.train_step()["loss"] == float(loss.detach())
+        assert len(trainer.params) == len(params) and all(torch.equal(p, q) for p, q in zip(trainer.params, params))
+    for _ in range(13):
         trainer.train_step()
-    after, _ = flywheel_loss(trainer.head, trainer.target_rows, traces, trainer.cfg, gen())
-    assert float(after.detach()) < float(before.detach())
     assert trainer.published == 3 and trainer.store.latest().version == 3
 
 
 def test_batches_come_from_the_whole_buffer(target, traces, monkeypatch):
-    """600 traces: the oldest 88 (beyond the newest 512 the trainer used to see) are drawn too. Missing
-    them in 200 draws has probability (512/600)^200 < 1e-13."""
+    """600 traces: each batch is drawn uniformly from all of them, so the oldest 88 (beyond the newest 512 the trainer
+    used to see) are drawn too."""
     import dataclasses
 
     import tandem.flywheel.trainer as trainer_module
@@ -79,7 +95,9 @@ def test_batches_come_from_the_whole_buffer(target, traces, monkeypatch):
     monkeypatch.setattr(trainer_module, "flywheel_loss", lambda head, rows, batch, cfg, gen: (drawn.extend(int(t.request_id) for t in batch) or head.fc.weight.sum() * 0.0, {}))
     for _ in range(50):
         trainer.train_step()
-    assert len(drawn) == 200 and len(trainer.buffer) == 600 and min(drawn) < 88
+    rng = random.Random(0)  # the trainer's (seed 0): a batch is 4 uniform draws from all 600, oldest first
+    expected = [rng.choice(range(600)) for _ in range(200)]
+    assert min(expected) < 88 and drawn == expected and len(trainer.buffer) == 600
 
 
 def test_the_trainer_rests_to_keep_its_duty_share():

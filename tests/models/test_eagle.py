@@ -9,6 +9,7 @@ from tandem.models.eagle import (
     CONFIG_FILE, EagleConfig, default_taps, draft_vocab_from_tokens, expand_to_target, load_eagle, new_eagle_head,
     resize_draft_vocab, save_eagle, target_to_draft, tree_cache_mask,
 )
+from tandem.models.eagle_train import entry_context, forward_on, unroll, unroll_states
 from tandem.models.kv_cache import KVCache
 from tandem.models.loader import load_transformer
 from tandem.models.mtp import MtpConfig, load_mtp, new_mtp_heads, save_mtp
@@ -100,7 +101,7 @@ def test_cached_chain_matches_training_time_unroll(target):
     fused = head.fuse([ex.taps.unsqueeze(0)[..., : t, :]])
     ids = torch.cat([ex.tokens[1:], torch.zeros(steps - 1, dtype=torch.long)]).unsqueeze(0)
     with torch.no_grad():
-        unrolled = head.unroll(ids, fused, steps)
+        unrolled = unroll(head, ids, fused, steps)
         for root in (4, 11):
             cache = KVCache(head.cfg.layer_config(), 1, 64)
             logits, hidden = head(ids[:, : root + 1], fused[:, : root + 1], cache=cache)
@@ -152,8 +153,8 @@ def test_unrolling_a_sample_of_roots_matches_the_full_unroll(target):
     ids = torch.cat([ex.tokens[1:], torch.zeros(steps - 1, dtype=torch.long)]).unsqueeze(0)
     roots = torch.tensor([2, 7, 8, 15])
     with torch.no_grad():
-        full = head.unroll(ids, fused, steps)
-        sampled = head.unroll(ids, fused, steps, roots)
+        full = unroll(head, ids, fused, steps)
+        sampled = unroll(head, ids, fused, steps, roots)
     assert torch.allclose(sampled[0], full[0], atol=TOL)
     for s in range(1, steps):
         assert torch.allclose(sampled[s][0], full[s][0, roots], atol=TOL)
@@ -292,9 +293,9 @@ def test_step_zero_runs_only_the_rows_read_later_with_the_same_logits_and_gradie
         head.zero_grad(set_to_none=True)
         fused = head.fuse([ex.taps[:t].unsqueeze(0)])
         if restricted:
-            logits = head.unroll(ids, fused, steps, chains, first)
+            logits = unroll(head, ids, fused, steps, chains, first)
         else:
-            full = head.unroll(ids, fused, steps, chains)
+            full = unroll(head, ids, fused, steps, chains)
             logits = [full[0][:, first]] + full[1:]
         sum((l.float() ** 2).mean() * (s + 1) for s, l in enumerate(logits)).backward()
         outputs.append([l.detach() for l in logits])
@@ -309,7 +310,7 @@ def test_step_zero_runs_only_the_rows_read_later_with_the_same_logits_and_gradie
 
 
 def test_new_entries_over_a_given_context_match_the_full_masked_pass_with_the_same_gradients(target):
-    """forward_on runs the layer at new entries over keys and values computed elsewhere (context): its hidden
+    """forward_on runs the layer at new entries over keys and values computed elsewhere (entry_context): its hidden
     states and the gradient of a loss on them are those of forward() over context and new entries together
     under the same mask, read at the new entries."""
     head, ex = head_for(target), sequence(target)
@@ -324,8 +325,8 @@ def test_new_entries_over_a_given_context_match_the_full_masked_pass_with_the_sa
         head.zero_grad(set_to_none=True)
         fused = head.fuse([ex.taps[:t].unsqueeze(0)])
         if split:
-            context = head.context(ids[:, :c], fused[:, :c], positions[:, :c])
-            hidden = head.forward_on(context, ids[:, c:], fused[:, c:], positions[:, c:], mask[c:])
+            context = entry_context(head, ids[:, :c], fused[:, :c], positions[:, :c])
+            hidden = forward_on(head, context, ids[:, c:], fused[:, c:], positions[:, c:], mask[c:])
         else:
             hidden = head(ids, fused, positions, tree_mask=mask.unsqueeze(0), project=False)[1][:, c:]
         (head.norm(hidden).float() ** 2).mean().backward()
@@ -339,14 +340,14 @@ def test_new_entries_over_a_given_context_match_the_full_masked_pass_with_the_sa
 
 
 def test_unroll_states_context_is_the_keys_and_values_of_every_entry(target):
-    """The context unroll_states returns is what context() computes over the same entries (all T, also with a
+    """The context unroll_states returns is what entry_context computes over the same entries (all T, also with a
     restricted step 0), so the branch pass may extend it."""
     head, ex = head_for(target), sequence(target)
     t, steps = len(ex.tokens) - 1, 3
     ids = torch.cat([ex.tokens[1:], torch.zeros(steps - 1, dtype=torch.long)]).unsqueeze(0)
     with torch.no_grad():
         fused = head.fuse([ex.taps[:t].unsqueeze(0)])
-        _, (keys, values) = head.unroll_states(ids, fused, steps, torch.tensor([4, 10]), torch.arange(9, t))
-        want_keys, want_values = head.context(ids[:, :t], fused, torch.arange(t).unsqueeze(0))
+        _, (keys, values) = unroll_states(head, ids, fused, steps, torch.tensor([4, 10]), torch.arange(9, t))
+        want_keys, want_values = entry_context(head, ids[:, :t], fused, torch.arange(t).unsqueeze(0))
     assert keys.shape == (1, head.cfg.layer_config().num_kv_heads, t, head.cfg.layer_config().head_dim)
     assert torch.equal(keys, want_keys) and torch.equal(values, want_values)

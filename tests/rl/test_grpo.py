@@ -24,6 +24,17 @@ def tiny_trainer(path, drafters, async_mode=False, **overrides):
     return build_trainer(path, drafters, cfg, num_draft_tokens=3, reward_fn=parity_reward)
 
 
+def fake_clock(learner, monkeypatch, tick: float = 0.25) -> None:
+    """The learner module's clock stands still except at the optimiser's steps, each of which takes `tick` seconds."""
+    import types
+
+    import tandem.rl.learner as learner_module
+
+    now = [1000.0]
+    monkeypatch.setattr(learner_module, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+    learner.optimizer.register_step_pre_hook(lambda optimizer, args, kwargs: now.__setitem__(0, now[0] + tick))
+
+
 def test_draft_loss_leaves_policy_gradients_bit_identical(tiny_llama):
     trainer = tiny_trainer(tiny_llama, ["eagle"])
     _, batches = trainer.rollouts(0)
@@ -46,18 +57,21 @@ def test_draft_loss_leaves_policy_gradients_bit_identical(tiny_llama):
 
 
 @pytest.mark.parametrize("async_mode", [False, True])
-def test_two_step_grpo_run(tiny_llama, async_mode):
+def test_two_step_grpo_run(tiny_llama, async_mode, monkeypatch):
     trainer = tiny_trainer(tiny_llama, ["ar", "self_draft", "eagle"], async_mode=async_mode)
     before = {n: t.clone() for n, t in trainer.learner.named_tensors().items()}
+    fake_clock(trainer.learner, monkeypatch)
     history = trainer.run()
     assert [h["step"] for h in history] == [0, 1]
     assert trainer.learner.version == 2 and all(e.policy_version == 2 for e in trainer.engines)
     served = trainer.engines[0].target.state_dict()
     after = trainer.learner.named_tensors()
     assert all(torch.equal(served[n], t) for n, t in after.items())  # the rollout engine serves the learner's weights
-    assert any(not torch.equal(before[n], after[n]) for n in after)  # and they moved
-    for h in history:
-        assert set(h["rollout_s"]) == {"ar", "self_draft", "eagle"} and h["train_s"] > 0
+    trainable = {n for n, p in trainer.learner.model.named_parameters() if p.requires_grad}
+    assert "embed.weight" not in trainable and len(trainable) > 0  # the (tied) embedding stays frozen by default
+    assert {n for n in after if not torch.equal(before[n], after[n])} == trainable  # every trainable tensor moved, nothing else
+    for h in history:  # the learner's clock advanced by 0.25 s at each optimiser step only: one per update
+        assert set(h["rollout_s"]) == {"ar", "self_draft", "eagle"} and h["train_s"] == 0.25
         assert h["eagle_staleness"] == 1 and "resync/self_draft" in h["sync"]
     assert [h["sample_staleness"] for h in history] == ([0, 1] if async_mode else [0, 0])
     assert [h["overlapped"] for h in history] == [async_mode] * 2
@@ -136,23 +150,69 @@ def test_zero_advantage_samples_are_skipped_without_changing_the_divisor(tiny_ll
 @pytest.mark.parametrize("overrides", [dict(ppo_epochs=2, mini_batches=2), dict(kl_coef=0.05, loss_agg="token_mean"),
                                        dict(clip_high=0.28, scale_adv_by_std=False, loss_agg="seq_mean_token_sum_norm")])
 def test_grpo_options_run_and_report(tiny_llama, overrides):
+    """Each option reaches the update: the lr at the last optimiser step follows warm-up then cosine over
+    ppo_epochs x mini_batches steps, advantages are scaled by the group's std or not, and a one-pass update reports
+    the entropy of the policy it started from over the tokens it trained on (computed here by hand)."""
     trainer = tiny_trainer(tiny_llama, ["ar"], steps=1, warmup_steps=2, lr_schedule="cosine", **overrides)
-    history = trainer.run()
-    record = history[0]
+    learner, update, rewards_of, seen = trainer.learner, trainer.learner.update, trainer.rewards, {}
+
+    def rewards(batch, problems):  # the held-out evaluations call it too: the call just before an update is the batch's
+        seen["latest"] = rewards_of(batch, problems)
+        return seen["latest"]
+
+    trainer.rewards = rewards
+
+    def update_by_hand_first(rollouts, advantages, step, online=None):
+        skipped = trainer.cfg.kl_coef == 0  # the KL term needs every sample
+        trained = [r for r, a in zip(rollouts, advantages) if not (skipped and float(a) == 0.0)]
+        with torch.no_grad():
+            logp = torch.log_softmax(learner._logprobs(learner.model, trained)[1], -1)
+        seen.update(rewards=seen["latest"], advantages=advantages.clone(), groups=torch.tensor([r.prompt_index for r in rollouts]),
+                    entropy=float(-(logp.exp() * logp).sum(-1).mean()))
+        return update(rollouts, advantages, step, online)
+
+    learner.update = update_by_hand_first
+    record = trainer.run()[0]
     steps = overrides.get("ppo_epochs", 1) * overrides.get("mini_batches", 1)
     assert record["optimizer_steps"] == steps and trainer.learner.version == 1
+    # lr 1e-3; warm-up over optimiser steps 0, 1 (x 1/2, x 1); step 3 of 4 is half way down the cosine to 0.1
+    assert record["lr"] == pytest.approx({1: 1e-3 * 0.5, 4: 1e-3 * (0.1 + 0.9 * 0.5)}[steps], rel=1e-9)
+    for group in seen["groups"].unique():
+        r, adv = seen["rewards"][seen["groups"] == group], seen["advantages"][seen["groups"] == group]
+        if overrides.get("scale_adv_by_std", True) and r.std() > 0:  # (r - mean) / (std + 1e-4): unit spread
+            assert float(adv.mean()) == pytest.approx(0.0, abs=1e-6) and float(adv.std(unbiased=False)) == pytest.approx(1.0, abs=1e-3)
+        elif r.std() > 0:  # Dr. GRPO: r - mean, unscaled
+            assert torch.equal(adv, r - r.mean())
+        else:
+            assert torch.equal(adv, torch.zeros_like(adv))
     lengths = record["completion_lengths"]["ar"]  # what `tandem simulate --rollout` replays
     assert len(lengths) == trainer.cfg.prompts_per_step * trainer.cfg.group_size and sum(lengths) == record["rollout_tokens"]["ar"]
-    assert 0 < record["entropy"] < 6.3  # nats; the tiny vocab's uniform distribution is the most there can be
+    if steps == 1:  # one pass from the sampling policy: the entropy is its own, and no ratio is clipped
+        assert record["entropy"] == pytest.approx(seen["entropy"], rel=1e-5) and record["clip_fraction"] == 0.0
     if "kl_coef" in overrides:  # the reference is the initial policy, and step 0 is on-policy: KL 0 up to rounding
         assert trainer.learner.reference is not None and record["skipped_samples"] == 0 and record["kl"] == pytest.approx(0.0, abs=1e-6)
 
 
 def test_async_update_is_anchored_to_the_proximal_policy(tiny_llama):
+    """Each update's mean importance weight is min(exp(proximal - behaviour), cap) over the tokens it trained on, the
+    proximal log-probs those of the learner as the update starts (computed here by hand before each update)."""
     trainer = tiny_trainer(tiny_llama, ["ar"], async_mode=True, steps=2)
+    learner, update, expected = trainer.learner, trainer.learner.update, []
+
+    def update_by_hand_first(rollouts, advantages, step, online=None):
+        proximal = learner.logprobs(rollouts).split([len(r.completion_ids) for r in rollouts])
+        trained = [i for i in range(len(rollouts)) if float(advantages[i]) != 0.0]  # zero-advantage samples are skipped
+        behaviour = torch.tensor([lp for i in trained for lp in rollouts[i].logprobs])
+        weights = torch.exp(torch.cat([proximal[i] for i in trained]) - behaviour).clamp(max=trainer.cfg.behaviour_cap)
+        expected.append(float(weights.mean()))
+        return update(rollouts, advantages, step, online)
+
+    learner.update = update_by_hand_first
     history = trainer.run()
     assert [h["sample_staleness"] for h in history] == [0, 1]
-    assert history[1]["importance_mean"] != 1.0  # step 1 trained on samples of version 0 with the learner at version 1
+    assert [h["importance_mean"] for h in history] == pytest.approx(expected, rel=1e-6, abs=0)
+    # step 0 is on-policy (weights 1 up to the engine's rounding); step 1 trained on samples of version 0 with the learner at version 1
+    assert expected[0] == pytest.approx(1.0, abs=1e-4) and abs(expected[1] - 1.0) > 1e-3
     assert history[1]["ratio_mean"] == pytest.approx(1.0, abs=1e-4)  # the ratio is to the learner's own current policy
 
 

@@ -8,6 +8,7 @@ import torch
 
 from tandem.errors import ModelLoadError
 from tandem.models.eagle import EagleConfig, default_taps, draft_vocab_from_tokens, load_eagle, new_eagle_head, save_eagle, target_identity
+from tandem.models.eagle_train import unroll
 from tandem.models.loader import load_transformer
 from tandem.training.features import FeatureDoc, FeatureStream, ShardWriter, pack_documents, read_index, target_features
 from tandem.training.packed import packed_loss, packed_unroll
@@ -49,7 +50,7 @@ def test_packed_unroll_equals_the_reference_unroll_per_document(target):
             t = len(doc.tokens) - 1
             fused = head.fuse([doc.taps[:t].float().unsqueeze(0)])
             ids = torch.cat([doc.tokens[1:], torch.zeros(steps - 1, dtype=torch.long)]).unsqueeze(0)
-            reference = head.unroll(ids, fused, steps)
+            reference = unroll(head, ids, fused, steps)
             packed0 = head.lm_head(head.norm(outputs[0][row, offset : offset + t]))
             assert torch.allclose(packed0, reference[0][0], atol=TOL)
             for s in range(1, steps):
