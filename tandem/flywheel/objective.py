@@ -1,4 +1,4 @@
-"""The flywheel's loss over SequenceTraces (docs/ARCHITECTURE.md derives each term):
+"""The flywheel's loss over SequenceTraces:
 
     L = [imitation] soft CE to the target over the committed sequence, with the training-time-test unroll
       + discard_weight * sum over evaluated proposals of r * -log(1 - q_theta(x)) / sum of r   (r: stop-gradient)
@@ -12,6 +12,18 @@ greedy). The branch pass runs the head at every branch node over the committed e
 from the unroll's step 0 (they are the same entries): a branch
 node sees the committed entries before the point where its branch left the accepted path, its own branch
 ancestors and itself (teacher-forced with the target's hidden states at its parent).
+
+Why the discard term is what it is. The verifier rejects x ~ q with r(x) = 1 - min(1, p(x)/q(x)) = max(0, q(x) - p(x)) / q(x),
+so the expected rejected mass E_q[r] = sum_x max(0, q - p) = TV(p, q) = 1 - alpha: acceptance is lost exactly where the
+drafter over-weights a token. The term estimates D(theta) = sum_x max(0, q(x) - p(x)) * l(x), l(x) = -log(1 - q_theta(x))
+(unlikelihood: its gradient on x's logit is r * q_theta(x) > 0, zero where p >= q). As max(0, q - p) = q * r,
+D = E_{x~q}[r l], and every proposal the verifier *evaluated* (a child of the root or of an accepted node, accepted or
+not) is a draw from q: the estimator sums r * l over evaluated proposals, weighting each by r once (summing rejections
+weighted by r again would estimate sum q r^2 l; tests/flywheel/test_objective.py checks the estimate against the exact
+D). q and q_theta are the request's sampling transform (temperature, top-k, top-p) of the drafter's logits, the kept set
+held fixed; greedy drafting makes q one-hot, r in {0, 1}, with q_theta the T = 1 softmax as a smooth surrogate. Each
+trace's sum is divided by its sum of r (no gradient). A sibling tried after a rejected one in a tree faces the residual
+distribution; plain r approximates it there.
 """
 from __future__ import annotations
 

@@ -170,7 +170,7 @@ def discard_loss(
     normaliser: float | None = None,  # divide the sum by this (default N)
 ) -> torch.Tensor:  # scalar: sum_n r_n * -log(1 - q_theta(x_n)) / normaliser  (0 for N = 0)
     """Unlikelihood on proposals the verifier may discard: pushes probability off each token in
-    proportion to its rejection probability r (docs/ARCHITECTURE.md derives the estimator: one term per
+    proportion to its rejection probability r (tandem/flywheel/objective.py derives the estimator: one term per
     *evaluated* proposal, weighted by r once)."""
     if tokens.numel() == 0:
         return draft_logits.sum() * 0.0
