@@ -136,34 +136,34 @@ def _bench_commands(sub) -> None:
     _bench_decode_command(bench)
     _bench_shift_command(bench)
     _bench_aurora_command(bench)
-    from tandem.bench.trainer_step import add_bench_trainer_step_command
+    from tandem.bench.flywheel.trainer_step import add_bench_trainer_step_command
 
     add_bench_trainer_step_command(bench)
-    from tandem.bench.serve import add_bench_serve_command
+    from tandem.bench.serving.serve import add_bench_serve_command
 
     add_bench_serve_command(bench)
-    from tandem.bench.soak import add_bench_soak_command
+    from tandem.bench.serving.soak import add_bench_soak_command
 
     add_bench_soak_command(bench)
-    from tandem.bench.control import add_bench_control_command
+    from tandem.bench.speculation.control import add_bench_control_command
 
     add_bench_control_command(bench)
-    from tandem.bench.batch import add_bench_batch_command
+    from tandem.bench.speculation.batch import add_bench_batch_command
 
     add_bench_batch_command(bench)
-    from tandem.bench.throughput import add_bench_throughput_command
+    from tandem.bench.serving.throughput import add_bench_throughput_command
 
     add_bench_throughput_command(bench)
-    from tandem.bench.quality import add_bench_quality_command
+    from tandem.bench.speculation.quality import add_bench_quality_command
 
     add_bench_quality_command(bench)
-    from tandem.bench.vocab import add_bench_vocab_command
+    from tandem.bench.speculation.vocab import add_bench_vocab_command
 
     add_bench_vocab_command(bench)
-    from tandem.bench.report import add_bench_report_command
+    from tandem.bench.report.report import add_bench_report_command
 
     add_bench_report_command(bench)
-    from tandem.bench.trl_peer import add_bench_rl_trl_command
+    from tandem.bench.peers.trl_peer import add_bench_rl_trl_command
 
     add_bench_rl_trl_command(bench)
 
@@ -171,7 +171,7 @@ def _bench_commands(sub) -> None:
 def _bench_forward(args) -> int:
     import torch
 
-    from tandem.bench.forward import run_forward_bench, unsteady_rows
+    from tandem.bench.kernels.forward import run_forward_bench, unsteady_rows
 
     torch.set_num_threads(args.threads)
     result = run_forward_bench(args.model, args.max_tokens, with_hf=not args.no_hf, pack=not args.no_pack, compile=args.compile, gemm_ab=args.gemm_ab,
@@ -219,7 +219,7 @@ def _bench_decode_command(bench) -> None:
 def _bench_decode(args) -> int:
     import torch
 
-    from tandem.bench.decode import DecodeBenchConfig, run_decode_bench
+    from tandem.bench.speculation.decode import DecodeBenchConfig, run_decode_bench
 
     torch.set_num_threads(args.threads)
     config = DecodeBenchConfig(
@@ -249,7 +249,7 @@ def _int_triple(text: str | None, flag: str) -> tuple[int, int, int] | None:
 
 def _bench_shift_command(bench) -> None:
     from tandem.data.prompts import DOMAINS
-    from tandem.bench.shift import MODES, ShiftConfig
+    from tandem.bench.flywheel.shift import MODES, ShiftConfig
 
     d = ShiftConfig()
     p = bench.add_parser("shift", help="acceptance over a domain-shifting stream: static drafter vs the flywheel")
@@ -293,7 +293,7 @@ def _bench_shift_command(bench) -> None:
 def _bench_shift(args) -> int:
     import torch
 
-    from tandem.bench.shift import ShiftConfig, run_shift_bench
+    from tandem.bench.flywheel.shift import ShiftConfig, run_shift_bench
 
     torch.set_num_threads(args.threads)
     config = ShiftConfig(
@@ -315,7 +315,7 @@ def _bench_shift(args) -> int:
 
 
 def _bench_aurora_command(bench) -> None:
-    from tandem.bench.aurora import VARIANTS, AuroraConfig
+    from tandem.bench.flywheel.aurora import VARIANTS, AuroraConfig
     from tandem.flywheel.stream import SPECIALISED
 
     d = AuroraConfig.__dataclass_fields__
@@ -342,7 +342,7 @@ def _bench_aurora_command(bench) -> None:
 def _bench_aurora(args) -> int:
     import torch
 
-    from tandem.bench.aurora import AuroraConfig, run_aurora, table
+    from tandem.bench.flywheel.aurora import AuroraConfig, run_aurora, table
 
     torch.set_num_threads(args.threads)
     cfg = AuroraConfig(general_head=args.general_head, requests=args.requests, block=args.block, domains=tuple(x for x in args.domains.split(",") if x),

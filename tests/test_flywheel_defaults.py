@@ -15,8 +15,8 @@ def test_the_defaults_are_the_settings_measured_best():
 
 
 def entry_point_setups(tmp_path) -> dict:
-    from tandem.bench.aurora import AuroraConfig, variant_config
-    from tandem.bench.shift import ShiftConfig
+    from tandem.bench.flywheel.aurora import AuroraConfig, variant_config
+    from tandem.bench.flywheel.shift import ShiftConfig
     from tandem.drafters.eagle import TRAINED_MIN_CONFIDENCE
     from tandem.flywheel.setups import demo_setup
     from tandem.server.runtime import ServerConfig, flywheel_setup
@@ -38,7 +38,7 @@ def test_every_entry_point_resolves_the_same_defaults(tmp_path):
 
 
 def test_an_explicit_override_still_wins():
-    from tandem.bench.shift import ShiftConfig
+    from tandem.bench.flywheel.shift import ShiftConfig
 
     assert ShiftConfig(train_steps_per_request=1.4, anchor=10.0).setup.learning() == DEFAULTS.learning() | {"steps_per_request": 1.4, "anchor": 10.0}
     with pytest.raises(Exception, match="steps_per_request"):

@@ -217,7 +217,7 @@ class ReplayFlywheel:
 
     The trainer's steps after each request: `setup.steps_per_request` when set (an explicit, reproducible rate),
     else what one trainer core affords (`CoreBudget`): the request's serving seconds, `serve_seconds(steps)` of
-    the replayed steps (the calibrated cost model of tandem.bench.shift), against the measured seconds of each
+    the replayed steps (the calibrated cost model of tandem.bench.flywheel.shift), against the measured seconds of each
     trainer step."""
 
     def __init__(self, mode: str, target, heads: dict[str, EagleHead], setup: FlywheelSetup, serve_seconds: Callable[[list], float] | None = None):

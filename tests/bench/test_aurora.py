@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from tandem.bench.aurora import AuroraConfig, replay_variant, run_aurora
+from tandem.bench.flywheel.aurora import AuroraConfig, replay_variant, run_aurora
 from tandem.errors import InvalidParameterError
 
 from tiny_helpers import load_packed, make_prompts
@@ -96,7 +96,7 @@ def test_jobs_replay_what_the_serial_run_replays_and_a_rerun_resumes(general_hea
 
 
 def test_a_run_directory_refuses_a_rerun_by_other_code(general_head, tmp_path, monkeypatch):
-    import tandem.bench.aurora as aurora
+    import tandem.bench.flywheel.aurora as aurora
 
     cfg = AuroraConfig(general_head=general_head, requests=10, block=1, max_tokens=8, variants=("plain",))
     aurora.VariantRuns(tmp_path / "run", cfg)

@@ -2,9 +2,9 @@
 the report flags an unsteady row and --strict-probe refuses it. A fake probe (a callable) stands in for the 512 MB read."""
 import pytest
 
-from tandem.bench.forward import run_forward_bench, unsteady_rows, weight_bytes_per_token
+from tandem.bench.kernels.forward import run_forward_bench, unsteady_rows, weight_bytes_per_token
 from tandem.bench.machine import BandwidthProbe, bracketed
-from tandem.bench.report_write import headline_rows, markdown
+from tandem.bench.report.report_write import headline_rows, markdown
 from tandem.cli import main
 from tandem.errors import UnsteadyMachineError
 
@@ -68,7 +68,7 @@ def test_strict_probe_passes_a_10_percent_move_and_refuses_a_20_percent_one_nami
 
 
 def test_cli_strict_probe_exits_1_with_the_row_named(tiny_llama, monkeypatch, capsys):
-    monkeypatch.setattr("tandem.bench.forward.probe_bandwidth_gbps", fake_probe(10.0, 8.0))
+    monkeypatch.setattr("tandem.bench.kernels.forward.probe_bandwidth_gbps", fake_probe(10.0, 8.0))
     assert main(["bench", "forward", "--model", tiny_llama, "--max-tokens", "4", "--no-hf", "--strict-probe"]) == 1
     err = capsys.readouterr().err
     assert "error: row 'plain decoding vs the roofline': memory bandwidth 10.0 GB/s before, 8.0 GB/s after (-20%" in err
@@ -95,7 +95,7 @@ def test_the_report_leaves_a_steady_row_unmarked():
 
 
 def test_bench_report_passes_strict_probe_to_bench_forward():
-    from tandem.bench.report import PeerEnv, ReportConfig, plan
+    from tandem.bench.report.report import PeerEnv, ReportConfig, plan
 
     strict = plan(ReportConfig(quick=True, strict_probe=True), PeerEnv(None, False, None))
     assert strict["forward"]["strict_probe"] is True
@@ -104,7 +104,7 @@ def test_bench_report_passes_strict_probe_to_bench_forward():
 
 
 def test_cli_without_strict_probe_keeps_the_run_and_flags_the_row(tiny_llama, monkeypatch, capsys):
-    monkeypatch.setattr("tandem.bench.forward.probe_bandwidth_gbps", fake_probe(10.0, 12.0, 10.0, 11.0))
+    monkeypatch.setattr("tandem.bench.kernels.forward.probe_bandwidth_gbps", fake_probe(10.0, 12.0, 10.0, 11.0))
     assert main(["bench", "forward", "--model", tiny_llama, "--max-tokens", "4", "--no-hf"]) == 0
     assert capsys.readouterr().err.splitlines()[-1] == (
         "! flagged: row 'plain decoding vs the roofline': memory bandwidth 10.0 GB/s before, 12.0 GB/s after (+20%, beyond the 15% tolerance); "

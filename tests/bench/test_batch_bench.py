@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from tandem.bench.batch import predicted_rate
+from tandem.bench.speculation.batch import predicted_rate
 from tandem.cli import main
 from tandem.engine.calibrate import CalibrationGrid, calibrate
 from tandem.sim.calibration import save_calibration

@@ -4,8 +4,8 @@ import sys
 
 import pytest
 
-from tandem.bench.report import PeerEnv, ReportConfig, detect_peers, plan, run_vllm
-from tandem.bench.report_write import Row, headline_rows, markdown, write_report
+from tandem.bench.report.report import PeerEnv, ReportConfig, detect_peers, plan, run_vllm
+from tandem.bench.report.report_write import Row, headline_rows, markdown, write_report
 from tandem.cli import main
 from tandem.errors import InvalidParameterError
 

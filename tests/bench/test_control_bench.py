@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from tandem.bench.control import summarize
+from tandem.bench.speculation.control import summarize
 from tandem.cli import main
 
 

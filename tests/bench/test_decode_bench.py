@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from tandem.bench.decode import DecodeBenchConfig
+from tandem.bench.speculation.decode import DecodeBenchConfig
 from tandem.cli import main
 from tandem.errors import InvalidParameterError
 
@@ -40,7 +40,7 @@ def test_bench_forward_reports_roofline_and_costs(tiny_llama, tmp_path):
 
 
 def test_drafter_path_per_drafter():
-    from tandem.bench.decode import drafter_path_for
+    from tandem.bench.speculation.decode import drafter_path_for
 
     assert drafter_path_for("eagle", "/h") == "/h"
     spec = "eagle=/e,mtp=/m"
@@ -79,7 +79,7 @@ def test_weights_option_serves_the_base_target_at_those_weights(tiny_llama, tmp_
 
 
 def test_int8_runners_need_their_reference():
-    from tandem.bench.decode import DecodeBenchConfig
+    from tandem.bench.speculation.decode import DecodeBenchConfig
     from tandem.errors import InvalidParameterError
 
     with pytest.raises(InvalidParameterError, match="ar@int8"):
@@ -91,8 +91,8 @@ def test_int8_runners_need_their_reference():
 
 
 def test_peers_are_named_from_a_known_list_and_ortg_says_what_it_lacks(tmp_path):
-    from tandem.bench.decode import DecodeBenchConfig
-    from tandem.bench.peers import ortg_paths
+    from tandem.bench.speculation.decode import DecodeBenchConfig
+    from tandem.bench.peers.peers import ortg_paths
     from tandem.errors import InvalidParameterError
 
     with pytest.raises(InvalidParameterError, match="unknown"):
@@ -106,7 +106,7 @@ def test_peers_are_named_from_a_known_list_and_ortg_says_what_it_lacks(tmp_path)
 
 
 def _peer_harness_ortg():
-    from tandem.bench.peers import ortg_paths
+    from tandem.bench.peers.peers import ortg_paths
 
     try:
         return ortg_paths(None, None)
@@ -117,7 +117,7 @@ def _peer_harness_ortg():
 @pytest.mark.slow  # loads the peer harness's fp32 SmolLM2 in onnxruntime-genai (a child process)
 @pytest.mark.skipif(_peer_harness_ortg() is None, reason="no peer harness (../shared/peers) set up on this machine")
 def test_ortg_peer_decodes_greedily_in_its_own_process():
-    from tandem.bench.peers import OrtgPeer
+    from tandem.bench.peers.peers import OrtgPeer
 
     python, model_dir = _peer_harness_ortg()
     peer = OrtgPeer(python, model_dir, threads=1, eos=[2])

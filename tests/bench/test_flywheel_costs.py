@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from tandem.bench.flywheel_costs import HEAD, main, per_step
+from tandem.bench.flywheel.flywheel_costs import HEAD, main, per_step
 from tandem.flywheel.setups import StreamResult
 
 

@@ -2,7 +2,7 @@
 one call, the fused glue per layer and the torch-op glue on one, interleaved."""
 import pytest
 
-from tandem.bench.forward import gemm_comparison, glue_comparison, op_profile
+from tandem.bench.kernels.forward import gemm_comparison, glue_comparison, op_profile
 from tandem.llm import LLM
 from tandem.models import cpu_gemm
 
@@ -42,7 +42,7 @@ def test_op_profile_shows_the_fused_ops_only_with_the_fused_glue(tiny_llama):
 
 def test_resident_memory_is_measured_at_the_served_weights(tiny_llama, monkeypatch):
     """`bench forward --weights int4` used to measure the resident memory of an fp32 pack (1.5B int4: 6,774 MB)."""
-    from tandem.bench.forward import model_resident_mb
+    from tandem.bench.kernels.forward import model_resident_mb
     from tandem.models.transformer import Transformer
 
     packed_as = []

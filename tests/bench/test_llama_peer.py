@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from tandem.bench.decode import DecodeBenchConfig, Tally, _reference_at
-from tandem.bench.llama_peer import LlamaPeer, check_same_tokens, context_size, gguf_path, llama_python
-from tandem.bench.peers import PeerOutput
+from tandem.bench.speculation.decode import DecodeBenchConfig, Tally, _reference_at
+from tandem.bench.peers.llama_peer import LlamaPeer, check_same_tokens, context_size, gguf_path, llama_python
+from tandem.bench.peers.peers import PeerOutput
 from tandem.errors import InvalidParameterError
 
 FAKE = Path(__file__).with_name("fake_llama_cpp")

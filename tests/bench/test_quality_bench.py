@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from tandem.bench.quality import QualityBenchConfig, prefix_agreement
+from tandem.bench.speculation.quality import QualityBenchConfig, prefix_agreement
 from tandem.cli import main
 from tandem.errors import InvalidParameterError
 from tandem.models import cpu_gemm

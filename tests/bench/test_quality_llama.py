@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from tandem.bench.llama_peer import gguf_dir, gguf_path, llama_python
-from tandem.bench.quality import QualityBenchConfig, Sample
-from tandem.bench.quality_llama import llama_columns, llama_notes
+from tandem.bench.peers.llama_peer import gguf_dir, gguf_path, llama_python
+from tandem.bench.speculation.quality import QualityBenchConfig, Sample
+from tandem.bench.peers.quality_llama import llama_columns, llama_notes
 from tandem.cli import main
 from tandem.errors import InvalidParameterError
 
@@ -116,7 +116,7 @@ def _real_peer():
 @pytest.mark.slow  # loads Qwen2.5-Coder-0.5B in tandem (fp32) and in llama.cpp (Q8_0, a child process)
 @pytest.mark.skipif(_real_peer() is None, reason="no peer venv with llama_cpp, or no 0.5B Q8_0 GGUF in the peer cache")
 def test_real_q8_0_is_close_to_tandem_fp32(tmp_path):
-    from tandem.bench.quality import run_quality_bench
+    from tandem.bench.speculation.quality import run_quality_bench
 
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"domain": "code", "prompt": "Write a Python function that adds two numbers."}) + "\n")

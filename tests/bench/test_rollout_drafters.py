@@ -1,7 +1,7 @@
 """The rollout drafter bench: its config checks and the chain-of-thought prompts it decodes."""
 import pytest
 
-from tandem.bench.rollout_drafters import INSTRUCTION, RolloutDrafterBench, task_prompts
+from tandem.bench.rl.rollout_drafters import INSTRUCTION, RolloutDrafterBench, task_prompts
 from tandem.errors import InvalidParameterError
 
 

@@ -1,7 +1,7 @@
 """tandem bench serve on the tiny model: every level completes without failures and the report is complete."""
 import json
 
-from tandem.bench.serve import ServeBenchConfig, markdown_table, run_serve_bench
+from tandem.bench.serving.serve import ServeBenchConfig, markdown_table, run_serve_bench
 
 
 def test_serve_bench_reports_each_level_and_mode(tiny_llama, tmp_path):

@@ -7,8 +7,8 @@ import time
 import pytest
 
 from tandem.bench.children import ChildServer, free_port
-from tandem.bench.serve_peer import PeerBenchConfig, _ratios, level_prompts, markdown_tables, vllm_env, vllm_preload
-from tandem.bench.vllm_client import client_side, compare, server_side
+from tandem.bench.peers.serve_peer import PeerBenchConfig, _ratios, level_prompts, markdown_tables, vllm_env, vllm_preload
+from tandem.bench.peers.vllm_client import client_side, compare, server_side
 from tandem.errors import TandemError
 
 

@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from tandem.bench.server_gap import main
+from tandem.bench.serving.server_gap import main
 
 
 @pytest.mark.slow

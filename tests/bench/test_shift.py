@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from tandem.bench.shift import ShiftConfig
+from tandem.bench.flywheel.shift import ShiftConfig
 from tandem.flywheel.stream_stats import recovery, rolling, summarize
 from tandem.errors import InvalidParameterError
 from tandem.flywheel.setups import MODES
@@ -93,7 +93,7 @@ def test_recovery_within_a_block_against_its_own_final_level():
 
 
 def test_aurora_ladder_adds_one_change_per_rung_and_the_recovery_window_fits_the_block():
-    from tandem.bench.aurora import AuroraConfig, recovery_window, variant_config
+    from tandem.bench.flywheel.aurora import AuroraConfig, recovery_window, variant_config
 
     cfg = AuroraConfig(general_head="h", requests=100, block=10, steps=2.0, lr=3e-4, anchor=10.0)
     got = {name: variant_config(name, cfg) for name in ("online_base", "+steps", "+balance", "+detector", "+lr", "+recent", "online_scratch")}

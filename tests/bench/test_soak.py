@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from tandem.bench.soak import Result, SoakConfig, classify, growth, growth_checks, markdown_table, run_soak, state_dir_allowance_mb, verdict
+from tandem.bench.serving.soak import Result, SoakConfig, classify, growth, growth_checks, markdown_table, run_soak, state_dir_allowance_mb, verdict
 
 
 def test_classify_attributes_each_5xx():
@@ -79,7 +79,7 @@ def test_a_request_past_its_limit_is_hung_and_a_dropped_connection_a_transport_e
 
     import httpx
 
-    from tandem.bench.soak import guarded
+    from tandem.bench.serving.soak import guarded
 
     async def never():
         await asyncio.sleep(30)
@@ -98,7 +98,7 @@ def test_a_publish_that_times_out_or_is_refused_is_counted_not_raised():
 
     import httpx
 
-    from tandem.bench.soak import publish_once
+    from tandem.bench.serving.soak import publish_once
 
     def handler(request):
         if request.method == "GET":

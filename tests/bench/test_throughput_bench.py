@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from tandem.bench.throughput import serve_all
+from tandem.bench.serving.throughput import serve_all
 from tandem.cli import main
 from tandem.config import EngineConfig, SamplingParams
 from tandem.engine.engine import Engine

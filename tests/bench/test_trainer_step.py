@@ -1,7 +1,7 @@
 """`tandem bench trainer-step`: trainer steps timed on served traces, with and without the branch term."""
 import pytest
 
-from tandem.bench.trainer_step import TrainerStepConfig, run_trainer_step_bench, time_steps
+from tandem.bench.flywheel.trainer_step import TrainerStepConfig, run_trainer_step_bench, time_steps
 from tandem.errors import InvalidParameterError
 from tandem.flywheel.trainer import FlywheelConfig
 

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from tandem.bench.trl_peer import (
+from tandem.bench.peers.trl_peer import (
     TrlCompareConfig,
     check_drafter,
     compare,
@@ -124,7 +124,7 @@ def test_both_sides_end_to_end_on_the_tiny_model(tiny_llama, tmp_path):
 
 
 def test_no_skip_zero_advantage_reaches_tandems_command_and_grpo_config():
-    from tandem.bench.trl_peer import tandem_command
+    from tandem.bench.peers.trl_peer import tandem_command
 
     assert "--no-skip-zero-advantage" not in tandem_command(TrlCompareConfig(), "o") and TrlCompareConfig().grpo().skip_zero_advantage
     equal = TrlCompareConfig(skip_zero_advantage=False)

@@ -2,7 +2,7 @@
 Needs the peer harness's vLLM venv (../shared/peers/setup_env.sh vllm) and the fetched model; skipped without them."""
 import pytest
 
-from tandem.bench.peers import peer_cache
+from tandem.bench.peers.peers import peer_cache
 
 
 def _have_vllm_and_model() -> bool:
@@ -14,7 +14,7 @@ def _have_vllm_and_model() -> bool:
 @pytest.mark.slow
 @pytest.mark.skipif(not _have_vllm_and_model(), reason="needs the peer harness's vLLM venv and smollm2-135m")
 def test_vllm_client_and_server_metrics_agree(tmp_path):
-    from tandem.bench.vllm_client import ClientCheckConfig, run_client_check
+    from tandem.bench.peers.vllm_client import ClientCheckConfig, run_client_check
 
     config = ClientCheckConfig(backend="openai-chat", num_prompts=8, concurrency=4, input_len=64, max_tokens=32, threads=2,
                                max_model_len=512, log_dir=str(tmp_path))

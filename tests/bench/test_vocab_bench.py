@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from tandem.bench.vocab import VocabBenchConfig, run_vocab_bench
+from tandem.bench.speculation.vocab import VocabBenchConfig, run_vocab_bench
 from tandem.errors import InvalidParameterError
 from tandem.models.eagle import EagleConfig, default_taps, draft_vocab_from_tokens, load_eagle, new_eagle_head, resize_draft_vocab, save_eagle, target_identity
 from tandem.models.loader import load_transformer

@@ -27,5 +27,5 @@ def test_flywheel_and_demo_do_not_import_bench():
 
 def test_the_check_sees_a_bench_import(tmp_path):
     bad = tmp_path / "bad.py"
-    bad.write_text("from tandem.bench.shift import build_stream\nimport tandem.bench.machine\n")
-    assert imported_modules(bad) >= {"tandem.bench.shift", "tandem.bench.machine"}
+    bad.write_text("from tandem.bench.flywheel.shift import build_stream\nimport tandem.bench.machine\n")
+    assert imported_modules(bad) >= {"tandem.bench.flywheel.shift", "tandem.bench.machine"}

@@ -115,7 +115,7 @@ def test_live_options_give_the_trainer_process_its_own_core():
 def test_a_trained_head_serves_with_the_confidence_cut_a_day0_head_drafts_full_chains(target, heads):
     """live_engine gives the cut to modes starting from a trained head only, and grafts the prompt-lookup branch on
     every drafting mode when asked; bench shift's live runs default to the cut every trained head is served with."""
-    from tandem.bench.shift import ShiftConfig
+    from tandem.bench.flywheel.shift import ShiftConfig
     from tandem.drafters.eagle import TRAINED_MIN_CONFIDENCE
     from tandem.drafters.hybrid import EagleNgramDrafter
 

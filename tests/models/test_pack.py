@@ -104,7 +104,7 @@ def test_int8_copy_from_a_packed_target_equals_one_from_a_dense_target(tiny_dirs
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_weight_bytes_count_one_copy_packed_or_not(tiny_dirs, arch):
-    from tandem.bench.forward import weight_bytes_per_token, weight_bytes_total
+    from tandem.bench.kernels.forward import weight_bytes_per_token, weight_bytes_total
 
     model = load_transformer(tiny_dirs[arch])
     dense = sum(p.numel() for p in model.parameters()) * 4

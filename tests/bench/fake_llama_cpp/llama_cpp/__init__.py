@@ -1,4 +1,4 @@
-"""A stand-in for llama-cpp-python's interface (only what tandem/bench/llama_worker.py calls), to test the worker's
+"""A stand-in for llama-cpp-python's interface (only what tandem/bench/peers/llama_worker.py calls), to test the worker's
 protocol and its acceptance counting without a build of llama.cpp. Its "model" counts up: the greedy next token after
 ... t is t + 1 (t + 2 for a GGUF whose file name contains "skip", a model that disagrees with the others). Its logits after
 ... t (`eval`, kept per position only with logits_all, as llama-cpp-python keeps them): LOGIT_NEXT at that next token,

@@ -43,7 +43,7 @@ class DecodeBenchConfig:
     weights: str = "fp32"  # the base target's served weights: "ar" is plain decoding of this model
     ortg_python: str | None = None  # the interpreter that has onnxruntime-genai (default: the peer harness's venv)
     ortg_model: str | None = None  # its fp32 model directory (default: the peer harness's SmolLM2 export)
-    llama_gguf: str = "q8_0"  # a GGUF file, or "shipped" / "q8_0": built from the zoo model (tandem.bench.llama_peer)
+    llama_gguf: str = "q8_0"  # a GGUF file, or "shipped" / "q8_0": built from the zoo model (tandem.bench.peers.llama_peer)
     llama_draft_gguf: str | None = None  # llama_draft's GGUF (a file, or shipped / q8_0 of --drafter-model); None: no llama_draft
     llama_python: str | None = None  # the interpreter that has llama_cpp (default: the peer harness's venv)
     llama_pld_tokens: int = 10  # llama_pld's num_pred_tokens (llama-cpp-python's default)
@@ -75,7 +75,7 @@ class DecodeBenchConfig:
         if self.llama_pld_tokens < 1:
             raise InvalidParameterError(f"--llama-pld-tokens must be >= 1, got {self.llama_pld_tokens}")
         if "llama" in self.peers:  # a missing GGUF file or a spec without a zoo model fails here, before any model loads
-            from tandem.bench.llama_peer import gguf_path
+            from tandem.bench.peers.llama_peer import gguf_path
 
             gguf_path(self.llama_gguf, self.model, "--llama-gguf")
             if self.llama_draft_gguf:
@@ -151,7 +151,7 @@ def run_decode_bench(config: DecodeBenchConfig) -> dict:
     from tandem.llm import LLM
 
     if "llama" in config.peers:  # no peer venv: say so before the target loads
-        from tandem.bench.llama_peer import llama_python
+        from tandem.bench.peers.llama_peer import llama_python
 
         llama_python(config.llama_python)
     base = LLM(model=config.model, max_batch_size=config.batch_size, pack_weights=config.pack_weights, compile=config.compile,
@@ -163,16 +163,16 @@ def run_decode_bench(config: DecodeBenchConfig) -> dict:
     order = sorted(config.drafters, key=lambda n: n.split("@")[0] != "ar")  # references first
     runners = {name: _tandem_runner(_llm_for(targets[_weights_of(name)], name.split("@")[0], config), params) for name in order}
     if "hf" in config.peers:
-        from tandem.bench.peers import hf_runners
+        from tandem.bench.peers.peers import hf_runners
 
         runners |= hf_runners(base, config)
     if "ortg" in config.peers:
-        from tandem.bench.peers import ortg_runners
+        from tandem.bench.peers.peers import ortg_runners
 
         runners |= ortg_runners(base, config)
     reference_of, peer_info = {}, {}
     if "llama" in config.peers:
-        from tandem.bench.llama_peer import llama_runners
+        from tandem.bench.peers.llama_peer import llama_runners
 
         llama, peer_info["llama"] = llama_runners(base, config, token_ids)
         runners |= llama

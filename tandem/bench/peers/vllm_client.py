@@ -19,7 +19,7 @@ from pathlib import Path
 
 from tandem.bench.children import ChildServer, free_port, log_tail, sigterm_as_interrupt, tandem_env, tandem_serve_command
 from tandem.bench.machine import machine_info
-from tandem.bench.serve_peer import SERVED, vllm_python, warm_up
+from tandem.bench.peers.serve_peer import SERVED, vllm_python, warm_up
 from tandem.data.prompts import load_prompts
 from tandem.errors import InvalidParameterError, TandemError
 

@@ -1,6 +1,6 @@
 """TRL's GRPOTrainer as the peer of `tandem bench rl-trl`, run in TRL's own venv (imports nothing from tandem).
 
-Reads the problems tandem exported (tandem/bench/trl_peer.py: a meta line, the training problems in step order,
+Reads the problems tandem exported (tandem/bench/peers/trl_peer.py: a meta line, the training problems in step order,
 the held-out set), trains with GRPOTrainer on CPU (no vLLM, transformers generate) at the settings given on the
 command line, one optimiser step per rollout batch of prompts_per_step x group_size completions, the dataset in
 the exported order (shuffle_dataset=False), no KL (beta=0), fp32 without gradient checkpointing (TRL's defaults

@@ -1,6 +1,6 @@
 """The server of `tandem bench soak`: `tandem serve`'s composition plus two injected faults, in a child process.
 
-    python -m tandem.bench.soak_server SPEC.json
+    python -m tandem.bench.serving.soak_server SPEC.json
 
 SPEC holds {"server": ServerConfig fields, "prefill_marker": [ids], "step_marker": [ids], "fault_log": path}.
 The faults go through the engine's public extension points, as anyone's own wrapper would:

@@ -1,4 +1,4 @@
-"""`OMP_WAIT_POLICY={ACTIVE|PASSIVE} python -m tandem.bench.thread_ab --batch B`: one engine's decode step timed from the
+"""`OMP_WAIT_POLICY={ACTIVE|PASSIVE} python -m tandem.bench.kernels.thread_ab --batch B`: one engine's decode step timed from the
 main thread and from another thread, alternated (docs/BENCHMARKS.md 12: with OpenMP's workers spinning, a step from the
 main thread ran 10-30x slower on a 2-vCPU box with other work on it). The policy is read when torch loads OpenMP, so it
 comes from the environment; `import tandem` sets PASSIVE only where none is set.

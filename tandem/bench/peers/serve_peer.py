@@ -5,7 +5,7 @@ Both servers run as child processes on loopback: `tandem serve` exactly as a use
 environment the harness gives vLLM on this CPU (KV-cache space, OpenMP threads bound to the first cores, tcmalloc
 and Intel OpenMP preloaded when present). Same model directory (so the same tokenizer and chat template: the
 prompt token counts of both sides are compared), same threads, greedy, same max_tokens, streaming chat
-completions from the same load generator (tandem.bench.serve). Every server is warmed up first; at each
+completions from the same load generator (tandem.bench.serving.serve). Every server is warmed up first; at each
 concurrency level the same prompts go to vLLM, then to tandem, then (at concurrency 1) to tandem with a drafter.
 The children are stopped at the end, also on an exception, Ctrl-C or SIGTERM.
 """
@@ -20,8 +20,8 @@ from pathlib import Path
 
 from tandem.bench.children import ChildServer, free_port, sigterm_as_interrupt, tandem_env, tandem_serve_command
 from tandem.bench.machine import machine_info
-from tandem.bench.peers import peer_cache
-from tandem.bench.load import _level, summarize
+from tandem.bench.peers.peers import peer_cache
+from tandem.bench.serving.load import _level, summarize
 from tandem.data.prompts import load_prompts
 from tandem.errors import InvalidParameterError
 

@@ -7,7 +7,7 @@ step on the same problems, where the suffix drafter also has round 1's rollouts.
 acceptance length (RolloutBatch.acceptance_length), rollout wall time, output tokens, drafting time per
 request-step. Needs `reasoning-gym` (pip install reasoning-gym==0.1.25).
 
-    python -m tandem.bench.rollout_drafters --prompts 2 --group-size 8 --max-tokens 256 --temperature 1.0
+    python -m tandem.bench.rl.rollout_drafters --prompts 2 --group-size 8 --max-tokens 256 --temperature 1.0
 """
 from __future__ import annotations
 

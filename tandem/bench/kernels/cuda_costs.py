@@ -1,4 +1,4 @@
-"""`python -m tandem.bench.cuda_costs`: where speculation pays on a GPU, measured against the simulator.
+"""`python -m tandem.bench.kernels.cuda_costs`: where speculation pays on a GPU, measured against the simulator.
 
 A random-weight model of Qwen2.5-Coder-1.5B's shape (the weights' values do not change the time of a dense
 forward; the real weights cannot travel to a lent GPU machine) is loaded in bf16 on CUDA and one cached
@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from tandem.bench.forward import forward_cost_pair_ms
+from tandem.bench.kernels.forward import forward_cost_pair_ms
 from tandem.models.loader import load_transformer
 from tandem.models.tiny import make_tiny_model
 

@@ -1,5 +1,5 @@
 """llama.cpp as a peer of `tandem bench decode` (`--peers llama`): llama-cpp-python in a child process of the peer
-harness's venv (tandem/bench/llama_worker.py), interleaved prompt by prompt with tandem's runners.
+harness's venv (tandem/bench/peers/llama_worker.py), interleaved prompt by prompt with tandem's runners.
 
 Runners: `llama` (plain), `llama_pld` (its LlamaPromptLookupDecoding: 2-grams, --llama-pld-tokens tokens, 10 by default,
 the library's defaults) and `llama_draft` (a smaller GGUF drafting --num-draft-tokens tokens, tandem's k) when a draft
@@ -19,7 +19,7 @@ import atexit
 import subprocess
 from pathlib import Path
 
-from tandem.bench.peers import PeerOutput, WorkerPeer, peer_cache
+from tandem.bench.peers.peers import PeerOutput, WorkerPeer, peer_cache
 from tandem.errors import InvalidParameterError
 
 SETUP = "../shared/peers/setup_env.sh venv"
@@ -96,7 +96,7 @@ def _join_shipped(model: str, out: Path) -> None:
 
 
 class LlamaPeer(WorkerPeer):
-    """llama-cpp-python in a child process (tandem/bench/llama_worker.py), one JSON line per request."""
+    """llama-cpp-python in a child process (tandem/bench/peers/llama_worker.py), one JSON line per request."""
 
     label = "llama.cpp"
 

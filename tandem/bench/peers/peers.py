@@ -1,5 +1,5 @@
 """Peers in `tandem bench decode`: HF transformers (plain, prompt-lookup and assisted generation) in this
-process, onnxruntime-genai (plain and n-gram) and llama.cpp (bench/llama_peer.py) in child processes of the peer
+process, onnxruntime-genai (plain and n-gram) and llama.cpp (bench/peers/llama_peer.py) in child processes of the peer
 harness's venv.
 
 Same prompts (already chat-templated token ids), greedy, batch 1 (their speculative generation supports no
@@ -83,7 +83,7 @@ def ortg_paths(python: str | None, model: str | None) -> tuple[Path, Path]:
 
 class WorkerPeer:
     """A peer engine in a child process of another Python: one JSON request line in, one JSON reply line out
-    (tandem/bench/ortg_worker.py, llama_worker.py). The first line it prints is its ready line."""
+    (tandem/bench/peers/ortg_worker.py, llama_worker.py). The first line it prints is its ready line."""
 
     label = "peer"
 
@@ -111,7 +111,7 @@ class WorkerPeer:
 
 
 class OrtgPeer(WorkerPeer):
-    """onnxruntime-genai in a child process (tandem/bench/ortg_worker.py), one JSON line per request."""
+    """onnxruntime-genai in a child process (tandem/bench/peers/ortg_worker.py), one JSON line per request."""
 
     label = "onnxruntime-genai"
 

@@ -1,6 +1,6 @@
 """`tandem bench soak`: hours of production traffic in minutes, checking for hangs and growth, not speed.
 
-A `tandem serve` composition with two injected faults runs in a child process (tandem.bench.soak_server) with a
+A `tandem serve` composition with two injected faults runs in a child process (tandem.bench.serving.soak_server) with a
 drafter whose weights are re-published every few seconds through the admin API (`POST /admin/drafter/adopt`:
 the validated hot-swap path; or, with `online`, the flywheel's trainer publishes). `concurrency` clients send
 streaming chat and completion requests (greedy and sampled, random lengths) for `minutes`; some disconnect at
@@ -31,7 +31,7 @@ from pathlib import Path
 
 from tandem.bench.children import ChildServer, free_port, sigterm_as_interrupt, tandem_env
 from tandem.bench.machine import machine_info
-from tandem.bench.vllm_client import scrape
+from tandem.bench.peers.vllm_client import scrape
 from tandem.data.prompts import load_prompts
 from tandem.errors import InvalidParameterError
 from tandem.server.admin import KEEP_VERSIONS
@@ -397,7 +397,7 @@ def run_soak(config: SoakConfig, progress=print) -> dict:
             "fault_log": str(work / "faults.jsonl")}
     (work / "spec.json").write_text(json.dumps(spec))
     prompts = [p.prompt for p in load_prompts(config.prompts)]
-    cmd = [sys.executable, "-m", "tandem.bench.soak_server", str(work / "spec.json")]
+    cmd = [sys.executable, "-m", "tandem.bench.serving.soak_server", str(work / "spec.json")]
     started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
     with sigterm_as_interrupt():
         server = ChildServer("the soak's tandem server", cmd, port, log_dir / "server.log", tandem_env(config.threads), ready_path="/ready",

@@ -5,7 +5,7 @@ step's training problems and the held-out set, and they are exported as JSONL (c
 answer, the generator's entry, the prompt's token ids) for TRL's side, which scores with the same reasoning-gym
 scorer (`extract_answer` + the task's `score_answer`, on a dataset rebuilt from the exported task settings and
 seed). Each side runs in its own process with the same thread count, one after the other (tandem first):
-`python -m tandem.cli rl` here, and tandem/bench/trl_worker.py in TRL's own venv (created on demand under the
+`python -m tandem.cli rl` here, and tandem/bench/peers/trl_worker.py in TRL's own venv (created on demand under the
 peer cache, torch pinned so pip never swaps in a CUDA build). Reported: step wall time (mean, and without the
 first step), their ratio, the reward and completion length per step, and the greedy held-out reward at the start
 and the end with 95 % Wilson intervals.
@@ -23,7 +23,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from tandem.bench.peers import peer_cache
+from tandem.bench.peers.peers import peer_cache
 from tandem.errors import InvalidParameterError
 
 TORCH_PIN = "torch==2.13.0"  # on every pip line: an unpinned torch would pull a multi-GB CUDA build

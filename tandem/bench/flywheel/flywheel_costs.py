@@ -1,5 +1,5 @@
 """Where the live flywheel's tokens/s go, on the engines `make demo` builds (docs/BENCHMARKS.md 10, "Why acceptance
-does not reach tokens/s"): `python -m tandem.bench.flywheel_costs [--requests 12] [--rounds 3] [--json PATH]`.
+does not reach tokens/s"): `python -m tandem.bench.flywheel.flywheel_costs [--requests 12] [--rounds 3] [--json PATH]`.
 
 Serving on all cores but the trainer's, 1 thread, greedy, 1 in flight, the general head with the prompt-lookup
 graft; the same `requests` code prompts each round:
@@ -15,7 +15,7 @@ import argparse
 import json
 from pathlib import Path
 
-HEAD = Path(__file__).resolve().parents[1] / "heads" / "eagle-smollm2-general"
+HEAD = Path(__file__).resolve().parents[2] / "heads" / "eagle-smollm2-general"
 
 
 def per_step(result, max_tokens: int) -> dict:
@@ -83,7 +83,7 @@ def run(requests: int = 12, rounds: int = 3, max_tokens: int = 64, head: Path = 
 def main(argv: list[str] | None = None) -> int:
     from tandem.bench.machine import machine_info
 
-    parser = argparse.ArgumentParser(prog="python -m tandem.bench.flywheel_costs", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m tandem.bench.flywheel.flywheel_costs", description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=12)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=64)

@@ -1,6 +1,6 @@
 """llama.cpp's GGUFs as columns of `tandem bench quality` (`--peers llama --llama-gguf q8_0,shipped`).
 
-Each GGUF runs in its own llama_worker.py child (the peer venv's llama-cpp-python, tandem/bench/llama_peer.py), one
+Each GGUF runs in its own llama_worker.py child (the peer venv's llama-cpp-python, tandem/bench/peers/llama_peer.py), one
 after another and after tandem's precisions (one model in memory at a time), on the same samples: the chat-rendered
 prompt ids and tandem fp32's greedy continuation ids (the GGUF's tokenizer is checked to give tandem's ids). `score`
 reads prompt + continuation teacher-forced (one eval, every position's logits); `plain` decodes the prompt greedily
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tandem.bench.llama_peer import LlamaPeer, check_same_tokens, context_size, ensure_gguf, gguf_dir, llama_python
-from tandem.bench.quality_metrics import Sample, forced_metrics, prefix_agreement
+from tandem.bench.peers.llama_peer import LlamaPeer, check_same_tokens, context_size, ensure_gguf, gguf_dir, llama_python
+from tandem.bench.speculation.quality_metrics import Sample, forced_metrics, prefix_agreement
 
 
 def prepare_ggufs(config, threads: int) -> tuple[Path, list[Path]]:

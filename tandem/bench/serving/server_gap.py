@@ -1,4 +1,4 @@
-"""`python -m tandem.bench.server_gap`: what serving over HTTP costs against the engine alone (issue 40's gap).
+"""`python -m tandem.bench.serving.server_gap`: what serving over HTTP costs against the engine alone (issue 40's gap).
 
 The same prompts, greedy, EOS stops, the same max tokens and threads, alternated `--rounds` times in one run so a
 changing load hits both sides alike: the engine alone (`tandem bench throughput`'s loop: every prompt queued,
@@ -19,8 +19,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from tandem.bench.children import ChildServer, free_port, tandem_env, tandem_serve_command
-from tandem.bench.load import _level, _percentile
-from tandem.bench.throughput import serve_all
+from tandem.bench.serving.load import _level, _percentile
+from tandem.bench.serving.throughput import serve_all
 from tandem.config import SamplingParams
 from tandem.data.prompts import load_prompts
 

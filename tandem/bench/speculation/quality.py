@@ -14,7 +14,7 @@ teacher-forced (one forward) and decodes the prompt greedily itself. Reported pe
   of (tokens before the first difference) / (fp32's tokens), 1.0 = identical outputs.
 Log-probs are nats per token; deltas are against fp32 in the same run.
 
-Peers (`--peers llama --llama-gguf q8_0,shipped`, tandem/bench/quality_llama.py): each llama.cpp GGUF is a column
+Peers (`--peers llama --llama-gguf q8_0,shipped`, tandem/bench/peers/quality_llama.py): each llama.cpp GGUF is a column
 beside tandem's precisions (`llama:Q8_0`, `llama:Q4_K_M`, named after the GGUF's file type), measured on the same ids
 (its tokenizer checked against tandem's) with the same four metrics and deltas against tandem's fp32. Read them knowing
 where tandem's fp32 weights come from: the zoo ships each model as a GGUF (Q4_K_M for the Qwen2.5-Coder models, Q4_1
@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from tandem.bench.machine import machine_info
-from tandem.bench.quality_metrics import Sample, forced_metrics, prefix_agreement
+from tandem.bench.speculation.quality_metrics import Sample, forced_metrics, prefix_agreement
 from tandem.config import WEIGHTS, SamplingParams
 from tandem.data.prompts import DOMAINS, load_prompts, render_chat
 from tandem.errors import InvalidParameterError
@@ -45,7 +45,7 @@ class QualityBenchConfig:
     max_tokens: int = 48  # fp32 greedy continuation length (the held-out continuation)
     domains: tuple[str, ...] = DOMAINS
     prompts: str = "builtin"  # or a JSONL file of {"domain", "prompt"} (all its prompts count as held out)
-    peers: tuple[str, ...] = ()  # "llama": llama.cpp's GGUFs as columns (tandem.bench.quality_llama)
+    peers: tuple[str, ...] = ()  # "llama": llama.cpp's GGUFs as columns (tandem.bench.peers.quality_llama)
     llama_gguf: tuple[str, ...] = ("q8_0", "shipped")  # GGUF files, or shipped / q8_0 of the zoo model (bench.llama_peer)
     llama_python: str | None = None  # the interpreter that has llama_cpp (default: the peer harness's venv)
 
@@ -60,7 +60,7 @@ class QualityBenchConfig:
         if set(self.peers) - {"llama"}:
             raise InvalidParameterError(f"--peers: unknown {sorted(set(self.peers) - {'llama'})}; choose from ['llama']")
         if "llama" in self.peers:  # a missing GGUF file, or a spec without a zoo model, fails before any model loads
-            from tandem.bench.llama_peer import gguf_path
+            from tandem.bench.peers.llama_peer import gguf_path
 
             if not self.llama_gguf:
                 raise InvalidParameterError("--peers llama needs at least one --llama-gguf")
@@ -111,7 +111,7 @@ def run_quality_bench(config: QualityBenchConfig) -> dict:
     from tandem.llm import LLM
 
     if "llama" in config.peers:  # no peer venv or GGUF: say so before any model loads
-        from tandem.bench import quality_llama
+        from tandem.bench.peers import quality_llama
 
         python, ggufs = quality_llama.prepare_ggufs(config, torch.get_num_threads())
     results, samples, references = {}, None, None

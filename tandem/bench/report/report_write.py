@@ -1,6 +1,6 @@
 """The report of `tandem bench report` (`make bench`): its headline table, markdown and PNG, from the results.
 
-Pure functions of the results dict that tandem.bench.report collects, so a test can feed known inputs:
+Pure functions of the results dict that tandem.bench.report.report collects, so a test can feed known inputs:
 
     {"machine": machine_description(), "quick": bool, "notes": [str],
      "forward": run_forward_bench(...) | None,    "forward_command": str,
@@ -17,7 +17,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from tandem.bench.forward import unsteady_rows
+from tandem.bench.kernels.forward import unsteady_rows
 
 PEER_NAMES = {"ortg": "onnxruntime-genai plain", "ortg_ngram": "onnxruntime-genai n-gram",
               "hf": "HF transformers plain", "hf_prompt_lookup": "HF transformers prompt lookup", "hf_assisted": "HF transformers assisted"}

@@ -24,12 +24,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tandem.bench.decode import DecodeBenchConfig, run_decode_bench
-from tandem.bench.forward import run_forward_bench
+from tandem.bench.speculation.decode import DecodeBenchConfig, run_decode_bench
+from tandem.bench.kernels.forward import run_forward_bench
 from tandem.bench.machine import machine_description
-from tandem.bench.peers import ortg_paths, peer_cache
-from tandem.bench.report_write import write_report
-from tandem.bench.throughput import ThroughputConfig, run_throughput_bench
+from tandem.bench.peers.peers import ortg_paths, peer_cache
+from tandem.bench.report.report_write import write_report
+from tandem.bench.serving.throughput import ThroughputConfig, run_throughput_bench
 from tandem.errors import InvalidParameterError
 
 PEERS_DIR_ENV = "TANDEM_PEERS_DIR"  # the peer harness's scripts (run_peers.py); default ../shared/peers next to the repository
@@ -110,7 +110,7 @@ def peers_dir(cfg: ReportConfig) -> Path:
         return Path(cfg.peers_dir)
     if os.environ.get(PEERS_DIR_ENV):
         return Path(os.environ[PEERS_DIR_ENV])
-    return Path(__file__).resolve().parents[2].parent / "shared" / "peers"
+    return Path(__file__).resolve().parents[3].parent / "shared" / "peers"
 
 
 def plan(cfg: ReportConfig, env: PeerEnv) -> dict:

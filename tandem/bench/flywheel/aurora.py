@@ -36,7 +36,7 @@ from pathlib import Path
 
 from tandem.bench.children import log_tail
 from tandem.bench.machine import machine_info, source_sha256
-from tandem.bench.shift import ShiftConfig, calibrate, replay_mode
+from tandem.bench.flywheel.shift import ShiftConfig, calibrate, replay_mode
 from tandem.errors import InvalidParameterError, TandemError
 from tandem.flywheel.setups import FlywheelSetup
 from tandem.flywheel.stream import SPECIALISED, build_stream, prompt_key
@@ -242,7 +242,7 @@ class VariantRuns:
         return {"verify_s": {int(k): v for k, v in kept["verify_s"].items()}, "draft_step_s": kept["draft_step_s"]}
 
     def in_children(self, tasks: list[list[str]], jobs: int, log) -> None:
-        """Run each task (`python -m tandem.bench.aurora OUT TASK...`) in a one-thread child, `jobs` at a time."""
+        """Run each task (`python -m tandem.bench.flywheel.aurora OUT TASK...`) in a one-thread child, `jobs` at a time."""
         env = os.environ | {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
         queue, running, failed = list(tasks), {}, []
         try:
@@ -251,7 +251,7 @@ class VariantRuns:
                     task = queue.pop(0)
                     log_path = self.dir / "logs" / f"{'-'.join(task)}.log"
                     sink = open(log_path, "wb")
-                    child = subprocess.Popen([sys.executable, "-m", "tandem.bench.aurora", str(self.dir), *task], stdout=sink, stderr=subprocess.STDOUT,
+                    child = subprocess.Popen([sys.executable, "-m", "tandem.bench.flywheel.aurora", str(self.dir), *task], stdout=sink, stderr=subprocess.STDOUT,
                                              stdin=subprocess.DEVNULL, env=env)
                     running[child] = (task, log_path, sink)
                 time.sleep(0.5)

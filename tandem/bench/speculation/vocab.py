@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from tandem.bench.forward import forward_cost_ms
+from tandem.bench.kernels.forward import forward_cost_ms
 from tandem.bench.machine import machine_info
 from tandem.errors import InvalidParameterError
 from tandem.models.eagle import EagleHead, load_eagle, resize_draft_vocab, shipped_eagle_path

@@ -1,4 +1,4 @@
-"""`python -m tandem.bench.cuda_forward`: the compiled forward on a GPU, for a machine without the model files.
+"""`python -m tandem.bench.kernels.cuda_forward`: the compiled forward on a GPU, for a machine without the model files.
 
 A random-weight model of SmolLM2-135M's shape (30 layers, hidden 576, 9/3 heads, vocab 49152) is written
 with the tiny-model tooling, loaded on CUDA, and timed eager vs compiled (inductor + CUDA graphs) per
@@ -12,7 +12,7 @@ import tempfile
 
 import torch
 
-from tandem.bench.forward import forward_cost_pair_ms
+from tandem.bench.kernels.forward import forward_cost_pair_ms
 from tandem.models.loader import load_transformer
 from tandem.models.tiny import make_tiny_model
 

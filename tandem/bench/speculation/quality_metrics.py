@@ -1,5 +1,5 @@
-"""The quality bench's per-sample arithmetic, shared by tandem's precisions (tandem.bench.quality) and the llama.cpp
-columns (tandem.bench.quality_llama)."""
+"""The quality bench's per-sample arithmetic, shared by tandem's precisions (tandem.bench.speculation.quality) and the llama.cpp
+columns (tandem.bench.peers.quality_llama)."""
 from __future__ import annotations
 
 import statistics

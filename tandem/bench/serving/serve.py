@@ -12,7 +12,7 @@ import json
 import time
 from dataclasses import asdict, dataclass
 
-from tandem.bench.load import _level, summarize
+from tandem.bench.serving.load import _level, summarize
 from tandem.bench.machine import machine_info
 from tandem.data.prompts import load_prompts
 from tandem.config import SamplingParams
@@ -150,14 +150,14 @@ def _bench_serve(args) -> int:
     if args.peer and args.vllm_client:
         raise InvalidParameterError("--peer and --vllm-client are separate runs: pass one")
     if args.peer:
-        from tandem.bench import serve_peer
+        from tandem.bench.peers import serve_peer
 
         report = serve_peer.run_peer_bench(serve_peer.config_from_args(args))
         _write(args.json_out, report)
         print(serve_peer.markdown_tables(report))
         return 0
     if args.vllm_client:
-        from tandem.bench import vllm_client
+        from tandem.bench.peers import vllm_client
 
         report = vllm_client.run_client_check(vllm_client.config_from_args(args))
         _write(args.json_out, report)

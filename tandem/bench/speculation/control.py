@@ -14,7 +14,7 @@ import statistics
 import time
 from dataclasses import asdict, dataclass
 
-from tandem.bench.batch import interleave_domains
+from tandem.bench.speculation.batch import interleave_domains
 from tandem.bench.machine import machine_info
 from tandem.config import SamplingParams
 from tandem.data.prompts import load_prompts, render_chat

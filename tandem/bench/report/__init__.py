@@ -1,0 +1,1 @@
+"""The headline report (`tandem bench report`): runs the headline benchmarks and writes their table."""

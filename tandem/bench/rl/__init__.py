@@ -1,0 +1,1 @@
+"""RL rollouts per drafter: acceptance length and rollout wall time."""
