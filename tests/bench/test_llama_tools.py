@@ -1,0 +1,132 @@
+"""llama.cpp's C++ tools as `tandem bench decode --peers llama` runners: the commands built, their real output parsed
+(tests/bench/fake_llama_tools holds outputs captured from a build of llama-cpp-python 0.3.36's llama.cpp, replayed by
+a fake tool), the ids recovered from their text, the set-up checks, and bits per weight of a GGUF."""
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tandem.bench.decode import DecodeBenchConfig
+from tandem.bench.llama_tools import ToolMode, ToolRunner, command, generated_text, parse_timings, tool_modes, tool_runners
+from tandem.errors import InvalidParameterError
+
+FAKE = Path(__file__).with_name("fake_llama_tools")
+TOOLS = ("llama-completion", "llama-speculative-simple", "llama-lookup", "llama-tokenize")
+
+
+class ByteTokenizer:
+    """ids = UTF-8 bytes; 300 = <|im_end|> (EOS, kept in text as the marker), as tandem's tokenizers keep specials."""
+
+    eos_token_id = 300
+
+    def encode(self, text, add_special_tokens=True):
+        out = []
+        for i, part in enumerate(text.split("<|im_end|>")):
+            out += ([300] if i else []) + list(part.encode())
+        return out
+
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join("<|im_end|>" if i == 300 else bytes([i]).decode("latin-1") for i in ids)
+
+
+@pytest.fixture
+def fake_tools(tmp_path, monkeypatch):
+    """$TANDEM_HOME with a "build" whose tools are the fake, logging their argv to argv.jsonl."""
+    monkeypatch.setenv("TANDEM_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("FAKE_LLAMA_ARGV", str(tmp_path / "argv.jsonl"))
+    from tandem.bench import llama_build
+
+    bins = llama_build.bin_dir()
+    bins.mkdir(parents=True)
+    for tool in TOOLS:
+        (bins / tool).write_text(f"#!/bin/sh\nexec {sys.executable} {FAKE / 'fake_tool.py'} {tool} \"$@\"\n")
+        (bins / tool).chmod(0o755)
+    return bins
+
+
+def test_commands_are_what_a_user_types():
+    spec = ToolMode("spec", draft_max=8, draft_min=2, p_min=0.75)
+    args = dict(gguf=Path("t.gguf"), draft=Path("d.gguf"), prompt="P\n", max_tokens=128, threads=2, n_ctx=512)
+    common = ["-m", "t.gguf", "-p", "P\n", "--no-escape", "-n", "128", "-c", "512", "-t", "2", "-tb", "2", "--temp", "0", "--seed", "0"]
+    assert command(Path("/b/llama-completion"), ToolMode("cli"), **args) == ["/b/llama-completion", *common, "-no-cnv", "--no-display-prompt"]
+    assert command(Path("/b/llama-speculative-simple"), spec, **args) == [
+        "/b/llama-speculative-simple", *common, "--spec-draft-n-max", "8", "-md", "d.gguf", "--spec-draft-n-min", "2",
+        "--spec-draft-p-min", "0.75", "-td", "2", "-tbd", "2"]
+    assert command(Path("/b/llama-lookup"), ToolMode("lookup", draft_max=6), **args) == ["/b/llama-lookup", *common, "--spec-draft-n-max", "6"]
+    assert (spec.name, ToolMode("lookup", 6).name, ToolMode("cli").name) == ("llama_spec_d8_m2_p0.75", "llama_lookup_d6", "llama_cli")
+
+
+def test_modes_and_settings_are_checked_before_any_model_loads(tmp_path):
+    gguf = tmp_path / "t.gguf"
+    gguf.write_bytes(b"GGUF")
+    config = DecodeBenchConfig(peers=("llama",), llama_gguf=str(gguf), llama_spec=((8, 0, 0.75), (4, 1, 0.0)), llama_lookup=(8, 4))
+    assert [m.name for m in tool_modes(config, ["cli", "spec", "lookup"])] == [
+        "llama_cli", "llama_spec_d8_m0_p0.75", "llama_spec_d4_m1_p0", "llama_lookup_d8", "llama_lookup_d4"]
+    with pytest.raises(InvalidParameterError, match="spec / draft need a draft model"):
+        DecodeBenchConfig(peers=("llama",), llama_gguf=str(gguf), llama_modes=("cli", "spec"))
+    with pytest.raises(InvalidParameterError, match="unknown \\['beam'\\]"):
+        DecodeBenchConfig(peers=("llama",), llama_gguf=str(gguf), llama_modes=("beam",))
+    with pytest.raises(InvalidParameterError, match="--llama-spec 4:5:0.5: needs"):
+        DecodeBenchConfig(peers=("llama",), llama_gguf=str(gguf), llama_draft_gguf=str(gguf), llama_spec=((4, 5, 0.5),))
+    with pytest.raises(InvalidParameterError, match="lookup lengths >= 1"):
+        DecodeBenchConfig(peers=("llama",), llama_gguf=str(gguf), llama_lookup=(0,))
+
+
+def test_cli_names_the_tools_set_up_and_checks_the_settings(tmp_path, monkeypatch, capsys):
+    from tandem.cli import main
+
+    monkeypatch.setenv("TANDEM_HOME", str(tmp_path / "home"))
+    gguf = tmp_path / "t.gguf"
+    gguf.write_bytes(b"GGUF")
+    assert main(["bench", "decode", "--model", str(tmp_path / "no-model"), "--peers", "llama", "--llama-gguf", str(gguf)]) == 1
+    err = capsys.readouterr().err
+    assert "no llama-completion at" in err and "tandem peers setup llama-cpp" in err
+    assert main(["bench", "decode", "--peers", "llama", "--llama-gguf", str(gguf), "--llama-spec", "8:0"]) == 1
+    assert "DRAFT_MAX:DRAFT_MIN:P_MIN" in capsys.readouterr().err
+
+
+def test_ids_come_back_from_the_text_with_the_eos_the_tool_did_not_print():
+    runner = ToolRunner(Path("x"), ToolMode("spec", 4), Path("t"), Path("d"), ByteTokenizer(), [300, 301], threads=2, n_ctx=64)
+    assert runner.ids_of("ab", stopped=True, max_tokens=8) == [97, 98, 300]  # stopped early: its EOS back
+    assert runner.ids_of("abcdefghij", stopped=False, max_tokens=8) == list(b"abcdefgh")  # a round past max tokens: cut
+    assert runner.ids_of("ab<|im_end|>", stopped=True, max_tokens=8) == [97, 98, 300]  # lookup prints its EOS
+    assert runner.ids_of("abcdefgh", stopped=True, max_tokens=8) == list(b"abcdefgh")  # max tokens reached first
+
+
+def _gguf(path: Path, head: bool) -> Path:
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), "qwen2")
+    writer.add_file_type(7)
+    writer.add_tensor("token_embd.weight", np.zeros((8, 32), dtype=np.float32))
+    writer.add_tensor("blk.0.attn_norm.weight", np.ones(32, dtype=np.float32))  # a norm vector: not counted
+    writer.add_tensor("blk.0.attn_q.weight", np.zeros((8, 32), dtype=np.float16))
+    q8 = np.zeros((8, 34), dtype=np.uint8)  # Q8_0: a block of 32 weights = an fp16 scale + 32 int8 = 34 bytes
+    writer.add_tensor("blk.0.ffn_up.weight", q8, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    if head:
+        writer.add_tensor("output.weight", q8, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_bits_per_weight_of_a_gguf_split_by_blocks_head_and_embeddings(tmp_path):
+    from tandem.bench.bits import gguf_bits
+
+    bits = gguf_bits(_gguf(tmp_path / "h.gguf", head=True))
+    assert bits == {"blocks": 12.25, "lm_head": 8.5, "embeddings": 32.0, "file_type": "Q8_0",  # (16 + 8.5) / 2 in the blocks
+                    "types": {"blocks": ["F16", "Q8_0"], "lm_head": ["Q8_0"], "embeddings": ["F32"]}}
+    tied = gguf_bits(_gguf(tmp_path / "t.gguf", head=False))
+    assert tied["lm_head"] == 32.0 and tied["types"]["lm_head"] == ["F32"]  # no output.weight: the embeddings are the head
+
+
+def test_bits_per_weight_of_a_tandem_model_as_served(tiny_llama):
+    from tandem.bench.bits import model_bits
+    from tandem.llm import LLM
+
+    fp32 = model_bits(LLM(model=tiny_llama, max_batch_size=1).target)
+    assert fp32 == {"blocks": 32.0, "lm_head": 32.0, "embeddings": 32}
