@@ -130,3 +130,52 @@ def test_bits_per_weight_of_a_tandem_model_as_served(tiny_llama):
 
     fp32 = model_bits(LLM(model=tiny_llama, max_batch_size=1).target)
     assert fp32 == {"blocks": 32.0, "lm_head": 32.0, "embeddings": 32}
+
+
+def test_setup_builds_the_tools_natively_once_and_records_the_build(tmp_path, monkeypatch):
+    """`tandem peers setup llama-cpp` with a local sdist and a fake cmake (no network, no compiler run)."""
+    import tarfile
+
+    from tandem.bench import llama_build
+
+    monkeypatch.setenv("TANDEM_HOME", str(tmp_path / "home"))
+    vendor = tmp_path / "sdist" / "llama_cpp_python-0.3.36" / "vendor" / "llama.cpp"
+    vendor.mkdir(parents=True)
+    (vendor / "CMakeLists.txt").write_text("project(llama.cpp)\n")
+    (llama_build.root() / "dl").mkdir(parents=True)
+    with tarfile.open(llama_build.root() / "dl" / "llama_cpp_python-0.3.36.tar.gz", "w:gz") as archive:
+        archive.add(tmp_path / "sdist" / "llama_cpp_python-0.3.36", "llama_cpp_python-0.3.36")
+    fake_bin = tmp_path / "fakebin"
+    fake_bin.mkdir()
+    (fake_bin / "cmake").write_text(f"""#!{sys.executable}
+import json, sys
+from pathlib import Path
+args = sys.argv[1:]
+open({str(tmp_path / 'cmake.jsonl')!r}, "a").write(json.dumps(args) + "\\n")
+if args[0] == "--build":
+    for name in args[args.index("--target") + 1:]:
+        tool = Path(args[1]) / "bin" / name
+        tool.parent.mkdir(parents=True, exist_ok=True)
+        tool.write_text("#!/bin/sh\\necho 'version: 1 (0c1e570)' >&2\\necho 'built with GNU 12.2.0 for Linux x86_64' >&2\\n")
+        tool.chmod(0o755)
+else:
+    Path(args[args.index("-B") + 1]).mkdir(parents=True, exist_ok=True)
+    (Path(args[args.index("-B") + 1]) / "CMakeCache.txt").write_text("")
+""")
+    (fake_bin / "cmake").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake_bin}:{Path(sys.executable).parent}:/usr/bin:/bin")
+    info = llama_build.setup(jobs=3)
+    build = str(llama_build.root() / "build")
+    source = str(llama_build.root() / "src" / "llama_cpp_python-0.3.36" / "vendor" / "llama.cpp")
+    calls = [json.loads(line) for line in (tmp_path / "cmake.jsonl").read_text().splitlines()]
+    assert calls == [["-S", source, "-B", build, "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF",
+                      "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DBUILD_SHARED_LIBS=OFF"],
+                     ["--build", build, "-j", "3", "--target", *llama_build.NEEDED]]
+    assert info["version"] == "version: 1 (0c1e570) | built with GNU 12.2.0 for Linux x86_64"
+    assert info["targets"] == sorted(llama_build.NEEDED) and llama_build.built_info() == info
+    assert llama_build.setup() == info and len((tmp_path / "cmake.jsonl").read_text().splitlines()) == 2  # built: nothing runs
+    more = llama_build.setup(targets=llama_build.NEEDED + ("llama-server",))  # one more target: built, not configured again
+    calls = [json.loads(line) for line in (tmp_path / "cmake.jsonl").read_text().splitlines()]
+    assert calls[2] == ["--build", build, "-j", "2", "--target", *llama_build.NEEDED, "llama-server"] and len(calls) == 3
+    assert more["targets"] == sorted(llama_build.NEEDED + ("llama-server",))
+    assert llama_build.tool("llama-server") == llama_build.bin_dir() / "llama-server"
