@@ -46,6 +46,74 @@ def fake_tools(tmp_path, monkeypatch):
     return bins
 
 
+# What the fixtures' logs report (tests/bench/fake_llama_tools/TOOL.stderr): prompt and decode seconds, decode tokens,
+# tokens generated, drafted / accepted
+REAL = {
+    "cli": {"prompt_s": 0.4122, "decode_s": 1.16342, "decode_tokens": 23, "tokens": 24},
+    "spec": {"prompt_s": 0.401, "decode_s": 1.212, "decode_tokens": 25, "tokens": 25, "drafted": 30, "accepted": 19},
+    "lookup": {"prompt_s": 0.415, "decode_s": 0.955, "decode_tokens": 21, "tokens": 21, "drafted": 12, "accepted": 4},
+}
+TEXT = {
+    "cli": ("Certainly! Below is a Python function that checks whether a given number is prime:\n\n```python\ndef", False),
+    "spec": ("Certainly! Below is a Python function that checks whether a given number is prime:\n\n```python\ndef is_prime", False),
+    "lookup": ("Here is a Python function that checks whether a number is prime.<|im_end|>", False),
+}
+TOOL_OF = {"cli": "llama-completion", "spec": "llama-speculative-simple", "lookup": "llama-lookup"}
+
+
+@pytest.mark.parametrize("mode", ["cli", "spec", "lookup"])
+def test_each_tools_output_is_parsed(mode):
+    stderr = (FAKE / f"{TOOL_OF[mode]}.stderr").read_text()
+    stdout = (FAKE / f"{TOOL_OF[mode]}.stdout").read_text()
+    assert parse_timings(mode, stderr) == pytest.approx(REAL[mode])
+    assert generated_text(mode, stdout, (FAKE / f"{TOOL_OF[mode]}.prompt").read_text()) == TEXT[mode]
+
+
+def test_end_of_text_and_a_foreign_prompt_are_recognised():
+    assert generated_text("cli", "def f(): pass [end of text]\n", "P") == ("def f(): pass", True)
+    with pytest.raises(RuntimeError, match="does not start with the prompt"):
+        generated_text("lookup", "\n\nOTHER PROMPT abc\n\n\n\n", "P")
+    with pytest.raises(RuntimeError, match="no 'decoded' line"):
+        parse_timings("spec", "encoded   35 tokens in    0.401 seconds, speed:   87.282 t/s\n")
+
+
+def test_runners_run_the_tools_on_tandems_prompt_ids(fake_tools, tmp_path):
+    config = DecodeBenchConfig(max_tokens=24, llama_spec=((8, 0, 0.75),), llama_lookup=(8,))
+    tokenizer = ByteTokenizer()
+    ids = tokenizer.encode("Say hi.")
+    info = {}
+    runners = tool_runners(config, tmp_path / "t.gguf", tmp_path / "d.gguf", [300, 301], 512, 2, ["cli", "spec", "lookup"],
+                           tokenizer, [ids], info)
+    assert list(runners) == ["llama_cli", "llama_spec_d8_m0_p0.75", "llama_lookup_d8"]
+    assert info["system_info"].startswith("n_threads = 2 (n_threads_batch = 2) / 2 | CPU : SSE3 = 1")
+    assert info["tools"]["llama_spec_d8_m0_p0.75"] == {"tool": "llama-speculative-simple", "draft_max": 8, "draft_min": 0, "p_min": 0.75}
+    spec = runners["llama_spec_d8_m0_p0.75"]([ids])[0]
+    assert (spec.count, spec.seconds) == (25, pytest.approx(0.401 + 1.212))  # the tool's own count and time
+    assert spec.token_ids == tokenizer.encode(TEXT["spec"][0])[:24]  # a round past max tokens: cut
+    assert spec.metrics == {"steps": 5, "drafted_tokens": 30, "accepted_tokens": 19, "draft_time_s": 0.0, "mean_draft_length": 6.0,
+                            "decode_tokens": 25, "decode_s": 1.212}
+    lookup = runners["llama_lookup_d8"]([ids])[0]
+    assert lookup.token_ids == tokenizer.encode(TEXT["lookup"][0])[:24]  # bytes here, more of them than the tool's tokens
+    assert (lookup.count, lookup.metrics["steps"], lookup.metrics["accepted_tokens"]) == (21, 16, 4)
+    cli = runners["llama_cli"]([ids])[0]
+    assert (cli.count, cli.metrics) == (24, {"decode_tokens": 23, "decode_s": pytest.approx(1.16342)})
+    argv = [json.loads(line) for line in (tmp_path / "argv.jsonl").read_text().splitlines()]
+    tools = [a[0] for a in argv]
+    assert tools == ["llama-tokenize", "llama-completion", "llama-completion", "llama-speculative-simple", "llama-lookup", "llama-completion"]
+    assert argv[2] == ["llama-completion", "--version"] and info["version"] == "version: 1 (0c1e570) | built with GNU 12.2.0 for Linux x86_64"
+    assert argv[3][argv[3].index("-p") + 1] == "Say hi." and argv[3][argv[3].index("-md") + 1] == str(tmp_path / "d.gguf")
+
+
+def test_a_gguf_of_another_vocabulary_or_a_failing_tool_is_refused(fake_tools, tmp_path):
+    config = DecodeBenchConfig(max_tokens=8)
+    tokenizer = ByteTokenizer()
+    with pytest.raises(InvalidParameterError, match="not the same vocabulary"):
+        tool_runners(config, tmp_path / "other.gguf", None, [300], 64, 2, ["cli"], tokenizer, [tokenizer.encode("hi")], {})
+    runner = ToolRunner(fake_tools / "llama-lookup", ToolMode("lookup", 8), tmp_path / "broken.gguf", None, tokenizer, [300], 2, 64)
+    with pytest.raises(RuntimeError, match="llama-lookup exited 1: llama_model_load: error loading model"):
+        runner([tokenizer.encode("hi")], 8)
+
+
 def test_commands_are_what_a_user_types():
     spec = ToolMode("spec", draft_max=8, draft_min=2, p_min=0.75)
     args = dict(gguf=Path("t.gguf"), draft=Path("d.gguf"), prompt="P\n", max_tokens=128, threads=2, n_ctx=512)

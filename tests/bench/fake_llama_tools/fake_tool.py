@@ -1,9 +1,13 @@
 """Stands in for llama.cpp's C++ tools in tests (tests/bench/test_llama_tools.py): `fake_tool.py TOOL ARGS...` prints
-what TOOL printed in a real run, captured from a build of llama-cpp-python 0.3.36's llama.cpp (TOOL.stdout and
-TOOL.stderr here; TOOL.prompt: the prompt of that run), with the prompt it is given (-p) in place of the captured one,
-and appends its argv as a JSON line to $FAKE_LLAMA_ARGV when set. `llama-tokenize` prints the byte values of its -p text
+TOOL's output as llama-cpp-python 0.3.36's llama.cpp prints it (TOOL.stdout and TOOL.stderr here; TOOL.prompt: the
+prompt of that output), with the prompt it is given (-p) in place of that one, and appends its argv as a JSON line to
+$FAKE_LLAMA_ARGV when set. The outputs follow the tools' format strings line by line (stdout: LOG, stderr: LOG_INF and
+llama_perf_context_print; examples/speculative-simple/speculative-simple.cpp, examples/lookup/lookup.cpp,
+tools/completion/completion.cpp, common/sampling.cpp common_perf_print); the build on the machine they were written on
+had not finished, so they are not yet a capture: `capture.sh` here replaces them with one from a build. `llama-tokenize` prints the byte values of its -p text
 (the tests' byte tokenizer), shifted by one for a GGUF whose name contains "other" (another vocabulary). A GGUF whose
-name contains "broken" makes every tool fail as a tool does: a message on stderr, exit code 1."""
+name contains "broken" makes every tool fail as a tool does: a message on stderr, exit code 1. `--version` prints a
+build's version lines."""
 import json
 import os
 import sys
@@ -17,6 +21,9 @@ def main() -> int:
     if os.environ.get("FAKE_LLAMA_ARGV"):
         with open(os.environ["FAKE_LLAMA_ARGV"], "a", encoding="utf-8") as log:
             log.write(json.dumps([tool, *args]) + "\n")
+    if args == ["--version"]:
+        print("version: 1 (0c1e570)\nbuilt with GNU 12.2.0 for Linux x86_64", file=sys.stderr)
+        return 0
     gguf, prompt = args[args.index("-m") + 1], args[args.index("-p") + 1]
     if "broken" in gguf:
         print(f"llama_model_load: error loading model: failed to open {gguf}", file=sys.stderr)
