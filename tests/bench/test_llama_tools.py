@@ -247,3 +247,22 @@ else:
     assert calls[2] == ["--build", build, "-j", "2", "--target", *llama_build.NEEDED, "llama-server"] and len(calls) == 3
     assert more["targets"] == sorted(llama_build.NEEDED + ("llama-server",))
     assert llama_build.tool("llama-server") == llama_build.bin_dir() / "llama-server"
+
+
+def test_llama_runners_record_versions_bits_and_settings(fake_tools, tmp_path):
+    from types import SimpleNamespace
+
+    from tandem.bench.decode import _bits_per_runner
+    from tandem.bench.llama_peer import llama_runners
+
+    target, draft = _gguf(tmp_path / "t.gguf", head=True), _gguf(tmp_path / "d.gguf", head=False)
+    config = DecodeBenchConfig(peers=("llama",), llama_gguf=str(target), llama_draft_gguf=str(draft), max_tokens=24)
+    tokenizer = ByteTokenizer()
+    base = SimpleNamespace(tokenizer=tokenizer, target=SimpleNamespace(cfg=SimpleNamespace(eos_token_ids={300})))
+    runners, info = llama_runners(base, config, [tokenizer.encode("Say hi.")])
+    assert list(runners) == ["llama_cli", "llama_spec_d8_m0_p0.75", "llama_lookup_d8"]  # default modes, with a draft GGUF
+    assert (info["file_type"], info["weights"], info["modes"], info["n_ctx"]) == ("Q8_0", "int8", ["cli", "spec", "lookup"], 64)
+    info["runners"] = list(runners)
+    bits = _bits_per_runner({}, [], info)
+    assert bits["llama_cli"] == {"target": info["bits_per_weight"]} and info["bits_per_weight"]["lm_head"] == 8.5
+    assert bits["llama_spec_d8_m0_p0.75"]["draft"]["lm_head"] == 32.0  # the draft GGUF ties its head to the F32 embeddings
