@@ -1,16 +1,17 @@
 """llama.cpp as a peer of `tandem bench decode` (`--peers llama`), interleaved prompt by prompt with tandem's runners,
 in two forms chosen by --llama-modes:
 
-* llama.cpp's own C++ tools (modes `cli`, `spec`, `lookup`; the default), built for this CPU by `tandem peers setup
-  llama-cpp`: runners `llama_cli` (plain), `llama_spec_d*` (a draft model, one runner per --llama-spec setting) and
-  `llama_lookup_d*` (its n-gram cache); tandem/bench/llama_tools.py.
+* llama.cpp's own C++ tools (modes `cli`, `spec`, `lookup`; by default cli, lookup and, with a draft GGUF, spec),
+  built for this CPU by `tandem peers setup llama-cpp`: runners `llama_cli` (plain), `llama_spec_d*` (a draft model,
+  one runner per --llama-spec setting) and `llama_lookup_d*` (its n-gram cache); tandem/bench/llama_tools.py.
 * llama-cpp-python in a child process of the peer harness's venv (tandem/bench/llama_worker.py; modes `plain`, `pld`,
   `draft`): runners `llama` (plain), `llama_pld` (its LlamaPromptLookupDecoding: 2-grams, --llama-pld-tokens tokens, 10
   by default, the library's defaults) and `llama_draft` (a smaller GGUF drafting --num-draft-tokens tokens, tandem's k).
 
-`spec` and `draft` need a draft GGUF (--llama-draft-gguf). Every runner gets tandem's chat-templated prompt ids (the GGUF's tokenizer is checked to give the same
-ids), greedy, the same EOS ids and max tokens, tandem's threads. Each mode is its own `Llama` over the same GGUF
-(the 1.5B's worker showed ~6.5 GB RSS with Q8_0 and a 0.5B draft: budget for it next to tandem's own target).
+`spec` and `draft` need a draft GGUF (--llama-draft-gguf). Every runner gets tandem's chat-templated prompt ids (the
+GGUF's tokenizer is checked to give the same ids), greedy, the same EOS ids and max tokens, tandem's threads. Each
+binding mode is its own `Llama` over the same GGUF (the 1.5B's worker showed ~6.5 GB RSS with Q8_0 and a 0.5B draft:
+budget for it next to tandem's own target); each tool runs as its own process per prompt.
 
 GGUFs: `--llama-gguf` is a file, or `shipped` (the zoo model's GGUF as its PyPI packages ship it, e.g. Q4_K_M for
 the Qwen2.5-Coder models, joined and sha256-checked like `tandem models fetch`) or `q8_0` (a Q8_0 made from the shipped

@@ -127,7 +127,9 @@ class ToolRunner:
         self.system_info = self.system_info or system_info(done.stderr)
         timings = parse_timings(self.mode.mode, done.stderr)
         text, ended = generated_text(self.mode.mode, done.stdout, prompt)
-        out_ids = self.ids_of(text, ended or timings["tokens"] <= max_tokens, max_tokens)
+        # llama-completion marks an EOS stop; the speculative tools stop one round past max_tokens unless an EOS came first
+        stopped = ended if self.mode.mode == "cli" else timings["tokens"] <= max_tokens
+        out_ids = self.ids_of(text, stopped, max_tokens)
         return PeerOutput(out_ids, self.metrics(timings), count=timings["tokens"],
                           seconds=timings["prompt_s"] + timings["decode_s"])
 
