@@ -3,8 +3,8 @@ tandem/bench/llama_build.py): what a user of llama.cpp runs, not the Python bind
 
 Runners, each one tool process per prompt (greedy: `--temp 0`; the KV cache starts empty; tandem's threads):
   llama_cli                   `llama-completion -no-cnv`: plain decoding
-  llama_spec_dN_mM_pP         `llama-speculative-simple -md DRAFT --spec-draft-n-max N --spec-draft-n-min M
-                              --spec-draft-p-min P`: speculative decoding with a draft model, through common_speculative,
+  llama_spec_dN_mM_pP         `llama-speculative-simple --spec-type draft-simple -md DRAFT --spec-draft-n-max N
+                              --spec-draft-n-min M --spec-draft-p-min P` (without --spec-type it drafts nothing and exits): speculative decoding with a draft model, through common_speculative,
                               the code llama-server runs for `--model-draft` (`llama-speculative`, the older tree variant,
                               ignores the draft minimum and min probability)
   llama_lookup_dN             `llama-lookup --spec-draft-n-max N`: its n-gram cache (lookup decoding), no draft model
@@ -59,7 +59,7 @@ def command(tool: Path, mode: ToolMode, gguf: Path, draft: Path | None, prompt: 
         return cmd + ["-no-cnv", "--no-display-prompt"]
     cmd += ["--spec-draft-n-max", str(mode.draft_max)]
     if mode.mode == "spec":
-        cmd += ["-md", str(draft), "--spec-draft-n-min", str(mode.draft_min), "--spec-draft-p-min", f"{mode.p_min:g}",
+        cmd += ["--spec-type", "draft-simple", "-md", str(draft), "--spec-draft-n-min", str(mode.draft_min), "--spec-draft-p-min", f"{mode.p_min:g}",
                 "-td", str(threads), "-tbd", str(threads)]
     return cmd
 
@@ -75,7 +75,7 @@ def parse_timings(mode: str, log: str) -> dict:
     """{"prompt_s", "decode_s", "decode_tokens", "tokens", and for spec / lookup "drafted", "accepted"} from a tool's log."""
     if mode == "cli":
         prompt_ms, _ = _number(r"prompt eval time =\s*([\d.]+) ms /\s*(\d+) tokens", log, "prompt eval time")
-        eval_ms, runs = _number(r"(?m)^\w+:\s+eval time =\s*([\d.]+) ms /\s*(\d+) runs", log, "eval time")
+        eval_ms, runs = _number(r"\w+:\s+eval time =\s*([\d.]+) ms /\s*(\d+) runs", log, "eval time")
         # the first token comes from the prompt's logits; each later one is one eval run (the last, EOS or not, is not evaluated)
         return {"prompt_s": prompt_ms / 1e3, "decode_s": eval_ms / 1e3, "decode_tokens": int(runs), "tokens": int(runs) + 1}
     _, prompt_s = _number(r"encoded\s+(\d+) tokens in\s+([\d.]+) seconds", log, "'encoded' line")
@@ -87,8 +87,9 @@ def parse_timings(mode: str, log: str) -> dict:
 
 def generated_text(mode: str, stdout: str, prompt: str) -> tuple[str, bool]:
     """(the generated text, whether the tool printed its end-of-text marker) from a tool's stdout."""
-    if mode == "cli":
-        return (stdout[: -len(END_OF_TEXT)], True) if stdout.endswith(END_OF_TEXT) else (stdout, False)
+    if mode == "cli":  # llama-completion ends its stdout with "\n\n" whether or not it stopped at an EOS
+        text = stdout.removesuffix(TRAILER)
+        return (text[: -len(END_OF_TEXT)], True) if text.endswith(END_OF_TEXT) else (text, False)
     head = TRAILER + prompt
     if not stdout.startswith(head):
         raise RuntimeError(f"llama.cpp {TOOLS[mode]}: its output does not start with the prompt: {stdout[:120]!r}")
@@ -100,7 +101,7 @@ def generated_text(mode: str, stdout: str, prompt: str) -> tuple[str, bool]:
 
 def system_info(log: str) -> str:
     """The `system_info:` line every tool logs at start (the CPU features its ggml build uses)."""
-    found = re.search(r"^system_info: (.*)$", log, re.M)
+    found = re.search(r"system_info: (.*)$", log, re.M)  # log lines carry a time and level prefix: not anchored
     return found.group(1).strip() if found else ""
 
 

@@ -49,14 +49,14 @@ def fake_tools(tmp_path, monkeypatch):
 # What the fixtures' logs report (tests/bench/fake_llama_tools/TOOL.stderr): prompt and decode seconds, decode tokens,
 # tokens generated, drafted / accepted
 REAL = {
-    "cli": {"prompt_s": 0.4122, "decode_s": 1.16342, "decode_tokens": 23, "tokens": 24},
-    "spec": {"prompt_s": 0.401, "decode_s": 1.212, "decode_tokens": 25, "tokens": 25, "drafted": 30, "accepted": 19},
-    "lookup": {"prompt_s": 0.415, "decode_s": 0.955, "decode_tokens": 21, "tokens": 21, "drafted": 12, "accepted": 4},
+    "cli": {"prompt_s": 4.72738, "decode_s": 43.01105, "decode_tokens": 23, "tokens": 24},
+    "spec": {"prompt_s": 15.931, "decode_s": 31.145, "decode_tokens": 27, "tokens": 27, "drafted": 21, "accepted": 21},
+    "lookup": {"prompt_s": 4.355, "decode_s": 24.004, "decode_tokens": 25, "tokens": 25, "drafted": 24, "accepted": 1},
 }
 TEXT = {
-    "cli": ("Certainly! Below is a Python function that checks whether a given number is prime:\n\n```python\ndef", False),
-    "spec": ("Certainly! Below is a Python function that checks whether a given number is prime:\n\n```python\ndef is_prime", False),
-    "lookup": ("Here is a Python function that checks whether a number is prime.<|im_end|>", False),
+    "cli": ("Here's a Python function to check if a number is prime:\n\n```python\ndef is_prime(number):\n    \"\"\"\n   ", False),
+    "spec": ("Here's a Python function to check if a number is prime:\n\n```python\ndef is_prime(number):\n    \"\"\"\n    Check if a", False),
+    "lookup": ("Here's a Python function to check if a number is prime:\n\n```python\ndef is_prime(number):\n    \"\"\"\n    Check", False),
 }
 TOOL_OF = {"cli": "llama-completion", "spec": "llama-speculative-simple", "lookup": "llama-lookup"}
 
@@ -70,7 +70,7 @@ def test_each_tools_output_is_parsed(mode):
 
 
 def test_end_of_text_and_a_foreign_prompt_are_recognised():
-    assert generated_text("cli", "def f(): pass [end of text]\n", "P") == ("def f(): pass", True)
+    assert generated_text("cli", "def f(): pass [end of text]\n\n\n", "P") == ("def f(): pass", True)
     with pytest.raises(RuntimeError, match="does not start with the prompt"):
         generated_text("lookup", "\n\nOTHER PROMPT abc\n\n\n\n", "P")
     with pytest.raises(RuntimeError, match="no 'decoded' line"):
@@ -88,15 +88,15 @@ def test_runners_run_the_tools_on_tandems_prompt_ids(fake_tools, tmp_path):
     assert info["system_info"].startswith("n_threads = 2 (n_threads_batch = 2) / 2 | CPU : SSE3 = 1")
     assert info["tools"]["llama_spec_d8_m0_p0.75"] == {"tool": "llama-speculative-simple", "draft_max": 8, "draft_min": 0, "p_min": 0.75}
     spec = runners["llama_spec_d8_m0_p0.75"]([ids])[0]
-    assert (spec.count, spec.seconds) == (25, pytest.approx(0.401 + 1.212))  # the tool's own count and time
+    assert (spec.count, spec.seconds) == (27, pytest.approx(15.931 + 31.145))  # the tool's own count and time
     assert spec.token_ids == tokenizer.encode(TEXT["spec"][0])[:24]  # a round past max tokens: cut
-    assert spec.metrics == {"steps": 5, "drafted_tokens": 30, "accepted_tokens": 19, "draft_time_s": 0.0, "mean_draft_length": 6.0,
-                            "decode_tokens": 25, "decode_s": 1.212}
+    assert spec.metrics == {"steps": 5, "drafted_tokens": 21, "accepted_tokens": 21, "draft_time_s": 0.0, "mean_draft_length": 4.2,
+                            "decode_tokens": 27, "decode_s": 31.145}
     lookup = runners["llama_lookup_d8"]([ids])[0]
     assert lookup.token_ids == tokenizer.encode(TEXT["lookup"][0])[:24]  # bytes here, more of them than the tool's tokens
-    assert (lookup.count, lookup.metrics["steps"], lookup.metrics["accepted_tokens"]) == (21, 16, 4)
+    assert (lookup.count, lookup.metrics["steps"], lookup.metrics["accepted_tokens"]) == (25, 23, 1)
     cli = runners["llama_cli"]([ids])[0]
-    assert (cli.count, cli.metrics) == (24, {"decode_tokens": 23, "decode_s": pytest.approx(1.16342)})
+    assert (cli.count, cli.metrics) == (24, {"decode_tokens": 23, "decode_s": pytest.approx(43.01105)})
     argv = [json.loads(line) for line in (tmp_path / "argv.jsonl").read_text().splitlines()]
     tools = [a[0] for a in argv]
     assert tools == ["llama-tokenize", "llama-completion", "llama-completion", "llama-speculative-simple", "llama-lookup", "llama-completion"]
@@ -120,7 +120,7 @@ def test_commands_are_what_a_user_types():
     common = ["-m", "t.gguf", "-p", "P\n", "--no-escape", "-n", "128", "-c", "512", "-t", "2", "-tb", "2", "--temp", "0", "--seed", "0"]
     assert command(Path("/b/llama-completion"), ToolMode("cli"), **args) == ["/b/llama-completion", *common, "-no-cnv", "--no-display-prompt"]
     assert command(Path("/b/llama-speculative-simple"), spec, **args) == [
-        "/b/llama-speculative-simple", *common, "--spec-draft-n-max", "8", "-md", "d.gguf", "--spec-draft-n-min", "2",
+        "/b/llama-speculative-simple", *common, "--spec-draft-n-max", "8", "--spec-type", "draft-simple", "-md", "d.gguf", "--spec-draft-n-min", "2",
         "--spec-draft-p-min", "0.75", "-td", "2", "-tbd", "2"]
     assert command(Path("/b/llama-lookup"), ToolMode("lookup", draft_max=6), **args) == ["/b/llama-lookup", *common, "--spec-draft-n-max", "6"]
     assert (spec.name, ToolMode("lookup", 6).name, ToolMode("cli").name) == ("llama_spec_d8_m2_p0.75", "llama_lookup_d6", "llama_cli")

@@ -17,5 +17,5 @@ run() {  # run TOOL ARGS...: TOOL.stdout, TOOL.stderr, TOOL.prompt
   printf '%s' "$PROMPT" >"$HERE/$tool.prompt"
 }
 run llama-completion -no-cnv --no-display-prompt
-run llama-speculative-simple --spec-draft-n-max 8 -md "$GGUF" --spec-draft-n-min 0 --spec-draft-p-min 0.75 -td 2 -tbd 2
+run llama-speculative-simple --spec-type draft-simple --spec-draft-n-max 8 -md "$GGUF" --spec-draft-n-min 0 --spec-draft-p-min 0.75 -td 2 -tbd 2
 run llama-lookup --spec-draft-n-max 8

@@ -1,10 +1,9 @@
 """Stands in for llama.cpp's C++ tools in tests (tests/bench/test_llama_tools.py): `fake_tool.py TOOL ARGS...` prints
 TOOL's output as llama-cpp-python 0.3.36's llama.cpp prints it (TOOL.stdout and TOOL.stderr here; TOOL.prompt: the
 prompt of that output), with the prompt it is given (-p) in place of that one, and appends its argv as a JSON line to
-$FAKE_LLAMA_ARGV when set. The outputs follow the tools' format strings line by line (stdout: LOG, stderr: LOG_INF and
-llama_perf_context_print; examples/speculative-simple/speculative-simple.cpp, examples/lookup/lookup.cpp,
-tools/completion/completion.cpp, common/sampling.cpp common_perf_print); the build on the machine they were written on
-had not finished, so they are not yet a capture: `capture.sh` here replaces them with one from a build. `llama-tokenize` prints the byte values of its -p text
+$FAKE_LLAMA_ARGV when set. The outputs are real: captured by `capture.sh` here (2026-12-06, the 0.5B's shipped
+Q4_K_M GGUF as target and draft, 24 tokens, 2 threads, `nice -n 19` on a loaded 2-vCPU Zen 4: the rates are not figures).
+`llama-tokenize` prints the byte values of its -p text
 (the tests' byte tokenizer), shifted by one for a GGUF whose name contains "other" (another vocabulary). A GGUF whose
 name contains "broken" makes every tool fail as a tool does: a message on stderr, exit code 1. `--version` prints a
 build's version lines."""
