@@ -155,7 +155,7 @@ class ToolRunner:
 
 def llama_tokenize(tool: Path, gguf: Path, text: str) -> list[int]:
     """The GGUF's ids for `text` (special tokens parsed, as the generating tools parse their prompt)."""
-    done = subprocess.run([str(tool), "-m", str(gguf), "-p", text, "--no-escape", "--ids", "--parse-special", "--log-disable"],
+    done = subprocess.run([str(tool), "-m", str(gguf), "-p", text, "--no-escape", "--ids", "--log-disable"],
                           capture_output=True, text=True, errors="replace")
     if done.returncode != 0:
         raise RuntimeError(f"llama-tokenize exited {done.returncode}: {done.stderr.strip()[-400:]}")
