@@ -35,6 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
     _rl_command(sub)
     _simulate_command(sub)
     _calibrate_command(sub)
+    from tandem.bench.peers.llama_build import add_peers_command
+
+    add_peers_command(sub)
     return parser
 
 
@@ -195,17 +198,15 @@ def _bench_decode_command(bench) -> None:
     p.add_argument("--drafter-model", default=None)
     p.add_argument("--drafter-path", default=None, help="a head directory, or eagle=DIR,mtp=DIR")
     p.add_argument("--peers", default="", help="comma list: hf (HF transformers), ortg (onnxruntime-genai plain + n-gram), "
-                   "llama (llama.cpp plain + prompt lookup [+ draft model]); ortg and llama run in child processes")
+                   "llama (llama.cpp: --llama-modes); ortg and llama run in child processes")
+    p.add_argument("--rounds", type=int, default=1, help="passes over the prompts; each runner's rate per round and their spread")
     p.add_argument("--weights", default="fp32", choices=("fp32", "bf16", "int8", "int4"),
                    help="serve the base target with these weights: ar (and every runner without @W) is then that model")
     p.add_argument("--ortg-python", default=None, help="Python that has onnxruntime-genai (default: the peer harness's venv under $TANDEM_BENCH_CACHE)")
     p.add_argument("--ortg-model", default=None, help="onnxruntime-genai model dir (default: the peer harness's SmolLM2 fp32 export)")
-    p.add_argument("--llama-gguf", default="q8_0", help="llama.cpp's GGUF: a file, or shipped (the zoo's GGUF, e.g. Q4_K_M) / q8_0 "
-                   "(made from it), built on first use under $TANDEM_BENCH_CACHE/models/gguf_zoo")
-    p.add_argument("--llama-draft-gguf", default=None, help="a GGUF (file, or shipped / q8_0 of --drafter-model) for llama_draft, "
-                   "llama.cpp drafting --num-draft-tokens tokens with a smaller model; default: no llama_draft")
-    p.add_argument("--llama-pld-tokens", type=int, default=10, help="llama_pld's num_pred_tokens (default 10: llama-cpp-python's)")
-    p.add_argument("--llama-python", default=None, help="Python that has llama_cpp (default: the peer harness's venv under $TANDEM_BENCH_CACHE)")
+    from tandem.bench.peers.llama_peer import add_llama_options
+
+    add_llama_options(p)
     p.add_argument("--no-pack", action="store_true", help="don't prepack target weights (halves memory, slower)")
     p.add_argument("--compile", action="store_true", help="every runner on the compiled decode / verify forward (compiles each shape once)")
     p.add_argument("--tree", default=None, help="NODES,TOPK,DEPTH of the eagle_tree* drafters' dynamic trees (default 12,3,5)")
@@ -220,6 +221,7 @@ def _bench_decode(args) -> int:
     import torch
 
     from tandem.bench.speculation.decode import DecodeBenchConfig, run_decode_bench
+    from tandem.bench.peers.llama_peer import llama_options
 
     torch.set_num_threads(args.threads)
     config = DecodeBenchConfig(
@@ -228,8 +230,7 @@ def _bench_decode(args) -> int:
         num_draft_tokens=args.num_draft_tokens, adaptive_k=args.adaptive_k, drafter_model=args.drafter_model,
         drafter_path=args.drafter_path, peers=tuple(p for p in args.peers.split(",") if p), pack_weights=not args.no_pack,
         ortg_python=args.ortg_python, ortg_model=args.ortg_model, weights=args.weights,
-        llama_gguf=args.llama_gguf, llama_draft_gguf=args.llama_draft_gguf, llama_python=args.llama_python,
-        llama_pld_tokens=args.llama_pld_tokens,
+        rounds=args.rounds, **llama_options(args),
         compile=args.compile, tree=_int_triple(args.tree, "--tree"), min_confidence=args.min_confidence,
     )
     return _emit(run_decode_bench(config), args.json_out)

@@ -311,7 +311,7 @@ def live_engine(mode: str, target, heads: dict[str, EagleHead], setup: FlywheelS
 
 
 def demo_setup(min_confidence: float, trainer_process: bool | None = None) -> FlywheelSetup:
-    """DEFAULTS as `make demo` serves them live (and tandem.bench.flywheel_costs measures them): the prompt-lookup
+    """DEFAULTS as `make demo` serves them live (and tandem.bench.flywheel.flywheel_costs measures them): the prompt-lookup
     graft, the head's confidence cut (`min_confidence`), the trainer on a core of its own (in a child process
     when the machine has >= 2 cores, unless `trainer_process` says), and a version every 5 trainer steps (a
     short run's learning reaches serving sooner); the learning settings are the defaults."""

@@ -151,3 +151,32 @@ def test_tree_option_is_checked():
     assert main(["bench", "decode", "--tree", "3,3"]) == 1  # a clear error, before any model loads
     with pytest.raises(InvalidParameterError, match="TOPK"):
         DecodeBenchConfig(tree=(3, 0, 2))
+
+
+def test_rounds_give_each_rate_their_spread_and_the_load(tiny_llama, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps(x) for x in [{"domain": "code", "prompt": "abcabcabc abc"}, {"domain": "sql", "prompt": "from x from"}]))
+    out = tmp_path / "out.json"
+    assert main(["bench", "decode", "--model", tiny_llama, "--drafters", "ar,ngram", "--prompts", str(prompts), "--max-tokens", "6",
+                 "--rounds", "3", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    ngram = result["drafters"]["ngram"]
+    assert ngram["overall"]["requests"] == 6 and ngram["overall"]["tokens"] == 36  # 2 prompts x 3 rounds x 6 tokens
+    assert len(ngram["rounds"]) == 3 and [r["speedup_vs_ar"] for r in result["drafters"]["ar"]["rounds"]] == [1.0, 1.0, 1.0]
+    rates = [r["tokens_per_s"] for r in ngram["rounds"]]
+    assert ngram["spread"]["tokens_per_s"] == [min(rates), max(rates)]
+    assert len(result["load_average"]["rounds"]) == 3 and len(result["load_average"]["end"]) == 3
+    assert main(["bench", "decode", "--rounds", "0"]) == 1  # a clear error, before any model loads
+
+
+def test_engine_timed_outputs_count_their_own_tokens_and_seconds():
+    from tandem.bench.speculation.decode import Tally, batch_seconds
+    from tandem.bench.peers.peers import PeerOutput
+
+    timed = [PeerOutput([1, 2], count=5, seconds=0.5, metrics={"decode_tokens": 4, "decode_s": 0.25}), PeerOutput([3], count=3, seconds=1.5)]
+    assert batch_seconds(timed, wall=9.0) == 2.0  # the tools' own times: process start and model load left out
+    assert batch_seconds([PeerOutput([1]), timed[0]], wall=9.0) == 9.0  # one output without its own time: the wall clock
+    tally = Tally()
+    tally.add(timed[0], 0.5, None)
+    summary = tally.summary(None)
+    assert (summary["tokens"], summary["tokens_per_s"], summary["decode_tokens_per_s"]) == (5, 10.0, 16.0)

@@ -190,7 +190,7 @@ def test_cli_says_what_the_llama_peer_lacks(tmp_path, capsys):
     gguf = tmp_path / "t.gguf"
     gguf.write_bytes(b"GGUF")
     assert main(["bench", "decode", "--model", str(tmp_path / "no-model"), "--peers", "llama", "--llama-gguf", str(gguf),
-                 "--llama-python", str(tmp_path / "nope")]) == 1  # before the (missing) target is looked up
+                 "--llama-modes", "plain,pld", "--llama-python", str(tmp_path / "nope")]) == 1  # before the (missing) target is looked up
     assert "setup_env.sh venv" in capsys.readouterr().err
     assert main(["bench", "decode", "--peers", "llama", "--llama-gguf", str(tmp_path / "missing.gguf")]) == 1
     assert "no GGUF file at" in capsys.readouterr().err

@@ -1,11 +1,17 @@
-"""llama.cpp as a peer of `tandem bench decode` (`--peers llama`): llama-cpp-python in a child process of the peer
-harness's venv (tandem/bench/peers/llama_worker.py), interleaved prompt by prompt with tandem's runners.
+"""llama.cpp as a peer of `tandem bench decode` (`--peers llama`), interleaved prompt by prompt with tandem's runners,
+in two forms chosen by --llama-modes:
 
-Runners: `llama` (plain), `llama_pld` (its LlamaPromptLookupDecoding: 2-grams, --llama-pld-tokens tokens, 10 by default,
-the library's defaults) and `llama_draft` (a smaller GGUF drafting --num-draft-tokens tokens, tandem's k) when a draft
-GGUF is named. Every runner gets tandem's chat-templated prompt ids (the GGUF's tokenizer is checked to give the same
-ids), greedy, the same EOS ids and max tokens, tandem's threads. Each mode is its own `Llama` over the same GGUF
-(the 1.5B's worker showed ~6.5 GB RSS with Q8_0 and a 0.5B draft: budget for it next to tandem's own target).
+* llama.cpp's own C++ tools (modes `cli`, `spec`, `lookup`; by default cli, lookup and, with a draft GGUF, spec),
+  built for this CPU by `tandem peers setup llama-cpp`: runners `llama_cli` (plain), `llama_spec_d*` (a draft model,
+  one runner per --llama-spec setting) and `llama_lookup_d*` (its n-gram cache); tandem/bench/peers/llama_tools.py.
+* llama-cpp-python in a child process of the peer harness's venv (tandem/bench/peers/llama_worker.py; modes `plain`, `pld`,
+  `draft`): runners `llama` (plain), `llama_pld` (its LlamaPromptLookupDecoding: 2-grams, --llama-pld-tokens tokens, 10
+  by default, the library's defaults) and `llama_draft` (a smaller GGUF drafting --num-draft-tokens tokens, tandem's k).
+
+`spec` and `draft` need a draft GGUF (--llama-draft-gguf). Every runner gets tandem's chat-templated prompt ids (the
+GGUF's tokenizer is checked to give the same ids), greedy, the same EOS ids and max tokens, tandem's threads. Each
+binding mode is its own `Llama` over the same GGUF (the 1.5B's worker showed ~6.5 GB RSS with Q8_0 and a 0.5B draft:
+budget for it next to tandem's own target); each tool runs as its own process per prompt.
 
 GGUFs: `--llama-gguf` is a file, or `shipped` (the zoo model's GGUF as its PyPI packages ship it, e.g. Q4_K_M for
 the Qwen2.5-Coder models, joined and sha256-checked like `tandem models fetch`) or `q8_0` (a Q8_0 made from the shipped
@@ -23,6 +29,8 @@ from tandem.bench.peers.peers import PeerOutput, WorkerPeer, peer_cache
 from tandem.errors import InvalidParameterError
 
 SETUP = "../shared/peers/setup_env.sh venv"
+TOOL_MODES = ("cli", "spec", "lookup")  # llama.cpp's C++ tools (tandem/bench/peers/llama_tools.py)
+BINDING_MODES = {"plain": "llama", "pld": "llama_pld", "draft": "llama_draft"}  # llama-cpp-python: mode -> runner
 BUILT = ("shipped", "q8_0")  # GGUF specs built from a zoo model; anything else is a path
 WEIGHTS_OF = {"Q8_0": "int8", "Q4_0": "int4", "Q4_1": "int4", "Q4_K_S": "int4", "Q4_K_M": "int4", "BF16": "bf16", "F32": "fp32"}
 PROBE = "def add(a, b):\n    return a + b  # sum, über alles: SELECT * FROM t;"  # vocabulary check
@@ -38,6 +46,65 @@ def llama_python(python: str | None) -> Path:
         raise InvalidParameterError(f"--peers llama: {py} cannot import llama_cpp ({probe.stderr.strip()[-200:]}); "
                                     f"build it with `{SETUP}` (or pass --llama-python)")
     return py
+
+
+def add_llama_options(p) -> None:
+    """`tandem bench decode`'s --llama-* flags."""
+    p.add_argument("--llama-modes", default="", help="llama.cpp's C++ tools (`tandem peers setup llama-cpp`): cli (plain), spec "
+                   "(draft model; needs --llama-draft-gguf), lookup; llama-cpp-python: plain, pld, draft. Default: cli,lookup "
+                   "and spec with a draft GGUF")
+    p.add_argument("--llama-spec", default="8:0:0.75", help="spec runners, comma list of DRAFT_MAX:DRAFT_MIN:P_MIN (llama.cpp's --spec-draft-*)")
+    p.add_argument("--llama-lookup", default="8", help="lookup runners, comma list of draft lengths (--spec-draft-n-max)")
+    p.add_argument("--llama-gguf", default="q8_0", help="llama.cpp's GGUF: a file, or shipped (the zoo's GGUF, e.g. Q4_K_M) / q8_0 "
+                   "(made from it), built on first use under $TANDEM_BENCH_CACHE/models/gguf_zoo")
+    p.add_argument("--llama-draft-gguf", default=None, help="a GGUF (file, or shipped / q8_0 of --drafter-model) for llama_spec_* "
+                   "and llama_draft, llama.cpp drafting with a smaller model; default: none")
+    p.add_argument("--llama-pld-tokens", type=int, default=10, help="llama_pld's num_pred_tokens (default 10: llama-cpp-python's)")
+    p.add_argument("--llama-python", default=None, help="Python that has llama_cpp (default: the peer harness's venv under $TANDEM_BENCH_CACHE)")
+
+
+def llama_options(args) -> dict:
+    """DecodeBenchConfig's llama_* fields from the flags of add_llama_options."""
+    try:
+        spec = tuple((int(a), int(b), float(c)) for a, b, c in (item.split(":") for item in args.llama_spec.split(",") if item))
+        lookup = tuple(int(n) for n in args.llama_lookup.split(",") if n)
+    except ValueError:
+        raise InvalidParameterError(f"--llama-spec takes DRAFT_MAX:DRAFT_MIN:P_MIN items (e.g. 8:0:0.75,16:2:0.5), --llama-lookup "
+                                    f"integers; got {args.llama_spec!r}, {args.llama_lookup!r}") from None
+    return {"llama_gguf": args.llama_gguf, "llama_draft_gguf": args.llama_draft_gguf, "llama_python": args.llama_python,
+            "llama_pld_tokens": args.llama_pld_tokens, "llama_modes": tuple(m for m in args.llama_modes.split(",") if m),
+            "llama_spec": spec, "llama_lookup": lookup}
+
+
+def check_modes(config) -> None:
+    """--llama-modes and the tool settings, before any model loads."""
+    unknown = set(modes_of(config)) - set(TOOL_MODES) - set(BINDING_MODES)
+    if unknown:
+        raise InvalidParameterError(f"--llama-modes: unknown {sorted(unknown)}; choose from {TOOL_MODES + tuple(BINDING_MODES)}")
+    if {"spec", "draft"} & set(modes_of(config)) and not config.llama_draft_gguf:
+        raise InvalidParameterError("--llama-modes spec / draft need a draft model: --llama-draft-gguf (and --drafter-model for shipped / q8_0)")
+    for n_max, n_min, p_min in config.llama_spec:
+        if not (n_max >= 1 and 0 <= n_min <= n_max and 0.0 <= p_min <= 1.0):
+            raise InvalidParameterError(f"--llama-spec {n_max}:{n_min}:{p_min}: needs draft max >= 1, 0 <= draft min <= max, 0 <= p min <= 1")
+    if not config.llama_spec or not config.llama_lookup or min(config.llama_lookup) < 1:
+        raise InvalidParameterError(f"--llama-spec and --llama-lookup need at least one setting, lookup lengths >= 1; got {config.llama_lookup}")
+
+
+def modes_of(config) -> tuple[str, ...]:
+    """--llama-modes, or by default the C++ tools: cli, lookup and (with a draft GGUF) spec."""
+    return config.llama_modes or (("cli", "spec", "lookup") if config.llama_draft_gguf else ("cli", "lookup"))
+
+
+def check_peer_set_up(config) -> None:
+    """The binding's venv (its modes) and the C++ tools (theirs) are there; else an error naming the set-up command."""
+    from tandem.bench.peers import llama_build
+    from tandem.bench.peers.llama_tools import TOOLS
+
+    if set(BINDING_MODES) & set(modes_of(config)):
+        llama_python(config.llama_python)
+    tools = [TOOLS[m] for m in TOOL_MODES if m in modes_of(config)]
+    for name in tools + (["llama-tokenize"] if tools else []):
+        llama_build.tool(name)
 
 
 def gguf_dir() -> Path:
@@ -59,8 +126,9 @@ def gguf_path(spec: str, model: str | None, flag: str) -> Path:
     return gguf_dir() / (f"{model}.gguf" if spec.lower() == "shipped" else f"{model}.Q8_0.gguf")
 
 
-def ensure_gguf(spec: str, model: str | None, flag: str, python: Path, threads: int) -> Path:
-    """gguf_path(), building a missing shipped / q8_0 GGUF: the zoo's packages joined and checked, then quantized."""
+def ensure_gguf(spec: str, model: str | None, flag: str, python: Path | None, threads: int) -> Path:
+    """gguf_path(), building a missing shipped / q8_0 GGUF: the zoo's packages joined and checked, then quantized (by
+    llama.cpp's llama-quantize where the tools are built, else the binding's quantizer in `python`)."""
     path = gguf_path(spec, model, flag)
     if path.is_file():
         return path
@@ -69,14 +137,21 @@ def ensure_gguf(spec: str, model: str | None, flag: str, python: Path, threads: 
         _join_shipped(model, shipped)
     if path != shipped:
         tmp = path.with_suffix(".part")
-        worker = Path(__file__).with_name("llama_worker.py")
-        done = subprocess.run([str(python), str(worker), "--quantize", str(shipped), str(tmp), "--threads", str(threads)],
-                              capture_output=True, text=True)
+        done = subprocess.run(_quantize_command(shipped, tmp, python, threads), capture_output=True, text=True)
         if done.returncode != 0 or not tmp.is_file():
             tmp.unlink(missing_ok=True)
             raise InvalidParameterError(f"{flag}: quantizing {shipped} to Q8_0 failed (exit {done.returncode}): {done.stderr.strip()[-400:]}")
         tmp.rename(path)
     return path
+
+
+def _quantize_command(src: Path, dst: Path, python: Path | None, threads: int) -> list[str]:
+    from tandem.bench.peers import llama_build
+
+    quantize = llama_build.bin_dir() / "llama-quantize"
+    if quantize.is_file() or python is None:
+        return [str(llama_build.tool("llama-quantize")), "--allow-requantize", str(src), str(dst), "Q8_0", str(threads)]
+    return [str(python), str(Path(__file__).with_name("llama_worker.py")), "--quantize", str(src), str(dst), "--threads", str(threads)]
 
 
 def _join_shipped(model: str, out: Path) -> None:
@@ -138,30 +213,54 @@ def check_same_tokens(peer: LlamaPeer, tokenizer, eos: list[int]) -> None:
 
 
 def llama_runners(base, config, token_ids: list[list[int]]) -> tuple[dict, dict]:
-    """`llama`, `llama_pld` (and `llama_draft`) over one child process, batch 1; and what was run (for the result)."""
+    """The runners of --llama-modes, batch 1, and what was run (for the result: versions, GGUFs and their bits per
+    weight, settings, the tools' system info)."""
     import torch
 
+    from tandem.bench.peers.bits import gguf_bits
+
     if config.batch_size != 1:
-        raise InvalidParameterError("--peers llama needs --batch-size 1 (llama-cpp-python decodes one sequence)")
+        raise InvalidParameterError("--peers llama needs --batch-size 1 (llama.cpp decodes one sequence here)")
     threads = torch.get_num_threads()
-    python = llama_python(config.llama_python)
+    modes = modes_of(config)
+    binding = [m for m in modes if m in BINDING_MODES]
+    python = llama_python(config.llama_python) if binding else None
     gguf = ensure_gguf(config.llama_gguf, config.model, "--llama-gguf", python, threads)
     draft = None
-    if config.llama_draft_gguf:
+    if config.llama_draft_gguf and {"spec", "draft"} & set(modes_of(config)):
         draft = ensure_gguf(config.llama_draft_gguf, config.drafter_model, "--llama-draft-gguf", python, threads)
     eos = sorted(base.target.cfg.eos_token_ids)
-    n_ctx = context_size(token_ids, config.max_tokens, max(config.num_draft_tokens, config.llama_pld_tokens))
-    peer = LlamaPeer(python, gguf, threads, eos, n_ctx, config.llama_pld_tokens, draft, config.num_draft_tokens)
+    longest = max([config.num_draft_tokens, config.llama_pld_tokens, *config.llama_lookup] + [s[0] for s in config.llama_spec])
+    n_ctx = context_size(token_ids, config.max_tokens, longest)
+    bits = gguf_bits(gguf)
+    info = {"gguf": str(gguf), "file_type": bits["file_type"], "weights": WEIGHTS_OF.get(bits["file_type"]), "bits_per_weight": bits,
+            "n_ctx": n_ctx, "threads": threads, "modes": list(modes)}
+    if draft:
+        info["draft"] = {"gguf": str(draft), "bits_per_weight": gguf_bits(draft)}
+    runners = {}
+    if binding:
+        runners |= _binding_runners(config, python, gguf, draft, eos, n_ctx, threads, binding, base.tokenizer, info)
+    tool_modes = [m for m in modes if m in TOOL_MODES]
+    if tool_modes:
+        from tandem.bench.peers.llama_tools import tool_runners
+
+        runners |= tool_runners(config, gguf, draft, eos, n_ctx, threads, tool_modes, base.tokenizer, token_ids, info)
+    return runners, info
+
+
+def _binding_runners(config, python: Path, gguf: Path, draft: Path | None, eos: list[int], n_ctx: int, threads: int,
+                     modes: list[str], tokenizer, info: dict) -> dict:
+    """llama-cpp-python's modes over one child process; its version, file type and system info go into `info`."""
+    peer = LlamaPeer(python, gguf, threads, eos, n_ctx, config.llama_pld_tokens, draft if "draft" in modes else None,
+                     config.num_draft_tokens)
     atexit.register(peer.close)
-    check_same_tokens(peer, base.tokenizer, eos)
+    check_same_tokens(peer, tokenizer, eos)
 
     def runner(mode: str):
         return lambda batch: [peer.generate(ids, config.max_tokens, mode) for ids in batch]
 
-    runners = {"llama": runner("plain"), "llama_pld": runner("pld")} | ({"llama_draft": runner("draft")} if draft else {})
-    info = {"version": peer.ready["ready"], "gguf": str(gguf), "file_type": peer.ready["file_type"],
-            "weights": WEIGHTS_OF.get(peer.ready["file_type"]), "n_ctx": n_ctx, "threads": threads,
-            "pld": {"num_pred_tokens": config.llama_pld_tokens, "max_ngram_size": 2},
-            "draft": {"gguf": str(draft), "file_type": peer.ready.get("draft_file_type"), "draft_tokens": config.num_draft_tokens} if draft else None,
-            "system_info": peer.ready["system_info"]}
-    return runners, info
+    info["binding"] = {"version": peer.ready["ready"], "file_type": peer.ready["file_type"], "weights": WEIGHTS_OF.get(peer.ready["file_type"]),
+                       "pld": {"num_pred_tokens": config.llama_pld_tokens, "max_ngram_size": 2},
+                       "draft_tokens": config.num_draft_tokens if "draft" in modes else None,
+                       "system_info": peer.ready["system_info"]}
+    return {BINDING_MODES[m]: runner(m) for m in modes if m != "draft" or draft}

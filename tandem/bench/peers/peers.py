@@ -40,6 +40,8 @@ def hf_modes(base, config) -> dict[str, dict]:
 class PeerOutput:
     token_ids: list[int]
     metrics: dict | None = None  # HF reports no speculation metrics
+    count: int | None = None  # tokens generated, where the engine counts them itself (token_ids then recovered from its text)
+    seconds: float | None = None  # the engine's own time for the request (prefill + decoding), where the wall clock holds more
 
 
 def hf_runners(base, config) -> dict:

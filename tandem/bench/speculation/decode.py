@@ -16,6 +16,7 @@ the runner at its GGUF's bits, e.g. `ar@int8` for Q8_0, where there is one). Acr
 """
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import asdict, dataclass
 
@@ -51,12 +52,16 @@ class DecodeBenchConfig:
     compile: bool = False  # every engine on the compiled decode / verify forward (tandem.models.compiled)
     tree: tuple[int, int, int] | None = None  # dynamic trees (eagle_tree*): (max_nodes, topk, depth); None: the drafter's default
     min_confidence: float | None = None  # eagle chains: path-confidence cut-off (None: the drafter's default)
+    rounds: int = 1  # passes over the prompts, each interleaved; the summaries give every round's rate and their spread
+    llama_modes: tuple[str, ...] = ()  # C++ tools and / or the binding (tandem.bench.peers.llama_peer); () = cli, lookup (+ spec with a draft GGUF)
+    llama_spec: tuple[tuple[int, int, float], ...] = ((8, 0, 0.75),)  # llama_spec runners: (draft max, draft min, p min)
+    llama_lookup: tuple[int, ...] = (8,)  # llama_lookup runners: draft max (its n-gram cache drafts up to this many)
 
     def __post_init__(self) -> None:
         if "ar" not in self.drafters:
             raise InvalidParameterError("--drafters must include 'ar' (the baseline every speedup is measured against)")
-        if self.batch_size < 1 or self.max_tokens < 1:
-            raise InvalidParameterError("batch_size and max_tokens must be >= 1")
+        if self.batch_size < 1 or self.max_tokens < 1 or self.rounds < 1:
+            raise InvalidParameterError("batch_size, max_tokens and rounds must be >= 1")
         for name in self.drafters:
             if "@" in name and name.split("@", 1)[1] not in WEIGHT_SUFFIXES:
                 raise InvalidParameterError(f"runner {name!r}: the part after '@' must be one of {WEIGHT_SUFFIXES}")
@@ -75,11 +80,12 @@ class DecodeBenchConfig:
         if self.llama_pld_tokens < 1:
             raise InvalidParameterError(f"--llama-pld-tokens must be >= 1, got {self.llama_pld_tokens}")
         if "llama" in self.peers:  # a missing GGUF file or a spec without a zoo model fails here, before any model loads
-            from tandem.bench.peers.llama_peer import gguf_path
+            from tandem.bench.peers.llama_peer import check_modes, gguf_path
 
             gguf_path(self.llama_gguf, self.model, "--llama-gguf")
             if self.llama_draft_gguf:
                 gguf_path(self.llama_draft_gguf, self.drafter_model, "--llama-draft-gguf (of --drafter-model)")
+            check_modes(self)
 
 
 PEERS = ("hf", "ortg", "llama")
@@ -101,27 +107,32 @@ class Tally:
     accepted: int = 0
     draft_s: float = 0.0
     draft_len_sum: float = 0.0
+    decode_tokens: int = 0  # engines that time their decoding apart from prefill (llama.cpp's tools) say so in metrics
+    decode_s: float = 0.0
     matches: bool = True
     compared: int = 0  # requests with a reference output
     matched: int = 0  # of those, equal to it
 
     def add(self, out, seconds: float, reference: list[int] | None) -> None:
-        m = out.metrics or EMPTY_METRICS
+        m = EMPTY_METRICS | (out.metrics or {})
         self.requests += 1
-        self.tokens += len(out.token_ids)
+        self.tokens += generated(out)
         self.seconds += seconds
         self.steps += m["steps"]
         self.drafted += m["drafted_tokens"]
         self.accepted += m["accepted_tokens"]
         self.draft_s += m["draft_time_s"]
         self.draft_len_sum += m["mean_draft_length"] * m["steps"]
+        self.decode_tokens += m.get("decode_tokens", 0)
+        self.decode_s += m.get("decode_s", 0.0)
         if reference is not None:
             self.compared += 1
             self.matched += out.token_ids == reference
             self.matches &= out.token_ids == reference
 
     def merge(self, other: "Tally") -> None:
-        for name in ("requests", "tokens", "seconds", "steps", "drafted", "accepted", "draft_s", "draft_len_sum", "compared", "matched"):
+        for name in ("requests", "tokens", "seconds", "steps", "drafted", "accepted", "draft_s", "draft_len_sum", "compared", "matched",
+                     "decode_tokens", "decode_s"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.matches &= other.matches
 
@@ -141,19 +152,33 @@ class Tally:
             "greedy_matches_ar": self.matches,
             "greedy_match_share": round(self.matched / self.compared, 3) if self.compared else None,
         }
+        if self.decode_s:
+            out["decode_tokens_per_s"] = round(self.decode_tokens / self.decode_s, 3)  # prefill left out
         if ar is not None and ar.rate:
             out["speedup_vs_ar"] = round(self.rate / ar.rate, 3)
         return out
+
+
+def generated(out) -> int:
+    """Tokens a runner generated: its own count where it gives one (a tool that prints text), else its ids."""
+    return len(out.token_ids) if getattr(out, "count", None) is None else out.count
+
+
+def batch_seconds(outputs, wall: float) -> float:
+    """The batch's time: the wall clock, or the sum of the engine's own timings where every output carries one (a tool
+    started per request, whose process start and model load are not decoding)."""
+    own = [getattr(o, "seconds", None) for o in outputs]
+    return wall if None in own else sum(own)
 
 
 def run_decode_bench(config: DecodeBenchConfig) -> dict:
     """Every runner (tandem drafters, then the peers) decodes each prompt batch in turn, interleaved."""
     from tandem.llm import LLM
 
-    if "llama" in config.peers:  # no peer venv: say so before the target loads
-        from tandem.bench.peers.llama_peer import llama_python
+    if "llama" in config.peers:  # no peer venv or no built tools: say so before the target loads
+        from tandem.bench.peers.llama_peer import check_peer_set_up
 
-        llama_python(config.llama_python)
+        check_peer_set_up(config)
     base = LLM(model=config.model, max_batch_size=config.batch_size, pack_weights=config.pack_weights, compile=config.compile,
                weights=config.weights)
     prompts = _prompts(config)
@@ -175,25 +200,48 @@ def run_decode_bench(config: DecodeBenchConfig) -> dict:
         from tandem.bench.peers.llama_peer import llama_runners
 
         llama, peer_info["llama"] = llama_runners(base, config, token_ids)
+        peer_info["llama"]["runners"] = list(llama)
         runners |= llama
-        reference_of |= dict.fromkeys(llama, _reference_at(peer_info["llama"]["weights"], config))
-        peer_info["llama"]["reference"] = reference_of["llama"]
+        peer_info["llama"]["reference"] = _reference_at(peer_info["llama"]["weights"], config)
+        reference_of |= dict.fromkeys(llama, peer_info["llama"]["reference"])
     for run in runners.values():
         run([token_ids[0][:16]])  # warm-up
+    rounds = [_run_round(runners, prompts, token_ids, config.batch_size, reference_of, r) for r in range(config.rounds)]
+    result = {"config": asdict(config), "machine": machine_info(), "num_prompts": len(prompts), "drafters": _summaries(rounds),
+              "load_average": {"rounds": [r["load_average"] for r in rounds], "end": list(os.getloadavg())},
+              "bits_per_weight": _bits_per_runner(targets, order, peer_info.get("llama"))}
+    return result | ({"peers": peer_info} if peer_info else {})
+
+
+def _run_round(runners: dict, prompts: list[Prompt], token_ids: list[list[int]], batch_size: int, reference_of: dict, r: int) -> dict:
+    """One pass over the prompts, every runner on each batch in turn: {"load_average": at its start, "tallies": per runner
+    and domain}."""
+    load = list(os.getloadavg())
     tallies: dict[str, dict[str, Tally]] = {name: {} for name in runners}
-    for start in tqdm(range(0, len(prompts), config.batch_size), desc="bench decode", unit="batch"):
-        batch = list(range(start, min(start + config.batch_size, len(prompts))))
+    for start in tqdm(range(0, len(prompts), batch_size), desc=f"bench decode, round {r + 1}", unit="batch"):
+        batch = list(range(start, min(start + batch_size, len(prompts))))
         references: dict[str, list] = {}
         for name, run in runners.items():  # "ar" and "ar@W" first: the references for greedy identity
             t = time.perf_counter()
             outputs = run([token_ids[i] for i in batch])
-            seconds = time.perf_counter() - t
+            seconds = batch_seconds(outputs, time.perf_counter() - t)
             plain = reference_of.get(name) or (f"ar@{_weights_of(name)}" if "@" in name else "ar")
             if name == plain:
                 references[plain] = [o.token_ids for o in outputs]
             _tally(tallies[name], [prompts[i].domain for i in batch], outputs, seconds, None if name == plain else references[plain])
-    result = {"config": asdict(config), "machine": machine_info(), "num_prompts": len(prompts), "drafters": _summaries(tallies)}
-    return result | ({"peers": peer_info} if peer_info else {})
+    return {"load_average": load, "tallies": tallies}
+
+
+def _bits_per_runner(targets: dict, tandem_runners: list[str], llama: dict | None) -> dict:
+    """Bits per weight of the target each runner decodes (blocks, LM head, embeddings; llama.cpp's draft model too)."""
+    from tandem.bench.peers.bits import model_bits
+
+    bits = {name: {"target": model_bits(targets[_weights_of(name)].target)} for name in tandem_runners}
+    if llama:
+        for name in llama.get("runners", []):
+            draft = llama.get("draft") if ("spec" in name or name == "llama_draft") else None
+            bits[name] = {"target": llama["bits_per_weight"]} | ({"draft": draft["bits_per_weight"]} if draft else {})
+    return bits
 
 
 def _reference_at(weights: str | None, config: DecodeBenchConfig) -> str:
@@ -241,9 +289,9 @@ def drafter_path_for(name: str, spec: str | None) -> str | None:
 
 def _tally(per_domain: dict, domains: list[str], outputs, seconds: float, reference) -> None:
     """Split a batch's wall time over its requests by token share, then add each to its domain."""
-    total = sum(len(o.token_ids) for o in outputs) or 1
+    total = sum(generated(o) for o in outputs) or 1
     for i, (domain, out) in enumerate(zip(domains, outputs)):
-        share = seconds * len(out.token_ids) / total
+        share = seconds * generated(out) / total
         per_domain.setdefault(domain, Tally()).add(out, share, None if reference is None else reference[i])
 
 
@@ -254,13 +302,22 @@ def _overall(per_domain: dict[str, Tally]) -> Tally:
     return total
 
 
-def _summaries(tallies: dict[str, dict[str, Tally]]) -> dict:
+def _summaries(rounds: list[dict]) -> dict:
+    """Per runner: the summary over all rounds (overall and per domain) and each round's rate and speedup, with their
+    spread (min, max) when there is more than one round."""
+    tallies = {name: {} for name in rounds[0]["tallies"]}
+    for r in rounds:
+        for name, per_domain in r["tallies"].items():
+            for domain, tally in per_domain.items():
+                tallies[name].setdefault(domain, Tally()).merge(tally)
     ar_domains = tallies["ar"]
     ar_overall = _overall(ar_domains)
-    return {
-        name: {
-            "overall": _overall(per_domain).summary(ar_overall),
-            "per_domain": {d: t.summary(ar_domains.get(d)) for d, t in sorted(per_domain.items())},
-        }
-        for name, per_domain in tallies.items()
-    }
+    out = {}
+    for name, per_domain in tallies.items():
+        per_round = [_overall(r["tallies"][name]).summary(_overall(r["tallies"]["ar"])) for r in rounds]
+        out[name] = {"overall": _overall(per_domain).summary(ar_overall),
+                     "per_domain": {d: t.summary(ar_domains.get(d)) for d, t in sorted(per_domain.items())}}
+        if len(rounds) > 1:
+            out[name]["rounds"] = [{k: s.get(k) for k in ("tokens_per_s", "speedup_vs_ar")} for s in per_round]
+            out[name]["spread"] = {k: [min(s[k] for s in per_round), max(s[k] for s in per_round)] for k in ("tokens_per_s", "speedup_vs_ar")}
+    return out
