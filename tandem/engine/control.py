@@ -173,17 +173,17 @@ class SpeculationController:
         """A chain at the per-depth acceptance measured so far, on the share of drafts that come back non-empty."""
         return 1 + self.fill * (expected_tokens_per_step(self.global_alphas, min(budget, self.max_k)) - 1)
 
-    def _yield(self, budget: int) -> float:
-        return self.yielded.get(budget, float(budget))
-
     def _depth_of(self, budget: int) -> int:
         return int(self.depths[np.searchsorted(self.budgets, budget)]) if budget else 0
 
-    def _price(self, choice: np.ndarray, emitted: np.ndarray, context: int) -> tuple[float, float]:
+    def _yields(self) -> np.ndarray:  # [S]: nodes each shape was measured to yield (its budget until measured)
+        return np.array([self.yielded.get(int(b), float(b)) for b in self.budgets])
+
+    def _price(self, choice: np.ndarray, emitted: np.ndarray, context: int, yields: np.ndarray | None = None) -> tuple[float, float]:
         """(tokens emitted, seconds) of the step where row r drafts shape choice[r] (0 = plain)."""
         batch = len(choice)
         tokens = float(emitted[np.arange(batch), choice].sum())
-        nodes = np.array([self._yield(int(b)) for b in self.budgets])[choice]
+        nodes = (self._yields() if yields is None else yields)[choice]
         drafting = choice > 0
         verified = batch + nodes.sum() if self.ragged else batch * (1 + nodes.max(initial=0.0))
         seconds = self.forward.predict_total(batch, verified, context)
@@ -195,10 +195,10 @@ class SpeculationController:
         """The plan with the highest predicted tokens per second among those where some row drafts (see the module
         docstring; whether it beats plain is _decide's call); every row at the shape nearest 3 nodes if none drafts."""
         batch = emitted.shape[0]
+        nodes = self._yields()
         best = np.full(batch, int(np.argmin(np.abs(self.budgets[1:] - 3))) + 1)
-        tokens, seconds = self._price(best, emitted, context)
+        tokens, seconds = self._price(best, emitted, context, nodes)
         best_rate = tokens / seconds
-        nodes = np.array([self._yield(int(b)) for b in self.budgets])
         cost = self.draft.current
         for cap in sorted(set(self.depths[1:].tolist())):
             allowed = self.depths <= cap
@@ -208,7 +208,7 @@ class SpeculationController:
                 marginal = nodes * (slope + cost.per_node_s) + np.where(self.budgets > 0, cost.per_sequence_s, 0.0)
                 score = np.where(allowed, emitted - rate * marginal, -np.inf)
                 choice = score.argmax(axis=1)
-                tokens, seconds = self._price(choice, emitted, context)
+                tokens, seconds = self._price(choice, emitted, context, nodes)
                 rate, verified = tokens / seconds, float(batch + nodes[choice].sum())
                 if rate > best_rate and choice.any():
                     best, best_rate = choice, rate
