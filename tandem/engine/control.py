@@ -196,20 +196,25 @@ class SpeculationController:
         docstring; whether it beats plain is _decide's call); every row at the shape nearest 3 nodes if none drafts."""
         batch = emitted.shape[0]
         nodes = self._yields()
+        if batch == 1:  # one row: price every shape directly
+            rates = [tokens / seconds for tokens, seconds in (self._price(np.array([j]), emitted, context, nodes) for j in range(1, len(nodes)))]
+            return np.array([1 + int(np.argmax(rates))])
         best = np.full(batch, int(np.argmin(np.abs(self.budgets[1:] - 3))) + 1)
         tokens, seconds = self._price(best, emitted, context, nodes)
         best_rate = tokens / seconds
         cost = self.draft.current
         for cap in sorted(set(self.depths[1:].tolist())):
             allowed = self.depths <= cap
-            rate, verified = best_rate, float(batch)
+            rate, verified, last = best_rate, float(batch), None
             for _ in range(ROUNDS):
                 slope = self._verify_slope(batch, verified, context)
                 marginal = nodes * (slope + cost.per_node_s) + np.where(self.budgets > 0, cost.per_sequence_s, 0.0)
                 score = np.where(allowed, emitted - rate * marginal, -np.inf)
                 choice = score.argmax(axis=1)
+                if last is not None and np.array_equal(choice, last):
+                    break  # converged: the same plan prices the same
                 tokens, seconds = self._price(choice, emitted, context, nodes)
-                rate, verified = tokens / seconds, float(batch + nodes[choice].sum())
+                rate, verified, last = tokens / seconds, float(batch + nodes[choice].sum()), choice
                 if rate > best_rate and choice.any():
                     best, best_rate = choice, rate
         return best

@@ -38,6 +38,7 @@ class ForwardCost:
         self.scales: dict[int, float] = {}  # tokens verified N -> EMA of measured / predicted
         self.timings: deque[Timing] = deque(maxlen=256)
         self._since_refit = 0
+        self._memo: dict[tuple[int, float, int], float] = {}  # predictions since the last observation (a plan asks many)
 
     def roofline(self, batch: int, tokens: int, context: int) -> float:
         return forward_seconds(self.work, self.machine, batch, tokens, context)
@@ -48,7 +49,10 @@ class ForwardCost:
 
     def predict_total(self, batch: int, total: float, context: int) -> float:
         """Seconds of a forward of `total` new tokens over `batch` rows (any split among the rows)."""
-        return self.roofline(batch, total / batch, context) * self.scale(round(total))
+        key = (batch, total, context)
+        if key not in self._memo:
+            self._memo[key] = self.roofline(batch, total / batch, context) * self.scale(round(total))
+        return self._memo[key]
 
     def scale(self, tokens: int) -> float:
         if not self.scales:
@@ -62,6 +66,7 @@ class ForwardCost:
         self.observe_total(batch, batch * tokens, context, seconds)
 
     def observe_total(self, batch: int, total: int, context: int, seconds: float) -> None:
+        self._memo.clear()
         ratio = seconds / self.roofline(batch, total / batch, context)
         old = self.scales.get(total)
         self.scales[total] = ratio if old is None else math.exp((1 - EMA) * math.log(old) + EMA * math.log(ratio))
