@@ -10,7 +10,9 @@ and the passes it takes; `drafter.shapes()`), plus plain (budget 0). For row r a
   draft seen so far, times the share of drafts that were not empty (an optimistic prior, so it gets tried again);
   the grafted lookup branch of a hybrid, a tree's extra branches and a suffix match's length are all in what a
   shape emits, which the per-depth acceptance of the head's chain alone does not see.
-- cost: the drafter's time, fitted from its measured times over (deepest pass, nodes, rows drafting), plus the
+- cost: the drafter's time, fitted from its measured times over (deepest pass, nodes beyond one per pass and row,
+  rows drafting: a chain's nodes are its passes, so only lookups, grafted branches and trees inform the node term,
+  which would otherwise take a share of every head pass and price a nearly free lookup node like one), plus the
   verify forward's, from the calibrated roofline refitted online, as a function of the rows and of the tokens
   verified: the sum of 1 + nodes over the rows when the engine verifies ragged (no padding), rows x the widest
   row otherwise. Nodes are what the shape was measured to yield (a lookup often yields fewer than its budget).
@@ -130,7 +132,8 @@ class SpeculationController:
         planned = [self._plan.get(r.request_id, len(d)) for r, d in zip(requests, drafts)]
         drafting = [b for b in planned if b > 0]
         if drafting and all(self._drafted_last.get(r.request_id, False) for r in requests):  # else a model drafter also caught up
-            self.draft.observe(max(self._depth_of(b) for b in drafting), sum(len(d) for d in drafts), len(drafting), draft_s)
+            extra = sum(max(0, len(d) - self._depth_of(b)) for b, d in zip(planned, drafts) if b > 0)
+            self.draft.observe(max(self._depth_of(b) for b in drafting), extra, len(drafting), draft_s)
         self._drafted_last = {r.request_id: len(d) > 0 for r, d in zip(requests, drafts)}
         self._learn(requests, drafts, results, planned)
         self._relax_stale()
@@ -188,7 +191,8 @@ class SpeculationController:
         verified = batch + nodes.sum() if self.ragged else batch * (1 + nodes.max(initial=0.0))
         seconds = self.forward.predict_total(batch, verified, context)
         if drafting.any():
-            seconds += self.draft.seconds(int(self.depths[choice].max()), float(nodes.sum()), int(drafting.sum()))
+            extra = np.maximum(nodes - self.depths[choice], 0.0)[drafting].sum()  # nodes beyond one per pass: lookups, grafts, trees
+            seconds += self.draft.seconds(int(self.depths[choice].max()), float(extra), int(drafting.sum()))
         return tokens, seconds
 
     def _best_plan(self, emitted: np.ndarray, context: int) -> np.ndarray:
@@ -203,12 +207,13 @@ class SpeculationController:
         tokens, seconds = self._price(best, emitted, context, nodes)
         best_rate = tokens / seconds
         cost = self.draft.current
+        extra = np.maximum(nodes - self.depths, 0.0)  # [S] nodes beyond one per pass
         for cap in sorted(set(self.depths[1:].tolist())):
             allowed = self.depths <= cap
             rate, verified, last = best_rate, float(batch), None
             for _ in range(ROUNDS):
                 slope = self._verify_slope(batch, verified, context)
-                marginal = nodes * (slope + cost.per_node_s) + np.where(self.budgets > 0, cost.per_sequence_s, 0.0)
+                marginal = nodes * slope + extra * cost.per_node_s + np.where(self.budgets > 0, cost.per_sequence_s, 0.0)
                 score = np.where(allowed, emitted - rate * marginal, -np.inf)
                 choice = score.argmax(axis=1)
                 if last is not None and np.array_equal(choice, last):
