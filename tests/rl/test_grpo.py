@@ -154,13 +154,14 @@ def test_grpo_options_run_and_report(tiny_llama, overrides):
     ppo_epochs x mini_batches steps, advantages are scaled by the group's std or not, and a one-pass update reports
     the entropy of the policy it started from over the tokens it trained on (computed here by hand)."""
     trainer = tiny_trainer(tiny_llama, ["ar"], steps=1, warmup_steps=2, lr_schedule="cosine", **overrides)
-    learner, update, rewards_of, seen = trainer.learner, trainer.learner.update, trainer.rewards, {}
+    learner, update, score_of, seen = trainer.learner, trainer.learner.update, trainer.score, {}
 
-    def rewards(batch, problems):  # the held-out evaluations call it too: the call just before an update is the batch's
-        seen["latest"] = rewards_of(batch, problems)
-        return seen["latest"]
+    def score(batch, problems):  # the call just before an update scores that update's batch
+        scored = score_of(batch, problems)
+        seen["latest"] = scored["rewards"]
+        return scored
 
-    trainer.rewards = rewards
+    trainer.score = score
 
     def update_by_hand_first(rollouts, advantages, step, online=None):
         skipped = trainer.cfg.kl_coef == 0  # the KL term needs every sample
