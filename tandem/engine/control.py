@@ -5,7 +5,7 @@ What it prices (per step, `plan`, called once by Engine._propose): the drafter's
 and the passes it takes; `drafter.shapes()`), plus plain (budget 0). For row r and shape s:
 - emitted tokens E_r(s): measured. An EMA per shape engine-wide of what rows drafting s emitted (the recovered or
   bonus token included, empty drafts included: a lookup that finds nothing emits 1), scaled per request by its
-  own ratio (an EMA of its accepted tokens over the engine-wide expectation at the shapes it used). A shape never
+  own ratio (its decayed extra tokens over the engine-wide expectation at the shapes it used, shrunk toward 1). A shape never
   measured, or not drafted for STALE steps, is priced from (or drifts toward) the per-depth acceptance of every
   draft seen so far, times the share of drafts that were not empty (an optimistic prior, so it gets tried again);
   the grafted lookup branch of a hybrid, a tree's extra branches and a suffix match's length are all in what a
@@ -16,9 +16,8 @@ and the passes it takes; `drafter.shapes()`), plus plain (budget 0). For row r a
   verify forward's, from the calibrated roofline refitted online, as a function of the rows and of the tokens
   verified: the sum of 1 + nodes over the rows when the engine verifies ragged (no padding), rows x the widest
   row otherwise. Nodes are what the shape was measured to yield (a lookup often yields fewer than its budget).
-The plan maximises sum_r E_r(s_r) / (draft + verify): for every cap on the passes (the draft's depth is shared by
-the batch), a few Dinkelbach rounds where each row independently takes the shape with the best E_r(s) - R x its
-marginal seconds at the current rate R; every candidate plan is then priced exactly and the best kept.
+The plan maximises sum_r E_r(s_r) / (draft + verify) over plans of one shape s for the batch, each row drafting s
+or staying plain (_best_plan: free per-row shapes chased noise).
 Hysteresis: speculation turns on when the best plan is predicted >= (1 + ON_MARGIN) x plain and off below
 (1 - OFF_MARGIN), each for PATIENCE steps in a row, or at once when DECISIVE. While off it probes (the best plan
 for one step), spaced so that probing costs at most PROBE_BUDGET of plain decoding time, doubling the spacing
@@ -44,9 +43,11 @@ PROBE_BUDGET = 0.02  # probes cost at most this share of plain decoding time
 PRIOR_ACCEPTANCE = 0.8
 MAX_BACKOFF = 8
 RELAX = 0.02  # per step: an undrafted depth's acceptance drifts toward the depth above it; a stale shape toward its prior
-SHAPE_EMA = 0.15  # per step, a shape's figure toward what the step measured of it (~12 steps of memory)
+SHAPE_EMA = 0.05  # per step, a shape's figure toward what the step measured of it (~20 steps of memory: acceptance comes in bursts no
+# plan can foresee, and chasing them drafted deep just as a burst ended)
+RATIO_PRIOR = 8.0  # a request's ratio starts as if it had emitted what was expected over this many extra tokens
+RATIO_DECAY = 0.97  # per drafting step, the weight left to a request's older evidence (~30 steps of memory)
 STALE = 32  # steps a shape goes undrafted before its measured figure starts drifting back toward the prior
-ROUNDS = 3  # Dinkelbach rounds per cap
 
 
 class SpeculationController:
@@ -67,7 +68,7 @@ class SpeculationController:
         self.yielded: dict[int, float] = {}  # budget -> EMA of the nodes the drafter returned for it
         self.last_used: dict[int, int] = {}  # budget -> the step it was last drafted
         self.fill = 1.0  # EMA: the share of drafts asked for that came back non-empty
-        self.request_ratio: dict[str, float] = {}  # request -> EMA of its accepted tokens / the engine-wide expectation
+        self.evidence: dict[str, tuple[float, float]] = {}  # request -> decayed (extra tokens emitted, extra tokens expected)
         self.ragged = True  # the engine verifies rows without padding (learnt from what it reports)
         self.on, self._streak, self._idle, self._backoff = True, 0, 0, 1
         self._plan: dict[str, int] = {}
@@ -94,7 +95,7 @@ class SpeculationController:
             forward = ForwardCost(work_from_config(model.cfg, model_name or "target"), _prior_machine(), refit=True)
             return cls(k, forward, DraftCostModel(), shapes=shapes)
         prior = calib.drafters.get(drafter.name)
-        return cls(k, ForwardCost(calib.work, calib.machine), DraftCostModel(prior) if prior else DraftCostModel(), shapes=shapes)
+        return cls(k, ForwardCost(calib.work, calib.machine, refit=True), DraftCostModel(prior) if prior else DraftCostModel(), shapes=shapes)
 
     # ---- the engine's draft_policy interface ---------------------------------------------------------
     def plan(self, requests) -> list[int]:
@@ -140,7 +141,7 @@ class SpeculationController:
         self._account(batch, sum(len(r.tokens) for r in results), draft_s + verify_s, any(len(d) for d in drafts))
 
     def release(self, request) -> None:
-        for table in (self.request_ratio, self._plan, self._drafted_last):
+        for table in (self.evidence, self._plan, self._drafted_last):
             table.pop(request.request_id, None)
 
     def metrics(self) -> dict:
@@ -165,12 +166,19 @@ class SpeculationController:
     # ---- prediction -------------------------------------------------------------------------------
     def _emitted_matrix(self, requests) -> np.ndarray:  # [B, S]: predicted tokens each row emits with each shape
         extra = np.array([0.0] + [self._global_emitted(int(b)) - 1 for b in self.budgets[1:]])
-        rows = [1 + self.request_ratio.get(r.request_id, 1.0) * extra for r in requests]
+        rows = [1 + self.request_ratio(r.request_id) * extra for r in requests]
         room = np.array([[_remaining(r)] for r in requests])
         return np.minimum(np.array(rows), 1 + np.minimum(self.budgets[None, :], room))  # a row near max_tokens emits no more than it may
 
     def _global_emitted(self, budget: int) -> float:
         return self.emitted.get(budget, self._prior(budget))
+
+    def request_ratio(self, request_id: str) -> float:
+        """A request's extra tokens emitted over the engine-wide expectation at the shapes it drafted, shrunk toward 1
+        by RATIO_PRIOR tokens of evidence (an EMA of per-step ratios swung with every draft: at batch 4 it spread the
+        rows over every shape and kept rows that would have paid plain)."""
+        seen, wanted = self.evidence.get(request_id, (0.0, 0.0))
+        return min(4.0, (seen + RATIO_PRIOR) / (wanted + RATIO_PRIOR))
 
     def _prior(self, budget: int) -> float:
         """A chain at the per-depth acceptance measured so far, on the share of drafts that come back non-empty."""
@@ -196,33 +204,38 @@ class SpeculationController:
         return tokens, seconds
 
     def _best_plan(self, emitted: np.ndarray, context: int) -> np.ndarray:
-        """The plan with the highest predicted tokens per second among those where some row drafts (see the module
-        docstring; whether it beats plain is _decide's call); every row at the shape nearest 3 nodes if none drafts."""
+        """The plan with the highest predicted tokens per second among those where some row drafts (whether it beats
+        plain is _decide's call). One shape for the batch: for each shape, every row drafting it, and every row whose
+        own tokens at it are worth its marginal seconds at that plan's rate drafting it, the others plain. (Free
+        per-row shapes spread a batch of 4 over all eight shapes on noise and ran at 0.90x the best fixed shape:
+        the deepest row sets the drafter's passes and a mixed plan pays them for rows that emit little.)"""
         batch = emitted.shape[0]
         nodes = self._yields()
-        if batch == 1:  # one row: price every shape directly
-            rates = [tokens / seconds for tokens, seconds in (self._price(np.array([j]), emitted, context, nodes) for j in range(1, len(nodes)))]
-            return np.array([1 + int(np.argmax(rates))])
-        best = np.full(batch, int(np.argmin(np.abs(self.budgets[1:] - 3))) + 1)
-        tokens, seconds = self._price(best, emitted, context, nodes)
-        best_rate = tokens / seconds
+        extra = np.maximum(nodes - self.depths, 0.0)  # [S] nodes beyond one per pass: lookups, grafts, trees
+        columns = emitted.sum(axis=0)  # [S] tokens of the batch if every row drafts shape j
+        best, best_rate = None, -1.0
+        slope = self._verify_slope(batch, float(batch), context)
         cost = self.draft.current
-        extra = np.maximum(nodes - self.depths, 0.0)  # [S] nodes beyond one per pass
-        for cap in sorted(set(self.depths[1:].tolist())):
-            allowed = self.depths <= cap
-            rate, verified, last = best_rate, float(batch), None
-            for _ in range(ROUNDS):
-                slope = self._verify_slope(batch, verified, context)
-                marginal = nodes * slope + extra * cost.per_node_s + np.where(self.budgets > 0, cost.per_sequence_s, 0.0)
-                score = np.where(allowed, emitted - rate * marginal, -np.inf)
-                choice = score.argmax(axis=1)
-                if last is not None and np.array_equal(choice, last):
-                    break  # converged: the same plan prices the same
-                tokens, seconds = self._price(choice, emitted, context, nodes)
-                rate, verified, last = tokens / seconds, float(batch + nodes[choice].sum()), choice
-                if rate > best_rate and choice.any():
-                    best, best_rate = choice, rate
+        for j in range(1, len(self.budgets)):
+            rate = columns[j] / self._uniform_seconds(batch, batch, nodes[j], int(self.depths[j]), extra[j], context)
+            if rate > best_rate:
+                best, best_rate = np.full(batch, j), rate
+            if batch == 1:
+                continue
+            marginal = nodes[j] * slope + extra[j] * cost.per_node_s + cost.per_sequence_s
+            worth = (emitted[:, j] - emitted[:, 0]) >= rate * marginal
+            drafting = int(worth.sum())
+            if 0 < drafting < batch:
+                tokens = float(np.where(worth, emitted[:, j], emitted[:, 0]).sum())
+                some_rate = tokens / self._uniform_seconds(batch, drafting, nodes[j], int(self.depths[j]), extra[j], context)
+                if some_rate > best_rate:
+                    best, best_rate = np.where(worth, j, 0), some_rate
         return best
+
+    def _uniform_seconds(self, batch: int, drafting: int, nodes: float, depth: int, extra: float, context: int) -> float:
+        """Seconds of a step where `drafting` of the rows draft one shape (its nodes, passes, nodes beyond one per pass)."""
+        verified = batch + drafting * nodes if self.ragged else batch * (1 + nodes)
+        return self.forward.predict_total(batch, verified, context) + self.draft.seconds(depth, drafting * extra, drafting)
 
     def _verify_slope(self, batch: int, verified: float, context: int) -> float:
         """Seconds one more verified token adds around `verified` (0 for a padded verify: its width is the cap's)."""
@@ -278,22 +291,25 @@ class SpeculationController:
         expected = {b: self._global_emitted(b) - 1 for b in set(planned) if b}
         samples: dict[int, list[float]] = {}
         yields: dict[int, list[float]] = {}
+        filled, observed = [], []  # per drafting row: was its draft non-empty; (depth, accepted) of the non-empty ones
         for request, draft, result, budget in zip(requests, drafts, results, planned):
             if budget <= 0:
                 continue
             emitted, accepted = len(result.tokens), result.num_accepted
-            if expected[budget] > 0.05:
-                ratio = (emitted - 1) / expected[budget]
-                self.request_ratio[request.request_id] = min(4.0, _ema(self.request_ratio.get(request.request_id, 1.0), ratio, self.ema))
+            seen, wanted = self.evidence.get(request.request_id, (0.0, 0.0))
+            self.evidence[request.request_id] = (RATIO_DECAY * seen + emitted - 1, RATIO_DECAY * wanted + expected[budget])
             yields.setdefault(budget, []).append(len(draft))
             smaller = [int(b) for b in self.budgets[1:] if b <= budget] if draft.is_chain else [budget]
             for b in smaller:
                 samples.setdefault(b, []).append(min(accepted, b) + 1 if b < len(draft) else emitted)
-            self.fill = _ema(self.fill, 1.0 if len(draft) else 0.0, self.ema)
+            filled.append(1.0 if len(draft) else 0.0)
             if len(draft):
-                depth = len(draft.nodes_per_depth())
-                self.measured_depth = max(self.measured_depth, min(depth, accepted + 1, self.max_k))
-                self._update(self.global_alphas, depth, accepted)
+                observed.append((len(draft.nodes_per_depth()), accepted))
+        if filled:
+            self.fill = _ema(self.fill, sum(filled) / len(filled), self.ema)
+        if observed:
+            self.measured_depth = max(self.measured_depth, max(min(d, a + 1, self.max_k) for d, a in observed))
+            self._update(self.global_alphas, observed)
         for b, values in samples.items():
             self.emitted[b] = _ema(self.emitted.get(b), sum(values) / len(values), SHAPE_EMA)
             self.last_used[b] = self.stats["steps"]
@@ -308,14 +324,18 @@ class SpeculationController:
             if now - last >= STALE:
                 self.emitted[budget] += RELAX * (self._prior(budget) - self.emitted[budget])
 
-    def _update(self, alphas: list[float], depth: int, accepted: int) -> None:
-        """EMA of the acceptance at each depth up to the first rejection (the depths observed). Deeper depths relax
-        toward the one above them: never-measured ones at once (else a drafter accepting 0.95 at every measured
-        depth is priced at the prior beyond them and the deeper shape never looks better), measured ones by RELAX
-        a step, so that one unlucky estimate does not keep a depth from being tried again."""
-        for j in range(min(depth, accepted + 1, self.max_k)):
-            alphas[j] = (1 - self.ema) * alphas[j] + self.ema * (1.0 if j < accepted else 0.0)
-        for j in range(max(depth, 1), self.max_k):
+    def _update(self, alphas: list[float], observed: list[tuple[int, int]]) -> None:
+        """Once per step, the acceptance at each depth moves by `ema` toward the mean over this step's drafts that
+        observed it (a draft observes the depths up to its first rejection; per row, at batch 4 the estimates swung
+        with every draft). Depths beyond the step's deepest draft relax toward the one above them: never-measured ones
+        at once (else a drafter accepting 0.95 at every measured depth is priced at the prior beyond them and the
+        deeper shape never looks better), measured ones by RELAX a step, so that one unlucky estimate does not keep a
+        depth from being tried again."""
+        for j in range(self.max_k):
+            hits = [1.0 if j < accepted else 0.0 for depth, accepted in observed if j < min(depth, accepted + 1)]
+            if hits:
+                alphas[j] = (1 - self.ema) * alphas[j] + self.ema * sum(hits) / len(hits)
+        for j in range(max(max(depth for depth, _ in observed), 1), self.max_k):
             rate = 1.0 if j >= self.measured_depth else RELAX
             alphas[j] += rate * (alphas[j - 1] - alphas[j])
 

@@ -1,17 +1,26 @@
-"""The controller's cost model, kept true online: a roofline forward (calibrated or a prior) corrected by
-what the engine measures, and the drafter's cost fitted from its measured times.
+"""The controller's cost model, kept true online: a roofline forward (calibrated or a prior) refitted to what the
+engine measures, and the drafter's cost fitted from its measured times.
 
-Forward: predict_total(B, N, C) = roofline(B, N / B, C) * scale(N) for a verify of N tokens over B rows (ragged:
-each row its own 1 + draft; padded: B x the widest), where scale(N) is an EMA of measured / predicted over steps
-that verified N tokens (nearest measured N when N was never run): the GEMMs' cost follows the tokens they run,
-whatever the rows. predict(B, T, C) is the padded case, N = B x T. Without a
-calibration the roofline is refitted from the engine's own timings once they span >= 4 token counts.
+Forward: predict_total(B, N, C) = roofline(B, N / B, C) x correction(B, N) x level, for a verify of N tokens over B
+rows (ragged: each row its own 1 + draft; padded: B x the widest). Every REFIT_EVERY steps, from the engine's own
+recent timings:
+- the roofline (overhead + per token + max(memory, compute)) is refitted to the median timing per (rows, tokens) once
+  >= 4 token counts have MIN_GROUP timings each, so its shape is this machine's (a quick calibration was 15-40 % high
+  past the ridge on a Zen 5);
+- correction(B, N) is the median measured / refitted time per (rows, tokens), its deviation from the rows' mean
+  shrunk by SHRINK timings, interpolated between the token counts measured at these rows, and made monotone:
+  what a roofline cannot draw (on a Zen 5 at batch 1, 1-2 tokens took 10 ms and 3-9 took 13.5), without the noise
+  of one EMA per token count (which priced 4 tokens dearer than 8);
+- `level` restarts at 1 and follows measured / predicted between refits (load, drift).
+predict(B, T, C) is the padded case, N = B x T.
 Drafter: seconds = fixed + per_depth * depth + per_node * nodes + per_sequence * B, ridge least squares pulled toward the
 calibrated (or zero) cost, with exponential forgetting so it follows load changes.
 """
 from __future__ import annotations
 
+import bisect
 import math
+import statistics
 from collections import deque
 
 import numpy as np
@@ -21,8 +30,11 @@ from tandem.sim.fit import Timing, fit_machine
 from tandem.sim.roofline import Machine, ModelWork, forward_seconds
 from tandem.sim.speculative import DraftCost
 
-EMA = 0.2
-REFIT_EVERY = 16  # steps between online refits (online-only mode)
+LEVEL_EMA = 0.05  # per step, the level toward measured / predicted (in log): ~20 steps of memory
+REFIT_EVERY = 32  # steps between online refits (after the first few, sooner)
+MIN_GROUP = 3  # timings of one (rows, tokens) before its median joins a roofline refit
+MAX_GROUPS = 24  # the most-measured groups a roofline refit uses (its cost grows with the groups)
+SHRINK = 3.0  # timings of one (rows, tokens) that weigh as much as the rows' mean in its correction
 FORGET = 0.97  # drafter fit: weight of an observation one step older
 RIDGE = 1.0  # drafter fit: pull toward the prior, in units of one observation
 
@@ -35,12 +47,14 @@ UNIT_MACHINE = Machine("prior", bandwidth=1.0, peak_flops=4.0, source="prior: ri
 class ForwardCost:
     def __init__(self, work: ModelWork = UNIT_WORK, machine: Machine = UNIT_MACHINE, refit: bool = False):
         self.work, self.machine, self.refit = work, machine, refit
-        self.scales: dict[int, float] = {}  # tokens verified N -> EMA of measured / predicted
+        self.level = 1.0  # EMA of measured / predicted since the last refit
+        self.corrections: dict[int, tuple[list[int], list[float], int]] = {}  # rows -> (token counts, monotone times, context)
         self.timings: deque[Timing] = deque(maxlen=256)
+        self.refits = 0
         self._since_refit = 0
         self._memo: dict[tuple[int, float, int], float] = {}  # predictions since the last observation (a plan asks many)
 
-    def roofline(self, batch: int, tokens: int, context: int) -> float:
+    def roofline(self, batch: int, tokens: float, context: int) -> float:
         return forward_seconds(self.work, self.machine, batch, tokens, context)
 
     def predict(self, batch: int, tokens: int, context: int) -> float:
@@ -51,44 +65,85 @@ class ForwardCost:
         """Seconds of a forward of `total` new tokens over `batch` rows (any split among the rows)."""
         key = (batch, total, context)
         if key not in self._memo:
-            self._memo[key] = self.roofline(batch, total / batch, context) * self.scale(round(total))
+            self._memo[key] = self._shape(batch, total, context) * self.level
         return self._memo[key]
 
-    def scale(self, tokens: int) -> float:
-        if not self.scales:
+    def correction(self, batch: int, total: float) -> float:
+        """Measured / roofline at these rows and tokens (1 where nothing was measured at these rows): between measured
+        token counts the times are interpolated (at the rows' median context), beyond them the nearest one's ratio."""
+        if batch not in self.corrections:
             return 1.0
-        if tokens in self.scales:
-            return self.scales[tokens]
-        nearest = min(self.scales, key=lambda t: (abs(t - tokens), t))
-        return self.scales[nearest]
+        totals, times, context = self.corrections[batch]
+        i = bisect.bisect_left(totals, total)
+        if i == len(totals) or (i == 0 and total < totals[0]):
+            j = min(i, len(totals) - 1)
+            return times[j] / self.roofline(batch, totals[j] / batch, context)
+        if totals[i] == total:
+            seconds = times[i]
+        else:
+            lo, hi = totals[i - 1], totals[i]
+            seconds = times[i - 1] + (times[i] - times[i - 1]) * (total - lo) / (hi - lo)
+        return seconds / self.roofline(batch, total / batch, context)
 
     def observe(self, batch: int, tokens: int, context: int, seconds: float) -> None:
         self.observe_total(batch, batch * tokens, context, seconds)
 
     def observe_total(self, batch: int, total: int, context: int, seconds: float) -> None:
         self._memo.clear()
-        ratio = seconds / self.roofline(batch, total / batch, context)
-        old = self.scales.get(total)
-        self.scales[total] = ratio if old is None else math.exp((1 - EMA) * math.log(old) + EMA * math.log(ratio))
+        ratio = seconds / self._shape(batch, total, context)
+        self.level = math.exp((1 - LEVEL_EMA) * math.log(self.level) + LEVEL_EMA * math.log(max(ratio, 1e-6)))
         self.timings.append(Timing(batch, total / batch, context, seconds))
         self._since_refit += 1
-        if self.refit and self._since_refit >= REFIT_EVERY:
+        if self.refit and self._since_refit >= min(REFIT_EVERY, 8 * (self.refits + 1)):  # the first refits sooner: 8, 16, 24, 32, then every 32
             self._refit()
 
+    def _shape(self, batch: int, total: float, context: int) -> float:
+        return self.roofline(batch, total / batch, context) * self.correction(batch, total)
+
     def _refit(self) -> None:
-        """Fit the roofline to medians per (batch, tokens); the scales then restart near 1."""
+        """The roofline from the median timing per (rows, tokens) of the most-measured groups (kept as it is when too
+        few groups, or timings no roofline fits: flat in the tokens), then the corrections against it; the level
+        restarts at 1."""
         self._since_refit = 0
         groups: dict[tuple[int, int], list[Timing]] = {}
         for t in self.timings:
-            groups.setdefault((t.batch, t.tokens), []).append(t)
-        if len({b * t for b, t in groups}) < 4:
-            return
-        points = [sorted(g, key=lambda t: t.seconds)[len(g) // 2] for g in groups.values()]
-        try:
-            self.machine = fit_machine(self.work, points, name="online").machine
-        except InvalidParameterError:  # e.g. step times flat in the tokens (no bandwidth term fits): keep the model and its scales
-            return
-        self.scales = {}
+            groups.setdefault((t.batch, round(t.batch * t.tokens)), []).append(t)
+        measured = sorted((g for g in groups.values() if len(g) >= MIN_GROUP), key=len, reverse=True)[:MAX_GROUPS]
+        roofline_due = self.refits < 4 or self.refits % 4 == 0  # a fit costs ~10 ms at 24 groups: every 4th refit after the first 4
+        if roofline_due and len({total for (_, total), g in groups.items() if g in measured}) >= 4:
+            try:
+                self.machine = fit_machine(self.work, [_median_timing(g) for g in measured], name="online").machine
+            except InvalidParameterError:
+                pass
+        self.corrections = self._corrections(groups)
+        self.level, self.refits = 1.0, self.refits + 1
+        self._memo.clear()
+
+    def _corrections(self, groups: dict[tuple[int, int], list[Timing]]) -> dict[int, tuple[list[int], list[float], int]]:
+        """Per rows: the median measured / roofline per token count, its deviation from the rows' mean ratio shrunk by
+        SHRINK timings (a count seen twice moves little), as times at the rows' median context, then their running
+        maximum (monotone)."""
+        by_rows: dict[int, dict[int, list[Timing]]] = {}
+        for (batch, total), g in groups.items():
+            by_rows.setdefault(batch, {})[total] = g
+        out = {}
+        for batch, per_total in by_rows.items():
+            context = round(statistics.median(t.context for g in per_total.values() for t in g))
+            totals = sorted(per_total)
+            logs = [math.log(statistics.median(t.seconds / self.roofline(t.batch, t.tokens, t.context) for t in per_total[n])) for n in totals]
+            counts = [len(per_total[n]) for n in totals]
+            mean = sum(c * x for c, x in zip(counts, logs)) / sum(counts)
+            times, floor = [], 0.0
+            for total, x, count in zip(totals, logs, counts):
+                floor = max(floor, self.roofline(batch, total / batch, context) * math.exp(mean + count / (count + SHRINK) * (x - mean)))
+                times.append(floor)  # more tokens never cost less
+            out[batch] = (totals, times, context)
+        return out
+
+
+def _median_timing(group: list[Timing]) -> Timing:
+    first = group[0]
+    return Timing(first.batch, first.tokens, round(statistics.median(t.context for t in group)), statistics.median(t.seconds for t in group))
 
 
 class DraftCostModel:
