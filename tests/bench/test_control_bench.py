@@ -22,9 +22,9 @@ def test_bench_control_on_a_tiny_model(tiny_llama, tmp_path, monkeypatch):
     prompts.write_text("\n".join(json.dumps({"domain": d, "prompt": f"{d} {i} a b a b a b"}) for d in domains for i in range(2)))
     out = tmp_path / "c.json"
     assert main(["bench", "control", "--model", tiny_llama, "--drafters", "ngram", "--batch-sizes", "1,4", "--budgets", "1,3",
-                 "--max-tokens", "6", "--rounds", "2", "--prompts", str(prompts), "--json", str(out), "--threads", "1"]) == 0
+                 "--max-tokens", "6", "--rounds", "2", "--waves", "2", "--prompts", str(prompts), "--json", str(out), "--threads", "1"]) == 0
     report = json.loads(out.read_text())
-    assert [(s["drafter"], s["batch"]) for s in report["settings"]] == [("ngram", 1), ("ngram", 4)]
+    assert [(s["drafter"], s["batch"]) for s in report["settings"]] == [("ngram", 1), ("ngram", 4)] and report["config"]["waves"] == 2
     for s in report["settings"]:
         assert set(s["tok_s"]) == {"plain", "lookup1", "lookup3", "controller"}
         assert len(s["controller_vs_plain_rounds"]) == 2 and s["best_fixed"] in ("lookup1", "lookup3")

@@ -1,18 +1,21 @@
 """`tandem bench control`: the speculation controller against every fixed draft shape, per setting, interleaved.
 
-A setting is (drafter, batch size). Its runners share one loaded target and one drafter: plain decoding, each fixed
-shape the drafter offers (`drafter.shapes()`: every row asks for that budget every step), and the controller. Each
-round runs the same wave of B chat-templated prompts (domains round-robin, so a wave mixes them; greedy,
-ignore_eos, the same max_tokens) through every runner, in an order rotated each round, so that the ratios of a
-round come from the same minutes. Reported per setting: each runner's tokens/s (median over rounds), the best fixed
-shape, and the controller's ratio to plain and to that best shape, per round and median (the spread). The
-controller persists across rounds, as in a server; the fixed runners have nothing to learn.
+A setting is (drafter, batch size B). Its runners share one loaded target and one drafter: plain decoding, each fixed
+shape the drafter offers (`drafter.shapes()`: every row asks for that budget every step), and the controller, each
+an engine of B slots. Each round runs the same queue of waves x B chat-templated prompts (domains round-robin, so a
+batch mixes them; greedy, ignore_eos, the same max_tokens) through every runner, in an order rotated each round, so
+that the ratios of a round come from the same minutes. With waves > 1 a finished request's slot is refilled from the
+queue, as in a server; waves = 1 is one synchronized batch, whose rows all finish at the same step under plain
+decoding but not under speculation (rows that accept more finish first and leave a tail of fewer rows). Reported per
+setting: each runner's tokens/s (median over rounds), the best fixed shape, and the controller's ratio to plain and
+to that best shape, per round and median (the spread). The controller persists across rounds and settings, as in a
+server; the fixed runners have nothing to learn.
 """
 from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from tandem.bench.speculation.batch import interleave_domains
 from tandem.bench.machine import machine_info
@@ -31,11 +34,12 @@ class ControlBenchConfig:
     budgets: tuple[int, ...] = ()  # fixed shapes to sweep, by budget; () = every shape the drafter offers
     max_tokens: int = 64
     rounds: int = 3
+    waves: int = 4  # prompts per round = waves x batch, through batch slots
     prompts: str = "builtin"  # "builtin" (its test split) or a JSONL file of {"domain", "prompt"} lines
     max_model_len: int = 1024
 
     def __post_init__(self) -> None:
-        if not self.drafters or not self.batch_sizes or min(self.batch_sizes) < 1 or self.rounds < 1 or self.max_tokens < 2:
+        if not self.drafters or not self.batch_sizes or min(self.batch_sizes) < 1 or self.rounds < 1 or self.waves < 1 or self.max_tokens < 2:
             raise InvalidParameterError("bench control needs drafters, batch sizes >= 1, rounds >= 1 and max_tokens >= 2")
 
 
@@ -66,12 +70,13 @@ def run_control_bench(config: ControlBenchConfig, progress=print) -> dict:
     for name in config.drafters:
         drafter = base.with_drafter(name, config.num_draft_tokens).engine.drafter
         shapes = [s for s in drafter.shapes() if not config.budgets or s.budget in config.budgets]
-        runners = {"plain": Engine(base.target, base.config)}
-        runners |= {s.name: Engine(base.target, base.config, drafter=drafter, draft_policy=FixedBudget(s.budget)) for s in shapes}
         controller = SpeculationController.for_engine(base.target, drafter, model_name=config.model, max_k=config.num_draft_tokens)
-        runners["controller"] = Engine(base.target, base.config, drafter=drafter, draft_policy=controller)
         for batch in config.batch_sizes:
-            settings.append(_run_setting(name, batch, runners, prompts, params, config.rounds, progress))
+            slots = replace(base.config, max_batch_size=batch)
+            runners = {"plain": Engine(base.target, slots)}
+            runners |= {s.name: Engine(base.target, slots, drafter=drafter, draft_policy=FixedBudget(s.budget)) for s in shapes}
+            runners["controller"] = Engine(base.target, slots, drafter=drafter, draft_policy=controller)
+            settings.append(_run_setting(name, batch, runners, prompts, params, config, progress))
             settings[-1]["controller_metrics"] = _brief(controller.metrics())
     return {"config": asdict(config), "machine": machine_info(), "settings": settings}
 
@@ -82,19 +87,21 @@ def _prompts(config: ControlBenchConfig, tokenizer) -> list[list[int]]:
     ids = [p for p in ids if len(p) + config.max_tokens + config.num_draft_tokens * 3 < config.max_model_len]
     if len(ids) < max(config.batch_sizes):
         raise InvalidParameterError(f"{len(ids)} prompts fit max_model_len {config.max_model_len}; the largest batch needs {max(config.batch_sizes)}")
+    # a round takes waves x batch prompts, wrapping around when there are fewer: repeats are fine (every runner gets them)
     return ids
 
 
 def _run_setting(drafter: str, batch: int, runners: dict[str, Engine], prompts: list[list[int]], params: SamplingParams,
-                 rounds: int, progress) -> dict:
+                 config: ControlBenchConfig, progress) -> dict:
     rates: dict[str, list[float]] = {name: [] for name in runners}
     names = list(runners)
-    for r in range(rounds):
-        wave = [prompts[(r * batch + i) % len(prompts)] for i in range(batch)]
+    per_round = config.waves * batch
+    for r in range(config.rounds):
+        queue = [prompts[(r * per_round + i) % len(prompts)] for i in range(per_round)]
         order = names[r % len(names):] + names[: r % len(names)]
         for name in order:
-            rates[name].append(_tokens_per_second(runners[name], wave, params))
-        progress(f"[bench control] {drafter} batch {batch} round {r + 1}/{rounds}: "
+            rates[name].append(_tokens_per_second(runners[name], queue, params))
+        progress(f"[bench control] {drafter} batch {batch} round {r + 1}/{config.rounds}: "
                  + ", ".join(f"{n} {rates[n][-1]:.1f}" for n in names))
     return summarize(drafter, batch, rates)
 
@@ -145,6 +152,7 @@ def add_bench_control_command(bench) -> None:
     p.add_argument("--budgets", default="", help="fixed shapes to sweep, by budget (default: every shape the drafter offers)")
     p.add_argument("--max-tokens", type=int, default=d.max_tokens)
     p.add_argument("--rounds", type=int, default=d.rounds)
+    p.add_argument("--waves", type=int, default=d.waves, help="prompts per round = waves x batch through batch slots (1: one synchronized batch)")
     p.add_argument("--prompts", default=d.prompts, help="builtin, or a JSONL file of {domain, prompt} lines")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json", dest="json_out", default=None)
@@ -161,7 +169,7 @@ def _bench_control(args) -> int:
     ints = lambda s: tuple(int(x) for x in s.split(",") if x)  # noqa: E731
     config = ControlBenchConfig(model=args.model, drafters=tuple(x for x in args.drafters.split(",") if x), batch_sizes=ints(args.batch_sizes),
                                 num_draft_tokens=args.num_draft_tokens, budgets=ints(args.budgets), max_tokens=args.max_tokens,
-                                rounds=args.rounds, prompts=args.prompts)
+                                rounds=args.rounds, waves=args.waves, prompts=args.prompts)
     report = run_control_bench(config)
     if args.json_out:
         Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
