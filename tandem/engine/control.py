@@ -19,7 +19,8 @@ and the passes it takes; `drafter.shapes()`), plus plain (budget 0). For row r a
 The plan maximises sum_r E_r(s_r) / (draft + verify) over plans of one shape s for the batch, each row drafting s
 or staying plain (_best_plan: free per-row shapes chased noise).
 Hysteresis: speculation turns on when the best plan is predicted >= (1 + ON_MARGIN) x plain and off below
-(1 - OFF_MARGIN), each for PATIENCE steps in a row, or at once when DECISIVE. While off it probes (the best plan
+(1 - OFF_MARGIN), each for PATIENCE plans in a row, or at once when DECISIVE; while off, a plan is made every OFF_REPLAN
+steps (the others are plain at no planning cost). While off it probes (the best plan
 for one step), spaced so that probing costs at most PROBE_BUDGET of plain decoding time, doubling the spacing
 after each probe that does not turn speculation back on, and MAX_BACKOFF times apart where not even drafts
 accepted in full would pay at this batch.
@@ -40,6 +41,7 @@ OFF_MARGIN = 0.02
 PATIENCE = 3
 DECISIVE = 0.15  # a prediction this far beyond 1 switches at once
 PROBE_BUDGET = 0.02  # probes cost at most this share of plain decoding time
+OFF_REPLAN = 4  # while off, the plan (~0.3 ms at batch 4, 2 % of a plain step) is made every this many steps
 PRIOR_ACCEPTANCE = 0.8
 MAX_BACKOFF = 8
 RELAX = 0.02  # per step: an undrafted depth's acceptance drifts toward the depth above it; a stale shape toward its prior
@@ -102,6 +104,11 @@ class SpeculationController:
         """Draft budget per request for this step (0 = plain)."""
         batch = len(requests)
         context = round(sum(len(r.all_ids) for r in requests) / batch)
+        if not self.on and self.stats["steps"] % OFF_REPLAN:  # off: plain, re-planned only every OFF_REPLAN steps
+            self._idle += 1
+            self._plan = {r.request_id: 0 for r in requests}
+            self._pending = (1.0, self.forward.predict_total(batch, batch, context), float(batch))
+            return [0] * batch
         emitted = self._emitted_matrix(requests)
         price = lambda choice: self._price(choice, emitted, context)  # noqa: E731 - (tokens, seconds) of a plan
         plain_tokens, plain_s = price(np.zeros(batch, dtype=int))
