@@ -41,6 +41,8 @@ OFF_MARGIN = 0.02
 PATIENCE = 3
 DECISIVE = 0.15  # a prediction this far beyond 1 switches at once
 PROBE_BUDGET = 0.02  # probes cost at most this share of plain decoding time
+STEP_EMA = 0.1  # per step, the measured seconds of a plan's kind toward what the step took (in log, the step clipped to 0.5-2x)
+MEASURED_AFTER = 3  # steps of one kind of plan before its measured seconds replace the model's
 OFF_REPLAN = 4  # while off, the plan (~0.3 ms at batch 4, 2 % of a plain step) is made every this many steps
 PRIOR_ACCEPTANCE = 0.8
 MAX_BACKOFF = 8
@@ -74,6 +76,7 @@ class SpeculationController:
         self.ragged = True  # the engine verifies rows without padding (learnt from what it reports)
         self.on, self._streak, self._idle, self._backoff = True, 0, 0, 1
         self._plan: dict[str, int] = {}
+        self.step_s: dict[tuple[int, int, int], tuple[float, int]] = {}  # (rows, budget, rows drafting) -> (EMA seconds, steps)
         self._drafted_last: dict[str, bool] = {}  # request -> did its previous step draft
         self._pending: tuple[float, float, float] | None = None  # (predicted speedup, plain seconds, plain tokens)
         self.stats = {"steps": 0, "speculative_steps": 0, "probes": 0, "switches": 0, "plain_equiv_s": 0.0, "actual_s": 0.0,
@@ -139,13 +142,21 @@ class SpeculationController:
         self.forward.observe_total(batch, verified, max(context, 0), verify_s)
         planned = [self._plan.get(r.request_id, len(d)) for r, d in zip(requests, drafts)]
         drafting = [b for b in planned if b > 0]
-        if drafting and all(self._drafted_last.get(r.request_id, False) for r in requests):  # else a model drafter also caught up
+        caught_up = not drafting or all(self._drafted_last.get(r.request_id, False) for r in requests)  # else a model drafter also caught up
+        if drafting and caught_up:
             extra = sum(max(0, len(d) - self._depth_of(b)) for b, d in zip(planned, drafts) if b > 0)
             self.draft.observe(max(self._depth_of(b) for b in drafting), extra, len(drafting), draft_s)
+        if caught_up and len(set(drafting)) <= 1:
+            self._time_step((batch, drafting[0] if drafting else 0, len(drafting)), draft_s + verify_s)
         self._drafted_last = {r.request_id: len(d) > 0 for r, d in zip(requests, drafts)}
         self._learn(requests, drafts, results, planned)
         self._relax_stale()
         self._account(batch, sum(len(r.tokens) for r in results), draft_s + verify_s, any(len(d) for d in drafts))
+
+    def _time_step(self, key: tuple[int, int, int], seconds: float) -> None:
+        old, steps = self.step_s.get(key, (seconds, 0))
+        clipped = min(max(seconds, 0.5 * old), 2.0 * old)  # a stall (a page fault, another process) moves it little
+        self.step_s[key] = (math.exp((1 - STEP_EMA) * math.log(old) + STEP_EMA * math.log(clipped)) if steps else seconds, steps + 1)
 
     def release(self, request) -> None:
         for table in (self.evidence, self._plan, self._drafted_last):
@@ -204,11 +215,21 @@ class SpeculationController:
         nodes = (self._yields() if yields is None else yields)[choice]
         drafting = choice > 0
         verified = batch + nodes.sum() if self.ragged else batch * (1 + nodes.max(initial=0.0))
+        budgets = set(self.budgets[choice[drafting]].tolist())
+        measured = self._measured(batch, budgets.pop() if budgets else 0, int(drafting.sum())) if len(budgets) <= 1 else None
+        if measured is not None:
+            return tokens, measured
         seconds = self.forward.predict_total(batch, verified, context)
         if drafting.any():
             extra = np.maximum(nodes - self.depths[choice], 0.0)[drafting].sum()  # nodes beyond one per pass: lookups, grafts, trees
             seconds += self.draft.seconds(int(self.depths[choice].max()), float(extra), int(drafting.sum()))
         return tokens, seconds
+
+    def _measured(self, batch: int, budget: int, drafting: int) -> float | None:
+        """The measured seconds of a step of `batch` rows where `drafting` of them drafted `budget` (the others plain),
+        once MEASURED_AFTER such steps ran; else None (the model prices it)."""
+        seconds, steps = self.step_s.get((batch, budget, drafting), (0.0, 0))
+        return seconds if steps >= MEASURED_AFTER else None
 
     def _best_plan(self, emitted: np.ndarray, context: int) -> np.ndarray:
         """The plan with the highest predicted tokens per second among those where some row drafts (whether it beats
@@ -224,7 +245,7 @@ class SpeculationController:
         slope = self._verify_slope(batch, float(batch), context)
         cost = self.draft.current
         for j in range(1, len(self.budgets)):
-            rate = columns[j] / self._uniform_seconds(batch, batch, nodes[j], int(self.depths[j]), extra[j], context)
+            rate = columns[j] / self._uniform_seconds(batch, batch, nodes[j], int(self.depths[j]), extra[j], context, int(self.budgets[j]))
             if rate > best_rate:
                 best, best_rate = np.full(batch, j), rate
             if batch == 1:
@@ -234,13 +255,17 @@ class SpeculationController:
             drafting = int(worth.sum())
             if 0 < drafting < batch:
                 tokens = float(np.where(worth, emitted[:, j], emitted[:, 0]).sum())
-                some_rate = tokens / self._uniform_seconds(batch, drafting, nodes[j], int(self.depths[j]), extra[j], context)
+                some_rate = tokens / self._uniform_seconds(batch, drafting, nodes[j], int(self.depths[j]), extra[j], context, int(self.budgets[j]))
                 if some_rate > best_rate:
                     best, best_rate = np.where(worth, j, 0), some_rate
         return best
 
-    def _uniform_seconds(self, batch: int, drafting: int, nodes: float, depth: int, extra: float, context: int) -> float:
-        """Seconds of a step where `drafting` of the rows draft one shape (its nodes, passes, nodes beyond one per pass)."""
+    def _uniform_seconds(self, batch: int, drafting: int, nodes: float, depth: int, extra: float, context: int, budget: int) -> float:
+        """Seconds of a step where `drafting` of the rows draft one shape (its budget, nodes, passes, nodes beyond one per
+        pass): measured, or the model's."""
+        measured = self._measured(batch, budget, drafting)
+        if measured is not None:
+            return measured
         verified = batch + drafting * nodes if self.ragged else batch * (1 + nodes)
         return self.forward.predict_total(batch, verified, context) + self.draft.seconds(depth, drafting * extra, drafting)
 

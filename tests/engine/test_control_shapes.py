@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tandem.engine.control import OFF_REPLAN, PATIENCE, PROBE_BUDGET, SpeculationController
+from tandem.engine.control import MEASURED_AFTER, OFF_REPLAN, PATIENCE, PROBE_BUDGET, SpeculationController
 from tandem.engine.costs import DraftCostModel, ForwardCost
 from tandem.sim.roofline import Machine, ModelWork
 from tandem.sim.speculative import DraftCost
@@ -141,3 +141,18 @@ def test_while_off_the_plan_is_made_every_off_replan_steps(monkeypatch):
         [budget] = c.plan([r])
         feed(c, [r], [budget], [1], steps=1)  # nothing is accepted: it stays off
     assert len(calls) == 8 and not c.on
+
+
+def test_measured_step_seconds_replace_a_model_that_misprices():
+    """Every draft accepted: on the fake clock chain4 is best (5 tokens / 0.15 s = 33 tok/s; chain3 4 / 0.14 = 28.6).
+    If this machine's chain4 steps take 0.5 s (a cliff no roofline draws), MEASURED_AFTER such steps price it at
+    10 tok/s and the plan moves to chain3."""
+    c = SpeculationController(4, ForwardCost(WORK, MACHINE), DraftCostModel(DRAFT), shapes=chain_shapes(4))
+    r = req(0)
+    for b in (1, 2, 3):
+        feed(c, [r], [b], [b + 1])
+    assert c.plan([r]) == [4]  # never drafted: the model's price
+    for _ in range(MEASURED_AFTER):
+        c.observe([r], [DraftTree.chain([0, 1, 2, 3])], [result_emitting(5)], DRAFT.seconds(4, 4), 0.5 - DRAFT.seconds(4, 4), 5)
+    assert c.step_s[(1, 4, 1)] == (pytest.approx(0.5), MEASURED_AFTER)
+    assert c.plan([r]) == [3]
