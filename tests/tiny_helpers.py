@@ -1,9 +1,11 @@
 """Set-up shared by tests that serve random prompts on the tiny models (importable from any test dir)."""
+import numpy as np
 import torch
 
 from tandem.config import EngineConfig, SamplingParams
 from tandem.engine.engine import Engine
 from tandem.models.loader import load_transformer
+from tandem.ops.ngram import ngram_propose
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 
@@ -23,3 +25,63 @@ def plain_outputs(target, prompt_ids, params):
     """Plain greedy/sampled decoding of the prompts (target: a loaded model or a model directory)."""
     model = load_packed(target) if isinstance(target, str) else target
     return [r.output_ids for r in Engine(model, EngineConfig(max_batch_size=4, max_model_len=256)).run(prompt_ids, params)]
+
+
+def watch_decode_steps(engine) -> list:
+    """Observe `engine`: the returned list fills with every request's RequestStep at every decode step, in order."""
+    steps = []
+    engine.observers.append(lambda record: steps.extend(record.requests) if record.kind == "decode" else None)
+    return steps
+
+
+def step_budgets(steps, requests) -> list[int]:
+    """The draft budget of each decode step, from first principles: max_tokens - tokens emitted before it - 1, so no
+    step can emit past max_tokens (its context holds the prompt and every emitted token but the pending one)."""
+    by_id = {r.request_id: r for r in requests}
+    return [by_id[s.request_id].params.max_tokens - (s.context_len - len(by_id[s.request_id].prompt_ids) + 1) - 1 for s in steps]
+
+
+def assert_full_budget_accounting(engine, steps, requests, nodes):
+    """For a drafter that fills every budget up to `nodes` nodes (model drafters: an untrained head has no confidence
+    cut): the engine drafted exactly that at every step and counted it, and every verify emitted accepted + 1 tokens
+    (ignore_eos: no stop cuts a step short). Holds whatever the model's bits are."""
+    budgets = step_budgets(steps, requests)
+    assert [len(s.draft_tokens) for s in steps] == [min(nodes, b) for b in budgets]
+    assert engine.stats.drafted_tokens == sum(min(nodes, b) for b in budgets)
+    assert engine.stats.output_tokens == len(requests) + engine.stats.request_steps + engine.stats.accepted_tokens
+
+
+def chain(tokens: list[int]) -> tuple[list[int], list[int]]:
+    """(tokens, parents) of a chain."""
+    return list(tokens), list(range(-1, len(tokens) - 1))
+
+
+def ngram_chain(context, budget: int, _drafted=None) -> tuple[list[int], list[int]]:
+    """What the ngram drafter (k = 4, suffixes of 1..4 tokens) drafts from a context within a budget, written with the
+    op it is made of (a replay for assert_replayed_drafts)."""
+    return chain(ngram_propose(context, 1, 4, min(4, budget)))
+
+
+def assert_replayed_drafts(engine, steps, requests, replay):
+    """For a drafter whose draft is a function of the context: replay(context [L] ids up to and with the pending token,
+    budget, the step's drafted tokens: for a draft part of which a model made) gives the (tokens, parents) drafted at
+    every step, the engine counted them, and every verify emitted accepted + 1 tokens. Holds whatever the model's bits
+    are (the contexts are the ones the run produced)."""
+    by_id = {r.request_id: r for r in requests}
+    contexts = [np.asarray(by_id[s.request_id].all_ids[: s.context_len + 1]) for s in steps]
+    want = [replay(context, budget, s.draft_tokens) for context, budget, s in zip(contexts, step_budgets(steps, requests), steps)]
+    assert [(s.draft_tokens, s.draft_parents) for s in steps] == [(list(t), list(p)) for t, p in want]
+    assert engine.stats.drafted_tokens == sum(len(t) for t, _ in want)
+    assert engine.stats.output_tokens == len(requests) + engine.stats.request_steps + engine.stats.accepted_tokens
+
+
+def assert_greedy_chain_verdicts(steps, requests):
+    """Greedy verification of chains, step by step against the output: a step accepts the longest prefix of its draft
+    that the output continues with, and emits the output's next accepted + 1 tokens."""
+    by_id = {r.request_id: r for r in requests}
+    for s in steps:
+        request = by_id[s.request_id]
+        done = s.context_len - len(request.prompt_ids) + 1  # tokens emitted before the step
+        following = request.output_ids[done : done + len(s.draft_tokens) + 1]
+        accepted = next((i for i, (a, b) in enumerate(zip(s.draft_tokens, following)) if a != b), len(s.draft_tokens))
+        assert (len(s.accepted_nodes), s.emitted_tokens) == (accepted, following[: accepted + 1])

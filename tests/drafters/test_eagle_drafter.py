@@ -11,7 +11,7 @@ from tandem.models.eagle import EagleConfig, save_eagle
 from tandem.models.tiny import make_tiny_model
 from tandem.training.offline import TrainConfig, build_examples, train_head
 
-from tiny_helpers import GREEDY, load_packed, make_prompts, plain_outputs
+from tiny_helpers import GREEDY, assert_full_budget_accounting, load_packed, make_prompts, plain_outputs, watch_decode_steps
 
 STATIC = [-1, -1, 0, 0, 1, 2, 2, 4]
 
@@ -23,12 +23,15 @@ def spec_engine(path, name, batch=4, **kw):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
-@pytest.mark.parametrize("name,kw", [("eagle", {}), ("eagle_tree", {}), ("eagle", {"tree_parents": STATIC})])
-def test_greedy_identical(tiny_dirs, arch, name, kw):
+@pytest.mark.parametrize("name,kw,nodes", [("eagle", {}, 4), ("eagle_tree", {}, 12), ("eagle", {"tree_parents": STATIC}, len(STATIC))])
+def test_greedy_identical(tiny_dirs, arch, name, kw, nodes):
+    """An untrained head drafts whole chains of k = 4 / trees of max_nodes (12) / the static tree, cut by the budget."""
     ps = make_prompts()
     engine = spec_engine(tiny_dirs[arch], name, **kw)
-    assert [r.output_ids for r in engine.run(ps, [GREEDY] * 4)] == plain_outputs(tiny_dirs[arch], ps, [GREEDY] * 4)
-    assert engine.stats.drafted_tokens > 0
+    steps = watch_decode_steps(engine)
+    requests = engine.run(ps, [GREEDY] * 4)
+    assert [r.output_ids for r in requests] == plain_outputs(tiny_dirs[arch], ps, [GREEDY] * 4)
+    assert_full_budget_accounting(engine, steps, requests, nodes)
 
 
 @pytest.mark.parametrize("name", ["eagle", "eagle_tree"])
@@ -180,7 +183,10 @@ def test_sampled_output_has_target_distribution_with_a_reduced_vocabulary(tmp_pa
     engine = spec_engine(path, name, batch=64, draft_vocab_size=8)
     params = [SamplingParams(max_tokens=3, temperature=SAMPLED.temperature, top_p=SAMPLED.top_p, seed=s, ignore_eos=True) for s in range(samples)]
     runs = engine.run([PROMPT] * samples, params)
-    assert engine.stats.drafted_tokens > 0 and engine.stats.accepted_tokens < engine.stats.drafted_tokens
+    stats = engine.stats
+    assert stats.drafted_tokens == stats.drafts == samples  # max_tokens 3: each request's first verify has a budget of 1, filled
+    assert stats.request_steps == 2 * samples - stats.accepted_tokens  # accepted: done in that verify; rejected: one more
+    assert 0 < stats.accepted_tokens < samples  # the verifies both accepted and rejected drafts (the sampled path ran)
     counts: dict[tuple, int] = {}
     for r in runs:
         counts[tuple(r.output_ids)] = counts.get(tuple(r.output_ids), 0) + 1

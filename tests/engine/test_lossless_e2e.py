@@ -83,8 +83,21 @@ def test_sampled_output_has_target_distribution(small_vocab_model, tmp_path, dra
     drafter_model = str(make_tiny_model(tmp_path / "d", "llama", seed=12, vocab_size=VOCAB)) if drafter_name == "draft_model" else None
     exact = exact_distribution(load_transformer(small_vocab_model), params)
     counts, engine = sample_outputs(small_vocab_model, drafter_name, params, drafter_model)
-    assert engine.stats.drafted_tokens > 0 and engine.stats.accepted_tokens < engine.stats.drafted_tokens  # drafts were tried and some rejected
+    stats = engine.stats
+    assert stats.drafted_tokens == stats.drafts == first_step_drafts(drafter_name, counts)
+    assert stats.request_steps == 2 * SAMPLES - stats.accepted_tokens  # accepted: done in that verify; else one more, undrafted
+    assert 0 < stats.accepted_tokens < stats.drafted_tokens  # the verifies both accepted and rejected drafts (the sampled path ran)
     assert chi_square_p_value(counts, exact, SAMPLES) > FALSE_FAILURE
+
+
+def first_step_drafts(drafter_name, counts: dict[tuple, int]) -> int:
+    """Drafts of one token, made at each request's first verify: max_tokens 3 leaves a budget of 1 there and 0 after.
+    Model drafters fill it; prompt lookup (chain or tree) drafts the token that followed the latest earlier match of the
+    context's longest suffix (first token 3 -> 5, 5 -> 5: the prompt ends in 5, 7 -> 3), and nothing for a token the
+    prompt lacks."""
+    if drafter_name in ("ngram", "ngram_tree"):
+        return sum(n for output, n in counts.items() if output[0] in PROMPT)
+    return SAMPLES
 
 
 def test_the_check_has_power(small_vocab_model):
