@@ -1,6 +1,7 @@
 """Set-up shared by tests that serve random prompts on the tiny models (importable from any test dir)."""
 import numpy as np
 import torch
+from scipy.stats import chi2
 
 from tandem.config import EngineConfig, SamplingParams
 from tandem.engine.engine import Engine
@@ -8,6 +9,12 @@ from tandem.models.loader import load_transformer
 from tandem.ops.ngram import ngram_propose
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+# The distribution tests' model (conftest's small_vocab_model): few enough tokens that the exact distribution of the
+# first three outputs can be enumerated; their prompt repeats, so prompt lookup drafts from it.
+SMALL_VOCAB = 12
+SMALL_VOCAB_PROMPT = [3, 5, 7, 3, 5, 7, 3, 5]
+SAMPLES = 1200  # seeds per chi-square test
+FALSE_FAILURE = 1e-4  # each chi-square test's p-value threshold: its false-failure probability (fixed seeds: deterministic)
 
 
 def make_prompts(n=4, seed=0):
@@ -15,10 +22,37 @@ def make_prompts(n=4, seed=0):
     return [torch.randint(0, 256, (int(length),), generator=gen).tolist() for length in torch.randint(4, 20, (n,), generator=gen)]
 
 
+def repetitive_prompts(n=4, seed=0):
+    """Prompts with repeats, so prompt lookup finds matches: 5 random tokens, 3 more, the 5 again and their first 2."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        chunk = torch.randint(0, 256, (5,), generator=gen).tolist()
+        out.append(chunk + torch.randint(0, 256, (3,), generator=gen).tolist() + chunk + chunk[:2])
+    return out
+
+
 def load_packed(path):
     model = load_transformer(path)
     model.pack()
     return model
+
+
+def chi_square_p_value(counts: dict[tuple, int], expected_probs: dict[tuple, float], n: int) -> float:
+    """Goodness of fit of n outputs (`counts`: output -> times seen) to `expected_probs` (output -> probability): one cell
+    per output expected >= 5 times, the rest pooled into one more cell when that is expected >= 5 times; when it is not,
+    more than 10 outputs there (mass where the target has almost none) are a clear failure (p = 0)."""
+    big = [c for c in expected_probs if expected_probs[c] * n >= 5]
+    rest_expected = n - sum(expected_probs[c] * n for c in big)
+    rest_observed = n - sum(counts.get(c, 0) for c in big)
+    stat = sum((counts.get(c, 0) - expected_probs[c] * n) ** 2 / (expected_probs[c] * n) for c in big)
+    dof = len(big) - 1
+    if rest_expected >= 5:
+        stat += (rest_observed - rest_expected) ** 2 / rest_expected
+        dof += 1
+    elif rest_observed > 10:
+        return 0.0
+    return float(chi2.sf(stat, dof))
 
 
 def plain_outputs(target, prompt_ids, params):

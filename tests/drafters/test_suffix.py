@@ -12,7 +12,8 @@ from tandem.engine.engine import Engine
 from tandem.engine.request import Request
 from tandem.errors import InvalidParameterError
 from tandem.models.loader import load_transformer
-from tests.engine.test_lossless_e2e import FALSE_FAILURE, SAMPLES, chi_square_p_value, exact_distribution, sample_outputs, small_vocab_model  # noqa: F401
+from tests.engine.test_lossless_e2e import exact_distribution, sample_outputs
+from tiny_helpers import FALSE_FAILURE, SAMPLES, chi_square_p_value
 
 PROMPT = [1, 2, 3, 4, 5]
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)

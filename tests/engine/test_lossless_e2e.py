@@ -7,7 +7,6 @@ failure probability is 1e-4 (the p-value threshold); seeds are fixed, so a run i
 
 import pytest
 import torch
-from scipy.stats import chi2
 
 from tandem.config import EngineConfig, SamplingParams
 from tandem.drafters import build_drafter
@@ -15,17 +14,7 @@ from tandem.engine.engine import Engine
 from tandem.models.loader import load_transformer
 from tandem.models.tiny import make_tiny_model
 from tandem.ops.sampling import sampling_probs
-
-VOCAB = 12
-PROMPT = [3, 5, 7, 3, 5, 7, 3, 5]  # repeats, so prompt lookup drafts too
-SAMPLES = 1200
-FALSE_FAILURE = 1e-4
-
-
-@pytest.fixture(scope="module")
-def small_vocab_model(tmp_path_factory):
-    return str(make_tiny_model(tmp_path_factory.mktemp("v12"), "llama", seed=11, vocab_size=VOCAB))
-
+from tiny_helpers import FALSE_FAILURE, SAMPLES, SMALL_VOCAB as VOCAB, SMALL_VOCAB_PROMPT as PROMPT, chi_square_p_value
 
 def transform(logits, params):
     n = logits.shape[0]
@@ -41,21 +30,6 @@ def exact_distribution(model, params, length=3) -> dict[tuple, float]:
             probs = transform(model(ids).logits[:, -1], params)
         dist = {c + (t,): dist[c] * probs[i, t].item() for i, c in enumerate(contexts) for t in range(VOCAB)}
     return dist
-
-
-def chi_square_p_value(counts: dict[tuple, int], expected_probs: dict[tuple, float], n: int) -> float:
-    cells = sorted(expected_probs, key=lambda c: -expected_probs[c])
-    big = [c for c in cells if expected_probs[c] * n >= 5]
-    rest_expected = n - sum(expected_probs[c] * n for c in big)
-    rest_observed = n - sum(counts.get(c, 0) for c in big)
-    stat = sum((counts.get(c, 0) - expected_probs[c] * n) ** 2 / (expected_probs[c] * n) for c in big)
-    dof = len(big) - 1
-    if rest_expected >= 5:
-        stat += (rest_observed - rest_expected) ** 2 / rest_expected
-        dof += 1
-    elif rest_observed > 10:  # mass where the target has (almost) none: a clear failure
-        return 0.0
-    return float(chi2.sf(stat, dof))
 
 
 def sample_outputs(path, drafter_name, params, drafter_model=None) -> tuple[dict[tuple, int], Engine]:
