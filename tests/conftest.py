@@ -35,3 +35,11 @@ def tiny_dirs(tmp_path_factory) -> dict[str, str]:
 @pytest.fixture(scope="session")
 def tiny_llama(tiny_dirs) -> str:
     return tiny_dirs["llama"]
+
+
+@pytest.fixture(scope="session")
+def small_vocab_model(tmp_path_factory) -> str:
+    """The distribution tests' tiny llama of SMALL_VOCAB tokens."""
+    from tiny_helpers import SMALL_VOCAB  # here, not at the top: every test loads this file, few need the helpers
+
+    return str(make_tiny_model(tmp_path_factory.mktemp("v12"), "llama", seed=11, vocab_size=SMALL_VOCAB))

@@ -31,13 +31,14 @@ class NgramDrafter(DrafterBase):
         return chain_shapes(self.max_nodes, lambda n: 1, "lookup")
 
     def propose(self, requests, budgets: list[int]) -> list[DraftTree]:
-        return [self._propose_one(np.asarray(r.all_ids), min(self.k, b)) for r, b in zip(requests, budgets)]
+        return [self._propose_one(np.asarray(r.all_ids), b) for r, b in zip(requests, budgets)]
 
-    def _propose_one(self, context: np.ndarray, k: int) -> DraftTree:
-        if k == 0:
+    def _propose_one(self, context: np.ndarray, budget: int) -> DraftTree:
+        """At most `budget` nodes (a tree's continuations, each cut to depth min(k, budget), merge into one trie)."""
+        if budget <= 0:
             return DraftTree.empty()
-        sequences = ngram_candidates(context, self.n_min, self.n_max, k, self.candidates)
-        tokens, parents = trie_from_sequences(sequences, self.max_nodes)
+        sequences = ngram_candidates(context, self.n_min, self.n_max, min(self.k, budget), self.candidates)
+        tokens, parents = trie_from_sequences(sequences, min(self.max_nodes, budget))
         return DraftTree(torch.tensor(tokens, dtype=torch.long), torch.tensor(parents, dtype=torch.long))
 
 

@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from tandem.bench.serving.soak import Result, SoakConfig, classify, growth, growth_checks, markdown_table, run_soak, state_dir_allowance_mb, verdict
+from tandem.bench.serving.soak import SoakConfig, run_soak
+from tandem.bench.serving.soak_verdict import Result, classify, growth, growth_checks, markdown_table, state_dir_allowance_mb, verdict
 
 
 def test_classify_attributes_each_5xx():

@@ -8,10 +8,10 @@ from tandem.drafters.eagle import TRAINED_MIN_CONFIDENCE, EagleDrafter, TreeOpti
 from tandem.engine.engine import Engine
 from tandem.errors import InvalidParameterError
 from tandem.models.eagle import EagleConfig, save_eagle
-from tandem.models.tiny import make_tiny_model
 from tandem.training.offline import TrainConfig, build_examples, train_head
 
-from tiny_helpers import GREEDY, load_packed, make_prompts, plain_outputs
+from tiny_helpers import (FALSE_FAILURE, GREEDY, SAMPLES, SMALL_VOCAB as VOCAB, assert_full_budget_accounting, chi_square_p_value, load_packed,
+                          make_prompts, plain_outputs, watch_decode_steps)
 
 STATIC = [-1, -1, 0, 0, 1, 2, 2, 4]
 
@@ -23,12 +23,15 @@ def spec_engine(path, name, batch=4, **kw):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
-@pytest.mark.parametrize("name,kw", [("eagle", {}), ("eagle_tree", {}), ("eagle", {"tree_parents": STATIC})])
-def test_greedy_identical(tiny_dirs, arch, name, kw):
+@pytest.mark.parametrize("name,kw,nodes", [("eagle", {}, 4), ("eagle_tree", {}, 12), ("eagle", {"tree_parents": STATIC}, len(STATIC))])
+def test_greedy_identical(tiny_dirs, arch, name, kw, nodes):
+    """An untrained head drafts whole chains of k = 4 / trees of max_nodes (12) / the static tree, cut by the budget."""
     ps = make_prompts()
     engine = spec_engine(tiny_dirs[arch], name, **kw)
-    assert [r.output_ids for r in engine.run(ps, [GREEDY] * 4)] == plain_outputs(tiny_dirs[arch], ps, [GREEDY] * 4)
-    assert engine.stats.drafted_tokens > 0
+    steps = watch_decode_steps(engine)
+    requests = engine.run(ps, [GREEDY] * 4)
+    assert [r.output_ids for r in requests] == plain_outputs(tiny_dirs[arch], ps, [GREEDY] * 4)
+    assert_full_budget_accounting(engine, steps, requests, nodes)
 
 
 @pytest.mark.parametrize("name", ["eagle", "eagle_tree"])
@@ -137,7 +140,6 @@ def test_wrong_number_of_hidden_states_is_refused(tiny_llama):
         drafter.on_prefill(catch_up(drafter, target, [1, 2]), out)
 
 
-VOCAB = 12
 PROMPT = [3, 5, 7, 3, 5]
 SAMPLED = SamplingParams(temperature=0.8, top_p=0.9)
 
@@ -156,35 +158,23 @@ def exact_distribution(target, length=3) -> dict[tuple, float]:
     return dist
 
 
-def chi_square_p_value(counts: dict, dist: dict, samples: int) -> float:
-    from scipy.stats import chi2
-
-    big = [c for c in dist if dist[c] * samples >= 5]
-    stat = sum((counts.get(c, 0) - dist[c] * samples) ** 2 / (dist[c] * samples) for c in big)
-    rest_expected = samples * (1 - sum(dist[c] for c in big))
-    rest_observed = samples - sum(counts.get(c, 0) for c in big)
-    if rest_expected >= 5:
-        stat += (rest_observed - rest_expected) ** 2 / rest_expected
-        return float(chi2.sf(stat, len(big)))
-    return 0.0 if rest_observed > 10 else float(chi2.sf(stat, len(big) - 1))
-
-
 @pytest.mark.parametrize("name", ["eagle", pytest.param("eagle_tree", marks=pytest.mark.slow), pytest.param("mtp", marks=pytest.mark.slow)])
-def test_sampled_output_has_target_distribution_with_a_reduced_vocabulary(tmp_path, name):
-    """Chi-square test of the first three sampled tokens (false-failure probability 1e-4, fixed seeds).
+def test_sampled_output_has_target_distribution_with_a_reduced_vocabulary(small_vocab_model, name):
+    """Chi-square test of the first three sampled tokens (false-failure probability FALSE_FAILURE, fixed seeds).
 
     The draft vocabulary holds 8 of the 12 tokens, so drafts have zero probability on 4 target tokens.
     """
-    path = make_tiny_model(tmp_path / "v12", "llama", seed=11, vocab_size=VOCAB)
-    samples = 1200
-    engine = spec_engine(path, name, batch=64, draft_vocab_size=8)
-    params = [SamplingParams(max_tokens=3, temperature=SAMPLED.temperature, top_p=SAMPLED.top_p, seed=s, ignore_eos=True) for s in range(samples)]
-    runs = engine.run([PROMPT] * samples, params)
-    assert engine.stats.drafted_tokens > 0 and engine.stats.accepted_tokens < engine.stats.drafted_tokens
+    engine = spec_engine(small_vocab_model, name, batch=64, draft_vocab_size=8)
+    params = [SamplingParams(max_tokens=3, temperature=SAMPLED.temperature, top_p=SAMPLED.top_p, seed=s, ignore_eos=True) for s in range(SAMPLES)]
+    runs = engine.run([PROMPT] * SAMPLES, params)
+    stats = engine.stats
+    assert stats.drafted_tokens == stats.drafts == SAMPLES  # max_tokens 3: each request's first verify has a budget of 1, filled
+    assert stats.request_steps == 2 * SAMPLES - stats.accepted_tokens  # accepted: done in that verify; rejected: one more
+    assert 0 < stats.accepted_tokens < SAMPLES  # the verifies both accepted and rejected drafts (the sampled path ran)
     counts: dict[tuple, int] = {}
     for r in runs:
         counts[tuple(r.output_ids)] = counts.get(tuple(r.output_ids), 0) + 1
-    assert chi_square_p_value(counts, exact_distribution(load_packed(path)), samples) > 1e-4
+    assert chi_square_p_value(counts, exact_distribution(load_packed(small_vocab_model)), SAMPLES) > FALSE_FAILURE
 
 
 def acceptance(target, drafter, ps):

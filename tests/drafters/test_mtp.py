@@ -9,23 +9,30 @@ from tandem.errors import InvalidParameterError
 from tandem.models.mtp import save_mtp
 from tandem.training.offline import TrainConfig, build_examples, train_head
 
-from tiny_helpers import GREEDY, load_packed, make_prompts, plain_outputs
+from tiny_helpers import GREEDY, assert_full_budget_accounting, load_packed, make_prompts, plain_outputs, watch_decode_steps
+
+
+def spec_engine(path, batch=4, **kw):
+    target = load_packed(path)
+    drafter = build_drafter("mtp", target=target, num_draft_tokens=4, max_batch=batch, max_len=256, **kw)
+    return Engine(target, EngineConfig(max_batch_size=batch, max_model_len=256), drafter=drafter)
 
 
 def run(path, prompt_ids, params, batch=4, **kw):
-    target = load_packed(path)
-    drafter = build_drafter("mtp", target=target, num_draft_tokens=4, max_batch=batch, max_len=256, **kw)
-    engine = Engine(target, EngineConfig(max_batch_size=batch, max_model_len=256), drafter=drafter)
+    engine = spec_engine(path, batch, **kw)
     return [r.output_ids for r in engine.run(prompt_ids, params)], engine
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
-@pytest.mark.parametrize("kw", [{}, {"tree_parents": [-1, -1, 0, 0, 1, 2]}])
-def test_greedy_identical(tiny_dirs, arch, kw):
+@pytest.mark.parametrize("kw,nodes", [({}, 4), ({"tree_parents": [-1, -1, 0, 0, 1, 2]}, 6)])
+def test_greedy_identical(tiny_dirs, arch, kw, nodes):
+    """The heads draft whole chains of k = 4 / the whole static tree, cut by the budget."""
     ps = make_prompts()
-    got, engine = run(tiny_dirs[arch], ps, [GREEDY] * 4, **kw)
-    assert got == plain_outputs(tiny_dirs[arch], ps, [GREEDY] * 4)
-    assert engine.stats.drafted_tokens > 0
+    engine = spec_engine(tiny_dirs[arch], **kw)
+    steps = watch_decode_steps(engine)
+    requests = engine.run(ps, [GREEDY] * 4)
+    assert [r.output_ids for r in requests] == plain_outputs(tiny_dirs[arch], ps, [GREEDY] * 4)
+    assert_full_budget_accounting(engine, steps, requests, nodes)
 
 
 def test_greedy_identical_when_rows_move_and_batches_mix(tiny_llama):

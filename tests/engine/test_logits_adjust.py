@@ -5,35 +5,19 @@ from collections import Counter
 
 import pytest
 import torch
-from scipy.stats import chi2
 
 from tandem.config import EngineConfig, SamplingParams
 from tandem.drafters import build_drafter
 from tandem.engine.engine import Engine
 from tandem.models.loader import load_transformer
-from tandem.models.tiny import make_tiny_model
 from tandem.ops.sampling import apply_penalties, sampling_probs, suppress_tokens
+from tiny_helpers import FALSE_FAILURE, SAMPLES, SMALL_VOCAB as VOCAB, SMALL_VOCAB_PROMPT as PROMPT, chi_square_p_value, load_packed, repetitive_prompts
 
 PENALIZED = dict(repetition_penalty=1.6, frequency_penalty=0.3, presence_penalty=0.2)
 
 
-def repetitive_prompts(n=4, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(n):
-        chunk = torch.randint(0, 256, (5,), generator=gen).tolist()
-        out.append(chunk + torch.randint(0, 256, (3,), generator=gen).tolist() + chunk + chunk[:2])
-    return out
-
-
-def load(path):
-    model = load_transformer(path)
-    model.pack()
-    return model
-
-
 def engine_for(path, drafter=None, batch=4, **kw):
-    target = load(path)
+    target = load_packed(path)
     draft = build_drafter(drafter, target=target, num_draft_tokens=4, max_batch=batch, max_len=128, **kw) if drafter else None
     return Engine(target, EngineConfig(max_batch_size=batch, max_model_len=128), drafter=draft)
 
@@ -103,12 +87,6 @@ def test_min_tokens_suppresses_stop_tokens_until_reached(tiny_llama, drafter):
     assert stop not in request.output_ids[:6] and len(request.output_ids) >= 6
 
 
-VOCAB = 12
-PROMPT = [3, 5, 7, 3, 5, 7, 3, 5]
-SAMPLES = 1200
-FALSE_FAILURE = 1e-4  # each chi-square test's false-failure probability (fixed seeds: the run is deterministic)
-
-
 def exact_distribution(model, params, length=3):
     """The adjusted target's exact distribution over the first `length` tokens (the reference transform above)."""
     dist = {(): 1.0}
@@ -126,28 +104,11 @@ def exact_distribution(model, params, length=3):
     return dist
 
 
-def chi_square_p_value(counts, expected, n):
-    big = [c for c in expected if expected[c] * n >= 5]
-    stat = sum((counts.get(c, 0) - expected[c] * n) ** 2 / (expected[c] * n) for c in big)
-    rest_expected, rest_observed = n - sum(expected[c] * n for c in big), n - sum(counts.get(c, 0) for c in big)
-    dof = len(big) - 1
-    if rest_expected >= 5:
-        stat, dof = stat + (rest_observed - rest_expected) ** 2 / rest_expected, dof + 1
-    elif rest_observed > 10:
-        return 0.0
-    return float(chi2.sf(stat, dof))
-
-
-@pytest.fixture(scope="module")
-def small_vocab_model(tmp_path_factory):
-    return str(make_tiny_model(tmp_path_factory.mktemp("v12"), "llama", seed=11, vocab_size=VOCAB))
-
-
 @pytest.mark.parametrize("drafter", [None, "ngram", "self_draft"])
 def test_sampled_penalized_min_p_output_has_the_adjusted_distribution(small_vocab_model, drafter):
     params = SamplingParams(max_tokens=3, temperature=0.9, top_p=0.95, min_p=0.05, ignore_eos=True, **PENALIZED)
     exact = exact_distribution(load_transformer(small_vocab_model), params)
-    target = load(small_vocab_model)
+    target = load_packed(small_vocab_model)
     draft = build_drafter(drafter, target=target, num_draft_tokens=3, max_batch=16, max_len=64) if drafter else None
     engine = Engine(target, EngineConfig(max_batch_size=16, max_model_len=64), drafter=draft)
     outputs = engine.run([PROMPT] * SAMPLES, [SamplingParams(**(params.__dict__ | {"seed": s})) for s in range(SAMPLES)])

@@ -7,7 +7,6 @@ failure probability is 1e-4 (the p-value threshold); seeds are fixed, so a run i
 
 import pytest
 import torch
-from scipy.stats import chi2
 
 from tandem.config import EngineConfig, SamplingParams
 from tandem.drafters import build_drafter
@@ -15,17 +14,7 @@ from tandem.engine.engine import Engine
 from tandem.models.loader import load_transformer
 from tandem.models.tiny import make_tiny_model
 from tandem.ops.sampling import sampling_probs
-
-VOCAB = 12
-PROMPT = [3, 5, 7, 3, 5, 7, 3, 5]  # repeats, so prompt lookup drafts too
-SAMPLES = 1200
-FALSE_FAILURE = 1e-4
-
-
-@pytest.fixture(scope="module")
-def small_vocab_model(tmp_path_factory):
-    return str(make_tiny_model(tmp_path_factory.mktemp("v12"), "llama", seed=11, vocab_size=VOCAB))
-
+from tiny_helpers import FALSE_FAILURE, SAMPLES, SMALL_VOCAB as VOCAB, SMALL_VOCAB_PROMPT as PROMPT, chi_square_p_value
 
 def transform(logits, params):
     n = logits.shape[0]
@@ -41,21 +30,6 @@ def exact_distribution(model, params, length=3) -> dict[tuple, float]:
             probs = transform(model(ids).logits[:, -1], params)
         dist = {c + (t,): dist[c] * probs[i, t].item() for i, c in enumerate(contexts) for t in range(VOCAB)}
     return dist
-
-
-def chi_square_p_value(counts: dict[tuple, int], expected_probs: dict[tuple, float], n: int) -> float:
-    cells = sorted(expected_probs, key=lambda c: -expected_probs[c])
-    big = [c for c in cells if expected_probs[c] * n >= 5]
-    rest_expected = n - sum(expected_probs[c] * n for c in big)
-    rest_observed = n - sum(counts.get(c, 0) for c in big)
-    stat = sum((counts.get(c, 0) - expected_probs[c] * n) ** 2 / (expected_probs[c] * n) for c in big)
-    dof = len(big) - 1
-    if rest_expected >= 5:
-        stat += (rest_observed - rest_expected) ** 2 / rest_expected
-        dof += 1
-    elif rest_observed > 10:  # mass where the target has (almost) none: a clear failure
-        return 0.0
-    return float(chi2.sf(stat, dof))
 
 
 def sample_outputs(path, drafter_name, params, drafter_model=None) -> tuple[dict[tuple, int], Engine]:
@@ -83,8 +57,21 @@ def test_sampled_output_has_target_distribution(small_vocab_model, tmp_path, dra
     drafter_model = str(make_tiny_model(tmp_path / "d", "llama", seed=12, vocab_size=VOCAB)) if drafter_name == "draft_model" else None
     exact = exact_distribution(load_transformer(small_vocab_model), params)
     counts, engine = sample_outputs(small_vocab_model, drafter_name, params, drafter_model)
-    assert engine.stats.drafted_tokens > 0 and engine.stats.accepted_tokens < engine.stats.drafted_tokens  # drafts were tried and some rejected
+    stats = engine.stats
+    assert stats.drafted_tokens == stats.drafts == first_step_drafts(drafter_name, counts)
+    assert stats.request_steps == 2 * SAMPLES - stats.accepted_tokens  # accepted: done in that verify; else one more, undrafted
+    assert 0 < stats.accepted_tokens < stats.drafted_tokens  # the verifies both accepted and rejected drafts (the sampled path ran)
     assert chi_square_p_value(counts, exact, SAMPLES) > FALSE_FAILURE
+
+
+def first_step_drafts(drafter_name, counts: dict[tuple, int]) -> int:
+    """Drafts of one token, made at each request's first verify: max_tokens 3 leaves a budget of 1 there and 0 after.
+    Model drafters fill it; prompt lookup (chain or tree) drafts the token that followed the latest earlier match of the
+    context's longest suffix (first token 3 -> 5, 5 -> 5: the prompt ends in 5, 7 -> 3), and nothing for a token the
+    prompt lacks."""
+    if drafter_name in ("ngram", "ngram_tree"):
+        return sum(n for output, n in counts.items() if output[0] in PROMPT)
+    return SAMPLES
 
 
 def test_the_check_has_power(small_vocab_model):

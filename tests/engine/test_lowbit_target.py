@@ -13,7 +13,7 @@ from tandem.models.quant_gemm import pack_q4
 from tandem.models.quantize import quantized_copy
 from tandem.models.linear import Linear
 
-from tiny_helpers import GREEDY, make_prompts
+from tiny_helpers import GREEDY, assert_full_budget_accounting, assert_replayed_drafts, make_prompts, ngram_chain, watch_decode_steps
 
 pytestmark = pytest.mark.skipif(not cpu_gemm.available(), reason=f"int4 / bf16 weights need the CPU kernels: {cpu_gemm.unusable_reason()}")
 
@@ -41,8 +41,13 @@ def test_speculation_equals_plain_decoding_of_the_same_weights(tiny_dirs, arch, 
     target = _target(tiny_dirs[arch], weights)
     config = EngineConfig(max_batch_size=4, max_model_len=256, weights=weights)
     engine = Engine(target, config, drafter=build_drafter(drafter, target=target, num_draft_tokens=4, max_batch=4, max_len=256))
-    assert [r.output_ids for r in engine.run(_prompts(), [GREEDY] * 4)] == plain
-    assert engine.stats.drafted_tokens > 0  # verifies of several tokens ran: batch invariance was exercised
+    steps = watch_decode_steps(engine)
+    requests = engine.run(_prompts(), [GREEDY] * 4)
+    assert [r.output_ids for r in requests] == plain
+    if drafter == "ngram":  # verifies of several tokens ran (batch invariance was exercised) where the lookup found some
+        assert_replayed_drafts(engine, steps, requests, ngram_chain)
+    else:  # the int8 copy drafts whole chains of k = 4
+        assert_full_budget_accounting(engine, steps, requests, 4)
 
 
 @pytest.mark.parametrize("weights", ["fp32", "int8"])
@@ -52,8 +57,10 @@ def test_an_int4_self_draft_is_lossless_for_an_int8_or_fp32_target(tiny_dirs, we
     drafter = build_drafter("self_draft_int4", target=target, num_draft_tokens=4, max_batch=4, max_len=256)
     assert all(lin.compact is not None and lin.compact.kind == "int4" for lin in drafter.model.linears())
     engine = Engine(target, EngineConfig(max_batch_size=4, max_model_len=256, weights=weights), drafter=drafter)
-    assert [r.output_ids for r in engine.run(_prompts(), [GREEDY] * 4)] == plain
-    assert engine.stats.drafted_tokens > 0
+    steps = watch_decode_steps(engine)
+    requests = engine.run(_prompts(), [GREEDY] * 4)
+    assert [r.output_ids for r in requests] == plain
+    assert_full_budget_accounting(engine, steps, requests, 4)  # whole chains of k = 4
 
 
 def test_the_int4_copy_quantizes_the_targets_dense_weights(tiny_llama):

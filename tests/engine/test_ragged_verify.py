@@ -15,7 +15,8 @@ from tandem.models.kv_cache import KVCache
 from tandem.models.loader import load_transformer
 from tandem.types import DraftTree
 
-from tests.engine.test_lossless_e2e import FALSE_FAILURE, PROMPT, SAMPLES, chi_square_p_value, exact_distribution
+from tests.engine.test_lossless_e2e import exact_distribution
+from tiny_helpers import FALSE_FAILURE, SAMPLES, SMALL_VOCAB_PROMPT as PROMPT, chi_square_p_value
 
 PROMPTS = [[5, 9, 11, 4, 7], [3, 3, 8, 1, 2, 6, 10, 12, 13], [7, 2]]
 DRAFTS = [  # nothing; a chain of 3; a tree of 4 nodes (two branches under the root, one of depth 2)
@@ -126,14 +127,6 @@ def tiny_qwen_small_vocab(tmp_path_factory):
     from tandem.models.tiny import make_tiny_model
 
     return str(make_tiny_model(tmp_path_factory.mktemp("q16"), "qwen2", seed=5, vocab_size=16))
-
-
-@pytest.fixture(scope="module")
-def small_vocab_model(tmp_path_factory):
-    from tandem.models.tiny import make_tiny_model
-    from tests.engine.test_lossless_e2e import VOCAB
-
-    return str(make_tiny_model(tmp_path_factory.mktemp("v12"), "llama", seed=11, vocab_size=VOCAB))
 
 
 def sampled_counts(path, params: SamplingParams, drafter_name: str | None) -> tuple[dict[tuple, int], Engine]:

@@ -1,19 +1,16 @@
 """Rollouts for RL: exact log-probs, greedy identity and the sampled distribution with and without speculation."""
 import pytest
 import torch
-from scipy.stats import chi2
 
 from tandem.config import EngineConfig, SamplingParams
 from tandem.drafters import build_drafter
 from tandem.errors import InvalidParameterError
 from tandem.models.loader import load_transformer
-from tandem.models.tiny import make_tiny_model
 from tandem.ops.sampling import sampling_probs
 from tandem.rl.rollout import RolloutEngine
-from tiny_helpers import load_packed, make_prompts
+from tiny_helpers import FALSE_FAILURE, SAMPLES, SMALL_VOCAB as VOCAB, SMALL_VOCAB_PROMPT as PROMPT, chi_square_p_value, load_packed, make_prompts
 
 LOGPROB_TOL = 1e-4  # fp32: packed vs dense matmuls and batched vs single forwards differ by ~1e-6
-FALSE_FAILURE = 1e-4  # p-value threshold of each chi-square test = its false-failure probability
 
 
 def rollout_engine(path, drafter_name, max_batch=8, k=3, max_len=128):
@@ -87,16 +84,6 @@ def test_profile_and_decisions_follow_the_live_batch(tiny_llama):
 
 
 # ---- the sampled distribution at temperature 1 (chi-square, with a negative control) ---------------------
-VOCAB = 12
-PROMPT = [3, 5, 7, 3, 5, 7, 3, 5]
-SAMPLES = 1200
-
-
-@pytest.fixture(scope="module")
-def small_vocab_model(tmp_path_factory):
-    return str(make_tiny_model(tmp_path_factory.mktemp("v12rl"), "llama", seed=11, vocab_size=VOCAB))
-
-
 def exact_distribution(model, temperature, length=3) -> dict[tuple, float]:
     dist = {(): 1.0}
     for _ in range(length):
@@ -105,18 +92,6 @@ def exact_distribution(model, temperature, length=3) -> dict[tuple, float]:
             probs = torch.softmax(model(torch.tensor([PROMPT + list(c) for c in contexts])).logits[:, -1] / temperature, -1)
         dist = {c + (t,): dist[c] * probs[i, t].item() for i, c in enumerate(contexts) for t in range(VOCAB)}
     return dist
-
-
-def chi_square_p_value(counts: dict[tuple, int], expected: dict[tuple, float], n: int) -> float:
-    big = [c for c in expected if expected[c] * n >= 5]
-    stat = sum((counts.get(c, 0) - expected[c] * n) ** 2 / (expected[c] * n) for c in big)
-    rest_expected, rest_observed = n - sum(expected[c] * n for c in big), n - sum(counts.get(c, 0) for c in big)
-    dof = len(big) - 1
-    if rest_expected >= 5:
-        stat, dof = stat + (rest_observed - rest_expected) ** 2 / rest_expected, dof + 1
-    elif rest_observed > 10:
-        return 0.0
-    return float(chi2.sf(stat, dof))
 
 
 def rollout_counts(path, drafter_name) -> tuple[dict[tuple, int], RolloutEngine]:
@@ -132,9 +107,11 @@ def rollout_counts(path, drafter_name) -> tuple[dict[tuple, int], RolloutEngine]
 def test_rollouts_at_temperature_1_have_the_policy_distribution(small_vocab_model, drafter_name):
     exact = exact_distribution(load_transformer(small_vocab_model), 1.0)
     counts, engine = rollout_counts(small_vocab_model, drafter_name)
-    if drafter_name:
+    if drafter_name:  # max_tokens 3: a budget of 1 at each request's first verify, filled by the int8 copy; 0 after
         stats = engine.engine.stats
-        assert stats.drafted_tokens > 0 and stats.accepted_tokens < stats.drafted_tokens  # drafts tried, some rejected
+        assert stats.drafted_tokens == stats.drafts == SAMPLES
+        assert stats.request_steps == 2 * SAMPLES - stats.accepted_tokens  # accepted: done in that verify; else one more
+        assert 0 < stats.accepted_tokens < stats.drafted_tokens  # the verifies both accepted and rejected drafts
     assert chi_square_p_value(counts, exact, SAMPLES) > FALSE_FAILURE
 
 

@@ -12,7 +12,7 @@ Each request ends as: ok, client_disconnected, 4xx, 5xx (split into the injected
 and unexplained ones, from the engine request ids the faults logged), transport_error, or hung (no end within
 the server's request timeout + `hang_margin_s`). The run passes when nothing hung, no 5xx is unexplained, the
 faults hit exactly the requests they logged, and neither the server's RSS nor its state directory grew after the
-warm-up by more than the bounds below explain (`rss_allowance_mb`, `state_dir_allowance_mb`).
+warm-up by more than the bounds of soak_verdict explain (`rss_allowance_mb`, `state_dir_allowance_mb`).
 """
 from __future__ import annotations
 
@@ -32,25 +32,13 @@ from pathlib import Path
 from tandem.bench.children import ChildServer, free_port, sigterm_as_interrupt, tandem_env
 from tandem.bench.machine import machine_info
 from tandem.bench.peers.vllm_client import scrape
+from tandem.bench.serving.soak_verdict import (Result, classify, growth, growth_checks, markdown_table, percentile, read_fault_log,
+                                               rss_allowance_mb, state_dir_allowance_mb, verdict)
 from tandem.data.prompts import load_prompts
 from tandem.errors import InvalidParameterError
-from tandem.server.admin import KEEP_VERSIONS
 from tandem.server.runtime import ServerConfig
 
 SERVED = "soak"
-# RSS growth after the warm-up that is not a leak: by then the weights, their packed copies, the KV cache, the
-# drafter and the thread pools are allocated; what may still grow is the allocator's high-water mark (a batch of
-# longer prompts than any seen in the warm-up: activations, freed to the allocator but not to the OS) and Python's
-# per-request objects (bounded by the concurrency). Both are a fraction of what the server already holds, so the
-# bound is a quarter of the warm-up-end RSS, at least 128 MB (a small model's allocator arenas alone reach tens of MB).
-RSS_GROWTH_FRACTION = 0.25
-RSS_GROWTH_FLOOR_MB = 128.0
-# What the state directory holds: drafter version files, of which the server keeps the newest KEEP_VERSIONS plus the
-# one served; online, versions are pruned every 10 s, so up to PRUNE_SLACK_VERSIONS more may exist between prunes,
-# the trainer's checkpoint (overwritten in place: the head's weights and Adam's two moments, CHECKPOINT_VERSIONS
-# version files) and the spilled traces (deleted beyond the server's spill cap). Nothing else is written there.
-PRUNE_SLACK_VERSIONS = 8
-CHECKPOINT_VERSIONS = 3
 ERROR_STATUS = {"server_error": 503, "timeout_error": 408, "invalid_request_error": 400, "rate_limit_error": 429}
 
 
@@ -92,17 +80,6 @@ class SoakConfig:
     @property
     def warmup(self) -> float:
         return self.warmup_s if self.warmup_s is not None else min(120.0, 0.1 * self.duration_s)
-
-
-@dataclass
-class Result:
-    kind: str  # load | prefill_fault | step_fault
-    outcome: str  # ok | client_disconnected | 4xx | 5xx | hung | transport_error
-    status: int | None = None
-    code: str | None = None
-    response_id: str | None = None
-    latency_s: float = 0.0
-    error: str | None = None
 
 
 # ---- one request -----------------------------------------------------------------------------------------
@@ -293,96 +270,6 @@ def server_spec(c: SoakConfig, port: int, state_dir: Path, admin_key: str) -> di
             "request_timeout_s": c.request_timeout_s, "drain_timeout_s": 10.0}
 
 
-# ---- classification and report ---------------------------------------------------------------------------
-def read_fault_log(path: Path) -> dict[str, list[str]]:
-    """fault -> the response ids (engine request id without its `-<choice>` suffix) it failed."""
-    faults: dict[str, list[str]] = {"prefill": [], "step": []}
-    if path.exists():
-        for line in path.read_text().splitlines():
-            entry = json.loads(line)
-            faults[entry["fault"]] += [rid.rsplit("-", 1)[0] for rid in entry["request_ids"]]
-    return faults
-
-
-def classify(results: list[Result], faults: dict[str, list[str]]) -> dict:
-    """Counts by outcome; each 5xx attributed to an injected fault or counted unexplained.
-
-    The prefill fault's request is the one that carried its marker. A request failed by the step fault is known
-    by its response id (from its stream's first chunk). A completions stream whose tokens so far decoded to no
-    text has sent no chunk, so no id: such id-less `engine_step_failed` errors are matched by count to the step's
-    logged requests that no client reported by id (never more of them than that)."""
-    outcomes: dict[str, int] = {}
-    for r in results:
-        outcomes[r.outcome] = outcomes.get(r.outcome, 0) + 1
-    step_ids = set(faults["step"])
-    seen = {r.response_id for r in results if r.response_id in step_ids and r.outcome in ("5xx", "client_disconnected")}
-    unseen = len(step_ids - seen)
-    server_errors = {"injected_prefill": 0, "injected_step": 0, "injected_step_matched_by_count": 0, "unexplained": 0}
-    unexplained = []
-    for r in (r for r in results if r.outcome == "5xx"):
-        if r.kind == "prefill_fault" and r.code == "engine_step_failed":
-            server_errors["injected_prefill"] += 1
-        elif r.code == "engine_step_failed" and r.response_id in step_ids:
-            server_errors["injected_step"] += 1
-        elif r.code == "engine_step_failed" and r.response_id is None and unseen > 0:
-            unseen -= 1
-            server_errors["injected_step"] += 1
-            server_errors["injected_step_matched_by_count"] += 1
-        else:
-            server_errors["unexplained"] += 1
-            unexplained.append(asdict(r))
-    client_errors: dict[str, int] = {}
-    for r in (r for r in results if r.outcome == "4xx"):
-        client_errors[f"{r.status} {r.code}"] = client_errors.get(f"{r.status} {r.code}", 0) + 1
-    return {"total": len(results), "by_outcome": outcomes, "5xx": server_errors, "4xx_by_code": client_errors,
-            "unexplained_5xx": unexplained[:20], "step_fault_requests_unaccounted": unseen,
-            "transport_errors": [asdict(r) for r in results if r.outcome == "transport_error"][:20]}
-
-
-def _percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    values = sorted(values)
-    return round(values[min(len(values) - 1, int(round(q * (len(values) - 1))))], 3)
-
-
-def growth(samples: list[dict], key: str, warmup_s: float) -> dict:
-    after = [s for s in samples if s["t_s"] >= warmup_s and s[key] is not None]
-    if not after:
-        return {"warmup_end": None, "end": None, "max_after_warmup": None, "change": None}
-    first, last = after[0][key], after[-1][key]
-    return {"warmup_end": first, "end": last, "max_after_warmup": max(s[key] for s in after), "change": round(last - first, 2)}
-
-
-def rss_allowance_mb(warmup_end_mb: float) -> float:
-    return max(RSS_GROWTH_FLOOR_MB, RSS_GROWTH_FRACTION * warmup_end_mb)
-
-
-def state_dir_allowance_mb(version_file_mb: float, online: bool, spill_cap_mb: float) -> float:
-    """The most the state directory may hold (see the constants): the versions kept, and online the checkpoint and traces."""
-    versions = KEEP_VERSIONS + 1 + (PRUNE_SLACK_VERSIONS if online else 0)
-    return version_file_mb * (versions + (CHECKPOINT_VERSIONS if online else 0)) + (spill_cap_mb if online else 0.0)
-
-
-def growth_checks(rss: dict, state_dir: dict, state_allowance_mb: float) -> dict:
-    """RSS growth after the warm-up within `rss_allowance_mb`, and the state directory never above what it may hold;
-    a run with no sample after the warm-up fails (nothing was checked)."""
-    rss_ok = rss["warmup_end"] is not None and rss["max_after_warmup"] - rss["warmup_end"] <= rss_allowance_mb(rss["warmup_end"])
-    state_ok = state_dir["max_after_warmup"] is not None and state_dir["max_after_warmup"] <= state_allowance_mb
-    return {"rss_growth_within_bound": bool(rss_ok), "state_dir_within_bound": bool(state_ok)}
-
-
-def verdict(requests: dict, faults: dict, publishes: dict, growth: dict) -> dict:
-    """Every check of the run (`growth`: `growth_checks`); passed when all hold."""
-    hung = requests["by_outcome"].get("hung", 0)
-    checks = growth | {"no_hung_requests": hung == 0, "no_unexplained_5xx": requests["5xx"]["unexplained"] == 0,
-              "no_transport_errors": requests["by_outcome"].get("transport_error", 0) == 0,
-              "every_publish_accepted": publishes["failed"] == 0,
-              "prefill_fault_hit_one_request": requests["5xx"]["injected_prefill"] == 1 and len(faults["prefill"]) == 1,
-              "step_fault_fired_and_accounted": len(faults["step"]) >= 1 and requests["step_fault_requests_unaccounted"] == 0}
-    return checks | {"passed": all(checks.values())}
-
-
 def run_soak(config: SoakConfig, progress=print) -> dict:
     from tandem.models.zoo import resolve_model
 
@@ -418,7 +305,7 @@ def run_soak(config: SoakConfig, progress=print) -> dict:
     report = {
         "config": asdict(config), "machine": machine_info(), "started": started, "work_dir": str(work), "requests": requests,
         "hung": requests["by_outcome"].get("hung", 0), "faults": faults,
-        "latency_p50_s": _percentile(ok, 0.5), "latency_p99_s": _percentile(ok, 0.99), "latency_mean_s": round(statistics.fmean(ok), 3) if ok else None,
+        "latency_p50_s": percentile(ok, 0.5), "latency_p99_s": percentile(ok, 0.99), "latency_mean_s": round(statistics.fmean(ok), 3) if ok else None,
         "publishes": run.publishes, "server": _server_counts(metrics), "server_exit_code": exit_code,
         "rss_mb": growth(run.samples, "rss_mb", config.warmup), "state_dir_mb": growth(run.samples, "state_dir_mb", config.warmup),
         "samples": run.samples,
@@ -439,24 +326,6 @@ def _server_counts(m: dict) -> dict:
             "engine_prefills_failed": "tandem:engine_prefills_failed_total", "loop_iterations_failed": "tandem:engine_loop_iterations_failed_total",
             "requests_succeeded": "tandem:request_success_total", "generation_tokens": "tandem:generation_tokens_total"}
     return {k: m.get(v) for k, v in keys.items()}
-
-
-def markdown_table(report: dict) -> str:
-    r, v = report["requests"], report["verdict"]
-    lines = ["| soak | value |", "|---|---|",
-             f"| requests | {r['total']}: " + ", ".join(f"{k} {n}" for k, n in sorted(r["by_outcome"].items())) + " |",
-             f"| 5xx | injected prefill {r['5xx']['injected_prefill']}, injected step {r['5xx']['injected_step']} "
-             f"(the step's requests: {len(report['faults']['step'])}), unexplained {r['5xx']['unexplained']} |",
-             f"| 4xx | {r['4xx_by_code'] or 0} |", f"| hung | {report['hung']} |",
-             f"| latency p50 / p99 s | {report['latency_p50_s']} / {report['latency_p99_s']} |",
-             f"| drafter publishes (ok / failed), swaps | {report['publishes']['ok']} / {report['publishes']['failed']}, "
-             f"{report['server']['drafter_swaps']} |"]
-    for key, label in (("rss_mb", "server RSS MB"), ("state_dir_mb", "state dir MB")):
-        g = report[key]
-        bound = f"growth allowed {g.get('allowed_growth')}" if key == "rss_mb" else f"allowed {g.get('allowed')}"
-        lines.append(f"| {label}: warm-up end -> end (max after warm-up; {bound}) | {g['warmup_end']} -> {g['end']} ({g['max_after_warmup']}) |")
-    lines.append(f"| verdict | {'passed' if v['passed'] else 'FAILED: ' + ', '.join(k for k, ok in v.items() if not ok and k != 'passed')} |")
-    return "\n".join(lines)
 
 
 def add_bench_soak_command(bench) -> None:
