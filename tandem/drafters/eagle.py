@@ -113,7 +113,9 @@ class EagleDrafter(DrafterBase):
     def on_verified(self, requests, drafts, results, starts, target_out) -> None:
         taps = self._taps(target_out)
         paths = [[0] + [1 + j for j in result.accepted_nodes] for result in results]
-        gathered = [torch.cat([h[b, path] for b, path in enumerate(paths)]) for h in taps]  # 3 x [sum(a+1), d]
+        rows = torch.tensor([b for b, path in enumerate(paths) for _ in path])
+        columns = torch.tensor([j for path in paths for j in path])
+        gathered = [h[rows.to(h.device), columns.to(h.device)] for h in taps]  # 3 x [sum(a+1), d]: one gather per tap, not per row
         fused = self.head.fuse(gathered).split([len(p) for p in paths])
         for request, start, features in zip(requests, starts, fused):
             queued = self.pending.get(request.row, features[:0])
