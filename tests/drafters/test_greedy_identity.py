@@ -8,6 +8,7 @@ from tandem.drafters.base import DrafterBase
 from tandem.engine.control import AdaptiveDraftLength
 from tandem.engine.engine import Engine
 from tandem.errors import InvalidParameterError
+from tandem.models import cpu_gemm
 from tandem.models.tiny import make_tiny_model
 from tandem.ops.ngram import ngram_candidates
 from tandem.ops.tree import trie_from_sequences
@@ -81,6 +82,7 @@ def test_draft_model_greedy_identical(tiny_dirs, tmp_path):
     assert got == plain_greedy(tiny_dirs["qwen2"], prompts)
 
 
+@pytest.mark.skipif(not cpu_gemm.available(), reason=f"int8 / int4 weights need the CPU kernels: {cpu_gemm.unusable_reason()}")
 @pytest.mark.parametrize("name,kind", [("draft_model_int8", None), ("draft_model_int4", "int4")])
 def test_a_quantized_draft_model_is_served_at_its_weights_and_stays_lossless(tiny_dirs, tmp_path, name, kind):
     draft_dir = make_tiny_model(tmp_path / "draft", "qwen2", seed=7)
