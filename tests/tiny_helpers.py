@@ -6,7 +6,8 @@ from scipy.stats import chi2
 from tandem.config import EngineConfig, SamplingParams
 from tandem.engine.engine import Engine
 from tandem.models.loader import load_transformer
-from tandem.ops.ngram import ngram_propose
+from tandem.ops.ngram import ngram_candidates, ngram_propose
+from tandem.ops.tree import trie_from_sequences
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 # The distribution tests' model (conftest's small_vocab_model): few enough tokens that the exact distribution of the
@@ -61,6 +62,30 @@ def plain_outputs(target, prompt_ids, params):
     return [r.output_ids for r in Engine(model, EngineConfig(max_batch_size=4, max_model_len=256)).run(prompt_ids, params)]
 
 
+def first_step_drafts(drafter_name, counts: dict[tuple, int]) -> int:
+    """Drafted tokens of SAMPLES requests of max_tokens 3 on SMALL_VOCAB_PROMPT (`counts`: output -> times seen): one
+    token, at each request's first verify (a budget of 1 there, 0 after). Model drafters fill it; prompt lookup (chain or
+    tree) drafts the token that followed the latest earlier match of the context's longest suffix (first token 3 -> 5,
+    5 -> 5: the prompt ends in 5, 7 -> 3), and nothing for a token the prompt lacks."""
+    if drafter_name in ("ngram", "ngram_tree"):
+        return sum(n for output, n in counts.items() if output[0] in SMALL_VOCAB_PROMPT)
+    return SAMPLES
+
+
+def watch_added_requests(engine) -> list:
+    """Observe `engine`: the returned list fills with every Request added to it, in order (for callers that hand back
+    something else than the requests, such as RolloutEngine)."""
+    added, add = [], engine.add_request
+
+    def add_and_keep(*args, **kwargs):
+        request_id = add(*args, **kwargs)
+        added.append(engine.waiting[-1])
+        return request_id
+
+    engine.add_request = add_and_keep
+    return added
+
+
 def watch_decode_steps(engine) -> list:
     """Observe `engine`: the returned list fills with every request's RequestStep at every decode step, in order."""
     steps = []
@@ -90,10 +115,16 @@ def chain(tokens: list[int]) -> tuple[list[int], list[int]]:
     return list(tokens), list(range(-1, len(tokens) - 1))
 
 
-def ngram_chain(context, budget: int, _drafted=None) -> tuple[list[int], list[int]]:
-    """What the ngram drafter (k = 4, suffixes of 1..4 tokens) drafts from a context within a budget, written with the
-    op it is made of (a replay for assert_replayed_drafts)."""
-    return chain(ngram_propose(context, 1, 4, min(4, budget)))
+def ngram_chain(context, budget: int, _drafted=None, k: int = 4) -> tuple[list[int], list[int]]:
+    """What the ngram drafter (k tokens, suffixes of 1..4 tokens) drafts from a context within a budget, written with
+    the op it is made of (a replay for assert_replayed_drafts)."""
+    return chain(ngram_propose(context, 1, 4, min(k, budget)))
+
+
+def ngram_trie(context, budget: int, _drafted=None, k: int = 4) -> tuple[list[int], list[int]]:
+    """What the ngram_tree drafter (3 continuations of k tokens merged into a trie of at most 2k + 2 nodes) drafts from
+    a context within a budget, written with the ops it is made of (a replay for assert_replayed_drafts)."""
+    return trie_from_sequences(ngram_candidates(context, 1, 4, min(k, budget), 3), min(2 * k + 2, budget))
 
 
 def assert_replayed_drafts(engine, steps, requests, replay):
@@ -109,13 +140,20 @@ def assert_replayed_drafts(engine, steps, requests, replay):
     assert engine.stats.output_tokens == len(requests) + engine.stats.request_steps + engine.stats.accepted_tokens
 
 
-def assert_greedy_chain_verdicts(steps, requests):
-    """Greedy verification of chains, step by step against the output: a step accepts the longest prefix of its draft
-    that the output continues with, and emits the output's next accepted + 1 tokens."""
+def assert_greedy_verdicts(steps, requests):
+    """Greedy verification of chains and tries (siblings draft different tokens), step by step against the output: a
+    step accepts the path from the root down the nodes whose tokens the output continues with, and emits the output's
+    next len(path) + 1 tokens."""
     by_id = {r.request_id: r for r in requests}
     for s in steps:
         request = by_id[s.request_id]
         done = s.context_len - len(request.prompt_ids) + 1  # tokens emitted before the step
         following = request.output_ids[done : done + len(s.draft_tokens) + 1]
-        accepted = next((i for i, (a, b) in enumerate(zip(s.draft_tokens, following)) if a != b), len(s.draft_tokens))
-        assert (len(s.accepted_nodes), s.emitted_tokens) == (accepted, following[: accepted + 1])
+        path = []
+        while len(path) < len(following) - 1:
+            parent = path[-1] if path else -1
+            node = next((i for i, (t, p) in enumerate(zip(s.draft_tokens, s.draft_parents)) if p == parent and t == following[len(path)]), None)
+            if node is None:
+                break
+            path.append(node)
+        assert (s.accepted_nodes, s.emitted_tokens) == (path, following[: len(path) + 1])

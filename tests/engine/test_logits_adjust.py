@@ -11,7 +11,9 @@ from tandem.drafters import build_drafter
 from tandem.engine.engine import Engine
 from tandem.models.loader import load_transformer
 from tandem.ops.sampling import apply_penalties, sampling_probs, suppress_tokens
-from tiny_helpers import FALSE_FAILURE, SAMPLES, SMALL_VOCAB as VOCAB, SMALL_VOCAB_PROMPT as PROMPT, chi_square_p_value, load_packed, repetitive_prompts
+from tiny_helpers import (FALSE_FAILURE, SAMPLES, SMALL_VOCAB as VOCAB, SMALL_VOCAB_PROMPT as PROMPT, assert_full_budget_accounting, assert_greedy_verdicts,
+                          assert_replayed_drafts, chi_square_p_value, first_step_drafts, load_packed, ngram_chain, ngram_trie, repetitive_prompts,
+                          watch_decode_steps)
 
 PENALIZED = dict(repetition_penalty=1.6, frequency_penalty=0.3, presence_penalty=0.2)
 
@@ -59,6 +61,9 @@ def test_penalties_and_min_p_ops_known_values():
     assert torch.allclose(probs, torch.tensor([[0.625, 0.375, 0.0, 0.0]]))
 
 
+LOOKUPS = {"ngram": ngram_chain, "ngram_tree": ngram_trie}
+
+
 @pytest.mark.parametrize("drafter,penalties", [(None, PENALIZED), ("self_draft", PENALIZED),
                                                # prompt lookup finds nothing to draft once strong penalties stop the output repeating
                                                ("ngram", {"repetition_penalty": 1.15}), ("ngram_tree", {"repetition_penalty": 1.15})])
@@ -66,12 +71,19 @@ def test_penalized_greedy_follows_the_reference_with_and_without_speculation(tin
     prompts = repetitive_prompts()
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, **penalties)
     engine = engine_for(tiny_llama, drafter)
-    got = [r.output_ids for r in engine.run(prompts, [params] * len(prompts))]
+    steps = watch_decode_steps(engine)
+    requests = engine.run(prompts, [params] * len(prompts))
+    got = [r.output_ids for r in requests]
     assert got == [reference_greedy(tiny_llama, p, params, engine.eos_ids) for p in prompts]
     unpenalized = [r.output_ids for r in engine_for(tiny_llama).run(prompts, [SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)] * 4)]
     assert got != unpenalized  # the penalties changed the output
-    if drafter:
-        assert engine.stats.drafted_tokens > engine.stats.accepted_tokens > 0  # verified drafts, some rejected by the penalties
+    if drafter in LOOKUPS:  # what prompt lookup drafts, replayed on the contexts the run produced
+        assert_replayed_drafts(engine, steps, requests, LOOKUPS[drafter])
+    elif drafter:  # the int8 copy drafts whole chains of k = 4
+        assert_full_budget_accounting(engine, steps, requests, 4)
+    if drafter:  # each step accepted the path of its draft that the penalized output continues with
+        assert_greedy_verdicts(steps, requests)
+        assert 0 < engine.stats.accepted_tokens < engine.stats.drafted_tokens  # power: the drafts met both verdicts
 
 
 @pytest.mark.parametrize("drafter", [None, "self_draft"])
@@ -116,5 +128,8 @@ def test_sampled_penalized_min_p_output_has_the_adjusted_distribution(small_voca
     assert chi_square_p_value(counts, exact, SAMPLES) > FALSE_FAILURE
     unadjusted = exact_distribution(load_transformer(small_vocab_model), SamplingParams(max_tokens=3, temperature=0.9, top_p=0.95, ignore_eos=True))
     assert chi_square_p_value(counts, unadjusted, SAMPLES) < FALSE_FAILURE  # the check can tell the adjustments apart
-    if drafter:
-        assert engine.stats.drafted_tokens > engine.stats.accepted_tokens > 0
+    if drafter:  # max_tokens 3: one draft of one token at each request's first verify
+        stats = engine.stats
+        assert stats.drafted_tokens == stats.drafts == first_step_drafts(drafter, counts)
+        assert stats.request_steps == 2 * SAMPLES - stats.accepted_tokens  # accepted: done in that verify; else one more, undrafted
+        assert 0 < stats.accepted_tokens < stats.drafted_tokens  # the verifies both accepted and rejected drafts (the sampled path ran)

@@ -14,7 +14,7 @@ from tandem.engine.engine import Engine
 from tandem.models.loader import load_transformer
 from tandem.models.tiny import make_tiny_model
 from tandem.ops.sampling import sampling_probs
-from tiny_helpers import FALSE_FAILURE, SAMPLES, SMALL_VOCAB as VOCAB, SMALL_VOCAB_PROMPT as PROMPT, chi_square_p_value
+from tiny_helpers import FALSE_FAILURE, SAMPLES, SMALL_VOCAB as VOCAB, SMALL_VOCAB_PROMPT as PROMPT, chi_square_p_value, first_step_drafts
 
 def transform(logits, params):
     n = logits.shape[0]
@@ -62,16 +62,6 @@ def test_sampled_output_has_target_distribution(small_vocab_model, tmp_path, dra
     assert stats.request_steps == 2 * SAMPLES - stats.accepted_tokens  # accepted: done in that verify; else one more, undrafted
     assert 0 < stats.accepted_tokens < stats.drafted_tokens  # the verifies both accepted and rejected drafts (the sampled path ran)
     assert chi_square_p_value(counts, exact, SAMPLES) > FALSE_FAILURE
-
-
-def first_step_drafts(drafter_name, counts: dict[tuple, int]) -> int:
-    """Drafts of one token, made at each request's first verify: max_tokens 3 leaves a budget of 1 there and 0 after.
-    Model drafters fill it; prompt lookup (chain or tree) drafts the token that followed the latest earlier match of the
-    context's longest suffix (first token 3 -> 5, 5 -> 5: the prompt ends in 5, 7 -> 3), and nothing for a token the
-    prompt lacks."""
-    if drafter_name in ("ngram", "ngram_tree"):
-        return sum(n for output, n in counts.items() if output[0] in PROMPT)
-    return SAMPLES
 
 
 def test_the_check_has_power(small_vocab_model):

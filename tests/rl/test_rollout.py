@@ -1,4 +1,6 @@
 """Rollouts for RL: exact log-probs, greedy identity and the sampled distribution with and without speculation."""
+from functools import partial
+
 import pytest
 import torch
 
@@ -8,7 +10,8 @@ from tandem.errors import InvalidParameterError
 from tandem.models.loader import load_transformer
 from tandem.ops.sampling import sampling_probs
 from tandem.rl.rollout import RolloutEngine
-from tiny_helpers import FALSE_FAILURE, SAMPLES, SMALL_VOCAB as VOCAB, SMALL_VOCAB_PROMPT as PROMPT, chi_square_p_value, load_packed, make_prompts
+from tiny_helpers import (FALSE_FAILURE, SAMPLES, SMALL_VOCAB as VOCAB, SMALL_VOCAB_PROMPT as PROMPT, assert_full_budget_accounting, assert_greedy_verdicts,
+                          assert_replayed_drafts, chi_square_p_value, load_packed, make_prompts, ngram_chain, watch_added_requests, watch_decode_steps)
 
 LOGPROB_TOL = 1e-4  # fp32: packed vs dense matmuls and batched vs single forwards differ by ~1e-6
 
@@ -17,6 +20,17 @@ def rollout_engine(path, drafter_name, max_batch=8, k=3, max_len=128):
     target = load_packed(path)
     drafter = build_drafter(drafter_name, target=target, num_draft_tokens=k, max_batch=max_batch, max_len=max_len) if drafter_name else None
     return RolloutEngine(target, drafter, EngineConfig(max_batch_size=max_batch, max_model_len=max_len))
+
+
+def assert_drafts_accounted(engine, steps, requests, batch, drafter_name, k=3):
+    """Every step of `engine` (a RolloutEngine's Engine, watched: watch_decode_steps, watch_added_requests) drafted what
+    the drafter makes of its context and budget (prompt lookup: a replay; the model drafters: whole chains of k, cut by
+    the budget), the engine counted it, and the rollouts' metrics add up to that count."""
+    if drafter_name == "ngram":
+        assert_replayed_drafts(engine, steps, requests, partial(ngram_chain, k=k))
+    else:
+        assert_full_budget_accounting(engine, steps, requests, k)
+    assert sum(r.metrics["drafted_tokens"] for r in batch.rollouts) == engine.stats.drafted_tokens
 
 
 def teacher_forced(model, prompt, completion, params):  # -> sampled [N], policy [N]
@@ -35,6 +49,7 @@ def teacher_forced(model, prompt, completion, params):  # -> sampled [N], policy
 ])
 def test_logprobs_equal_a_teacher_forced_forward(tiny_llama, drafter_name, params):
     engine = rollout_engine(tiny_llama, drafter_name)
+    steps, requests = watch_decode_steps(engine.engine), watch_added_requests(engine.engine)
     batch = engine.generate_rollouts(make_prompts(3, seed=5), 2, params)
     reference = load_transformer(tiny_llama)  # unpacked, no cache: a plain forward over the same tokens
     assert len(batch.rollouts) == 6 and {r.policy_version for r in batch.rollouts} == {0}
@@ -46,7 +61,9 @@ def test_logprobs_equal_a_teacher_forced_forward(tiny_llama, drafter_name, param
         if params.greedy:
             assert r.logprobs == [0.0] * 20  # the greedy distribution is a one-hot
     if drafter_name:
-        assert sum(r.metrics["drafted_tokens"] for r in batch.rollouts) > 0
+        assert_drafts_accounted(engine.engine, steps, requests, batch, drafter_name)
+    if drafter_name and params.greedy:
+        assert_greedy_verdicts(steps, requests)
     if drafter_name == "self_draft":
         assert sum(r.metrics["accepted_tokens"] for r in batch.rollouts) > 0  # drafted tokens were really emitted
 
@@ -56,11 +73,14 @@ def test_greedy_rollouts_identical_with_and_without_speculation(tiny_llama, draf
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, seed=0)
     prompts = make_prompts(4, seed=9)
     plain = rollout_engine(tiny_llama, None).generate_rollouts(prompts, 2, params)
-    spec = rollout_engine(tiny_llama, drafter_name).generate_rollouts(prompts, 2, params)
+    engine = rollout_engine(tiny_llama, drafter_name)
+    steps, requests = watch_decode_steps(engine.engine), watch_added_requests(engine.engine)
+    spec = engine.generate_rollouts(prompts, 2, params)
     assert [r.completion_ids for r in spec.rollouts] == [r.completion_ids for r in plain.rollouts]
     for a, b in zip(spec.rollouts, plain.rollouts):
         assert torch.allclose(torch.tensor(a.policy_logprobs), torch.tensor(b.policy_logprobs), atol=LOGPROB_TOL, rtol=0)
-    assert sum(r.metrics["drafted_tokens"] for r in spec.rollouts) > 0
+    assert_drafts_accounted(engine.engine, steps, requests, spec, drafter_name)
+    assert_greedy_verdicts(steps, requests)
 
 
 def test_generate_rollouts_validates(tiny_llama):
