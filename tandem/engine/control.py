@@ -49,7 +49,7 @@ MAX_BACKOFF = 8
 RELAX = 0.02  # per step: an undrafted depth's acceptance drifts toward the depth above it; a stale shape toward its prior
 SHAPE_EMA = 0.05  # per step, a shape's figure toward what the step measured of it (~20 steps of memory: acceptance comes in bursts no
 # plan can foresee, and chasing them drafted deep just as a burst ended)
-RATIO_PRIOR = 8.0  # a request's ratio starts as if it had emitted what was expected over this many extra tokens
+RATIO_PRIOR = 32.0  # a request's ratio starts as if it had emitted what was expected over this many extra tokens (8 lost to 32 at batch 4: BENCHMARKS 14)
 RATIO_DECAY = 0.97  # per drafting step, the weight left to a request's older evidence (~30 steps of memory)
 STALE = 32  # steps a shape goes undrafted before its measured figure starts drifting back toward the prior
 

@@ -182,8 +182,8 @@ def test_release_forgets_the_request():
 
 
 def test_a_request_ratio_moves_with_evidence_not_with_one_draft():
-    """One unlucky draft (nothing accepted where 2 extra tokens were expected) moves a request's ratio by a fifth
-    (8 / 10), not to zero; ten such drafts in a row take it to 0.31 (decayed evidence: 2 x sum 0.97^i = 17.6 expected,
+    """One unlucky draft (nothing accepted where 2 extra tokens were expected) moves a request's ratio by 6 %
+    (32 / 34), not to zero; ten such drafts in a row take it to 0.65 (decayed evidence: 2 x sum 0.97^i = 17.5 expected,
     0 emitted)."""
     c = controller()
     r = req(0)
