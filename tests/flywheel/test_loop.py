@@ -4,7 +4,7 @@ import pytest
 from tandem.config import SamplingParams
 from tandem.errors import InvalidParameterError
 from tandem.flywheel.loop import Flywheel, FlywheelOptions
-from tandem.flywheel.trainer import FlywheelConfig
+from tandem.flywheel.trainer import FlywheelConfig, wait_for
 
 from flywheel_helpers import GREEDY, eagle_engine, make_prompts, plain_outputs, serve, serve_past_a_publish
 
@@ -40,6 +40,7 @@ def test_each_published_version_is_swapped_in_at_a_step_boundary(target):
     flywheel = Flywheel(eagle_engine(target), target, options)
     served = serve(flywheel, make_prompts(4, seed=5), GREEDY)
     for version in (1, 2):
+        assert wait_for(lambda: len(flywheel.buffer) >= 2, timeout=30)  # the collector thread files the traces (min_traces 2)
         flywheel.trainer.train_step()
         flywheel.trainer.train_step()
         assert flywheel.trainer.published == version
