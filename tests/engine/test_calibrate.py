@@ -154,3 +154,20 @@ def test_controller_passes_the_factory_to_recalibration(record, tmp_path, monkey
                                               recalibrate=True, drafter_factory=factory)
     stored = load_calibration(calibration_path("tiny"))
     assert len(built) == 1 and policy.draft.current == stored.drafters["ngram"] and policy.forward.machine == stored.machine
+
+
+def test_timings_flat_in_the_tokens_calibrate_from_the_measured_rates(tiny_dirs, monkeypatch):
+    """A tiny model's forwards cost the same at any width (overhead only): no roofline fits them, and calibrate used to
+    raise (a fresh-clone make test failed on it); it now keeps the measured bandwidth and matmul rate, overhead = the
+    fastest forward."""
+    from tandem.engine import calibrate as calib
+    from tandem.models.loader import load_transformer
+    from tandem.sim.fit import Timing
+
+    flat = [Timing(b, t, 64, 0.001) for b in (1, 4) for t in (1, 3, 6)]
+    monkeypatch.setattr(calib, "measure_forward", lambda model, grid: flat)
+    monkeypatch.setattr(calib, "measure_bandwidth", lambda size_mb: 2e10)
+    monkeypatch.setattr(calib, "measure_matmul_flops", lambda n: 1e11)
+    rec = calib.calibrate(load_transformer(tiny_dirs["llama"]), "tiny", quick=True)
+    assert (rec.machine.bandwidth, rec.machine.peak_flops, rec.machine.overhead_s) == (2e10, 1e11, 0.001)
+    assert rec.machine.source == "measured rates; no roofline fit"
