@@ -1,12 +1,13 @@
 """`eagle` / `eagle_tree`: an EAGLE-3-style head drafts from the target's own hidden states.
 
 State per cache row (mirrors the engine's rows): the head's one-layer KV cache holds entries
-(f_j, x_{j+1}) for committed positions j (see tandem.models.eagle), and `pending[row]` [m, d] holds the
-fused target features of committed positions not yet written there. Invariant, with n committed target
-tokens: draft-cache length (outside a proposal) + m == n. on_prefill queues the prompt's features,
-on_verified queues the features at the accepted path (root + accepted nodes) and drops the proposal's
-draft entries; propose first writes the queued entries (one forward per request: the "catch-up"), whose
-last output predicts the first draft token.
+(f_j, x_{j+1}) for committed positions j (see tandem.models.eagle), and `pending[row]` holds the target's
+tap features [m, taps x d_t] of committed positions not yet written there, as the chunks they arrived in
+(fused by the head's fc only when written: a row that stays plain for many steps costs one gather a step,
+not a fuse and a copy of its whole queue). Invariant, with n committed target tokens: draft-cache length
+(outside a proposal) + m == n. on_prefill queues the prompt's features, on_verified queues the features at
+the accepted path (root + accepted nodes) and drops the proposal's draft entries; propose first writes the
+queued entries (one batched forward: the "catch-up"), whose last output predicts the first draft token.
 
 Proposals:
 - chains (default, and always for sampled requests): k steps, one batched head forward per step.
@@ -100,34 +101,41 @@ class EagleDrafter(DrafterBase):
         device = head.fc.weight.device
         self.draft_to_target = head.draft_to_target.to(device)  # [Vd]
         self.cache = KVCache(head.cfg.layer_config(), max_batch, max_len + tree.cache_room(num_draft_tokens) + 2, torch.float32, device)
-        self.pending: dict[int, torch.Tensor] = {}  # row -> [m, d] fused features not yet in the draft cache
+        self.pending: dict[int, list[torch.Tensor]] = {}  # row -> chunks [m_i, taps x d_t] of tap features not yet in the draft cache
+        self.queued: dict[int, int] = {}  # row -> sum of m_i
         self.min_confidence = min_confidence  # chains end where the path confidence falls below it (0: always k tokens)
 
     # ---- engine hooks -------------------------------------------------------------------------------
     @torch.inference_mode()
     def on_prefill(self, request, target_out) -> None:
         self.cache.reset(request.row)
-        self.pending[request.row] = self.head.fuse([h[0] for h in self._taps(target_out)])  # [P, d]
+        features = torch.cat([h[0] for h in self._taps(target_out)], dim=-1)  # [P, taps x d_t]
+        self.pending[request.row], self.queued[request.row] = [features], len(features)
 
     @torch.inference_mode()
     def on_verified(self, requests, drafts, results, starts, target_out) -> None:
         taps = self._taps(target_out)
-        paths = [[0] + [1 + j for j in result.accepted_nodes] for result in results]
-        rows = torch.tensor([b for b, path in enumerate(paths) for _ in path])
-        columns = torch.tensor([j for path in paths for j in path])
-        gathered = [h[rows.to(h.device), columns.to(h.device)] for h in taps]  # 3 x [sum(a+1), d]: one gather per tap, not per row
-        fused = self.head.fuse(gathered).split([len(p) for p in paths])
-        for request, start, features in zip(requests, starts, fused):
-            queued = self.pending.get(request.row, features[:0])
-            self.cache.truncate(request.row, start - len(queued))  # drop this proposal's draft entries
-            self.pending[request.row] = torch.cat([queued, features])
+        counts = [1 + len(result.accepted_nodes) for result in results]
+        if max(counts) == 1:  # nothing accepted (plain rows, rejected drafts): every row's root
+            features = torch.cat([h[:, 0] for h in taps], dim=-1)  # [B, taps x d_t]
+        else:
+            rows = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))
+            columns = torch.tensor([j for result in results for j in (0, *[1 + n for n in result.accepted_nodes])])
+            features = torch.cat([h[rows.to(h.device), columns.to(h.device)] for h in taps], dim=-1)  # [sum(a+1), taps x d_t]
+        for request, start, chunk in zip(requests, starts, features.split(counts)):
+            row = request.row
+            self.cache.truncate(row, start - self.queued.get(row, 0))  # drop this proposal's draft entries
+            self.pending.setdefault(row, []).append(chunk)
+            self.queued[row] = self.queued.get(row, 0) + len(chunk)
 
     def release(self, request) -> None:
         self.pending.pop(request.row, None)
+        self.queued.pop(request.row, None)
 
     def move_row(self, src_row: int, dst_row: int) -> None:
         self.cache.move_row(src_row, dst_row)
         self.pending[dst_row] = self.pending.pop(src_row)
+        self.queued[dst_row] = self.queued.pop(src_row)
 
     def _taps(self, target_out) -> tuple[torch.Tensor, ...]:
         if len(target_out.hidden) != len(self.taps):
@@ -157,16 +165,21 @@ class EagleDrafter(DrafterBase):
         return self._chain(requests, [min(self.k, b) for b in budgets], logits, hidden)
 
     def _catch_up(self, requests) -> tuple[torch.Tensor, torch.Tensor]:  # -> logits [B, Vd], hidden [B, d] at each row's last entry
-        """Write every row's queued entries in one batched forward (right-padded; the padding is cut off after)."""
+        """Fuse every row's queued tap features in one call, write them in one batched forward (right-padded; the padding
+        is cut off after). A queue longer than PAD_LIMIT (a new prompt, a row that stayed plain) is written alone first."""
+        raw = []
         for request in requests:
-            queued = self.pending.get(request.row)
-            if queued is None or not len(queued):
+            if not self.queued.get(request.row):
                 raise InvalidParameterError(f"eagle: nothing new for row {request.row} since its last proposal (propose without on_verified?)")
-            if len(queued) > PAD_LIMIT:
-                self._write(request, queued[:-1])
-                self.pending[request.row] = queued[-1:]
-        queued = [self.pending.pop(r.row) for r in requests]
-        counts = [len(q) for q in queued]
+            raw.append(torch.cat(self.pending.pop(request.row)))
+            self.queued[request.row] = 0
+        counts = [len(q) for q in raw]
+        fused = list(self.head.fuse([torch.cat(raw)]).split(counts))  # [m_b, d] per row
+        for b, request in enumerate(requests):
+            if counts[b] > PAD_LIMIT:
+                self._write(request, fused[b][:-1])
+                fused[b], counts[b] = fused[b][-1:], 1
+        queued = fused
         starts = self.cache.lengths[: len(requests)].tolist()
         device = queued[0].device
         ids = torch.zeros(len(requests), max(counts), dtype=torch.long)

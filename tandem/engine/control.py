@@ -21,7 +21,9 @@ or staying plain (_best_plan: free per-row shapes chased noise).
 Hysteresis: speculation turns on when the best plan is predicted >= (1 + ON_MARGIN) x plain and off below
 (1 - OFF_MARGIN), each for PATIENCE plans in a row, or at once when DECISIVE; while off, a plan is made every OFF_REPLAN
 steps (the others are plain at no planning cost). While off it probes (the best plan
-for one step), spaced so that probing costs at most PROBE_BUDGET of plain decoding time, doubling the spacing
+for one step), spaced so that probing costs at most PROBE_BUDGET of plain decoding time (a probe's cost: the larger of
+its predicted and its last measured extra time, which includes catching the drafter up on the rows' plain steps, a cost
+no steady-state figure sees), doubling the spacing
 after each probe that does not turn speculation back on, and MAX_BACKOFF times apart where not even drafts
 accepted in full would pay at this batch.
 """
@@ -79,6 +81,8 @@ class SpeculationController:
         self.step_s: dict[tuple[int, int, int], tuple[float, int]] = {}  # (rows, budget, rows drafting) -> (EMA seconds, steps)
         self._drafted_last: dict[str, bool] = {}  # request -> did its previous step draft
         self._pending: tuple[float, float, float] | None = None  # (predicted speedup, plain seconds, plain tokens)
+        self._probing = False  # this step's plan is a probe
+        self.probe_extra: float | None = None  # EMA of a probe's measured extra time over what plain would take for its tokens, in plain steps
         self.stats = {"steps": 0, "speculative_steps": 0, "probes": 0, "switches": 0, "plain_equiv_s": 0.0, "actual_s": 0.0,
                       "predicted_sum": 0.0, "realised_sum": 0.0, "shape_rows": {}, "last": {}}
 
@@ -176,6 +180,7 @@ class SpeculationController:
             "predicted_speedup_mean": s["predicted_sum"] / spec if s["speculative_steps"] else 1.0,
             "realised_speedup_mean": s["realised_sum"] / spec if s["speculative_steps"] else 1.0,
             "realised_speedup_overall": s["plain_equiv_s"] / s["actual_s"] if s["actual_s"] else 1.0,
+            "probe_extra_steps": round(self.probe_extra, 3) if self.probe_extra is not None else None,
             "acceptance_per_position": [round(a, 4) for a in self.global_alphas],
             "draft_cost": asdict(self.draft.current),
             "last": dict(s["last"]),
@@ -303,16 +308,18 @@ class SpeculationController:
         if self._idle >= self._probe_interval(price, plan) * backoff:
             self._idle, self._backoff = 0, min(self._backoff * 2, MAX_BACKOFF)
             self.stats["probes"] += 1
+            self._probing = True
             return plan
         return np.zeros_like(best)
 
     def _probe_interval(self, price, plan: np.ndarray) -> int:
-        """Plain steps between probes so that a probe's net extra time (its predicted time minus the plain time its
-        tokens would have taken) is <= PROBE_BUDGET of plain decoding time."""
+        """Plain steps between probes so that a probe's net extra time (its time minus the plain time its tokens would
+        have taken: predicted, or as the last probes measured it when that was more) is <= PROBE_BUDGET of plain
+        decoding time."""
         plain_tokens, plain_s = price(np.zeros_like(plan))
         probe_tokens, probe_s = price(plan)
         extra = max(probe_s - plain_s * probe_tokens / plain_tokens, 0.0) / plain_s
-        return max(8, math.ceil(extra / PROBE_BUDGET))
+        return max(8, math.ceil(max(extra, self.probe_extra or 0.0) / PROBE_BUDGET))
 
     # ---- learning ---------------------------------------------------------------------------------
     def _learn(self, requests, drafts, results, planned: list[int]) -> None:
@@ -381,6 +388,9 @@ class SpeculationController:
         predicted, plain_s, plain_tokens = self._pending
         self._pending = None
         plain_equiv = emitted / plain_tokens * plain_s
+        if self._probing:
+            self._probing = False
+            self.probe_extra = _ema(self.probe_extra, max(seconds - plain_equiv, 0.0) / plain_s, 0.5)
         s["plain_equiv_s"] += plain_equiv
         s["actual_s"] += seconds
         realised = plain_equiv / seconds if seconds > 0 else 1.0

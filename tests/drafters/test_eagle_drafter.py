@@ -219,3 +219,35 @@ def test_confidence_cut_drafts_less_and_changes_no_output(tiny_llama, name):
     assert drafted[0.9] == 0
     with pytest.raises(InvalidParameterError, match="min_confidence"):
         spec_engine(tiny_llama, "eagle", min_confidence=1.0)
+
+
+class PlainThenDraft:
+    """A draft policy: every row plain for `plain_steps` decode steps, then budget 4."""
+
+    def __init__(self, plain_steps: int):
+        self.plain_steps, self.steps = plain_steps, 0
+
+    def plan(self, requests) -> list[int]:
+        self.steps += 1
+        return [0 if self.steps <= self.plain_steps else 4] * len(requests)
+
+    def observe(self, *args, **kwargs) -> None:
+        pass
+
+    def release(self, request) -> None:
+        pass
+
+
+def test_plain_steps_queue_tap_features_and_the_catch_up_fuses_them_once(tiny_llama):
+    """While rows draft nothing the head's fc never runs (their tap features queue as chunks, no per-step fuse or copy of
+    the queue); each drafting step fuses every row's queue in one call, and the outputs stay plain decoding's."""
+    target = load_packed(tiny_llama)
+    drafter = build_drafter("eagle", target=target, num_draft_tokens=4, max_batch=2, max_len=256)
+    policy = PlainThenDraft(6)
+    engine = Engine(target, EngineConfig(max_batch_size=2, max_model_len=256), drafter=drafter, draft_policy=policy)
+    fuses = []  # the policy's step count at each fc call
+    drafter.head.fc.register_forward_hook(lambda module, args, out: fuses.append(policy.steps))
+    ps = make_prompts(2)
+    assert [r.output_ids for r in engine.run(ps, [GREEDY] * 2)] == plain_outputs(tiny_llama, ps, [GREEDY] * 2)
+    assert fuses[0] == 7  # none at the prefill nor in the 6 plain steps: the first at the first drafting step
+    assert len(fuses) == len(set(fuses)) >= 3  # one per drafting step (its catch-up), both rows in one call

@@ -103,6 +103,24 @@ def test_probes_cost_at_most_the_probe_budget_when_nothing_pays():
     assert not c.on and c.stats["probes"] >= 3
 
 
+
+def test_probes_stay_within_the_budget_when_catching_the_drafter_up_costs_more_than_predicted():
+    """As above, but the drafter's first draft after plain steps also writes what it missed (an EAGLE head's catch-up),
+    0.55 s here (5 plain steps) that no steady-state figure of the model sees: the probes' measured extra time spaces
+    them so that probing still costs at most PROBE_BUDGET (priced by the model alone, it cost ~5 %)."""
+    c = SpeculationController(4, ForwardCost(WORK, MACHINE), DraftCostModel(DRAFT), shapes=chain_shapes(4))
+    r = req(0)
+    spent, plain, drafted_last = 0.0, 0.0, True
+    for _ in range(4000):
+        [budget] = c.plan([r])
+        draft_s = DRAFT.seconds(budget, budget) + (0.55 if budget and not drafted_last else 0.0)
+        c.observe([r], [DraftTree.chain(list(range(budget)))], [result_emitting(1)], draft_s, verify_s(1 + budget), 1 + budget)
+        spent += verify_s(1 + budget) + draft_s
+        plain += verify_s(1)
+        drafted_last = budget > 0
+    assert spent / plain - 1 <= PROBE_BUDGET
+    assert c.probe_extra == pytest.approx(0.55 / 0.11 + (verify_s(2) + DRAFT.seconds(1, 1) - verify_s(1)) / 0.11, rel=0.05)
+
 @pytest.mark.parametrize("ragged", [True, False])
 def test_padding_is_priced_when_the_engine_pads(ragged):
     """The same batch as above, but the engine reports a padded verify (rows x the widest row): then a row that
