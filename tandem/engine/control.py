@@ -125,7 +125,7 @@ class SpeculationController:
         chosen = self._decide(candidate, predicted, price, lambda: self._could_pay(requests, context, plain_tokens / plain_s))
         budgets = [int(self.budgets[c]) for c in chosen]
         self._plan = {r.request_id: b for r, b in zip(requests, budgets)}
-        chosen_tokens, chosen_s = price(chosen)
+        chosen_tokens, chosen_s = (tokens, seconds) if chosen is candidate else (plain_tokens, plain_s) if not chosen.any() else price(chosen)
         self._pending = ((chosen_tokens / chosen_s) / (plain_tokens / plain_s), plain_s, plain_tokens)
         return budgets
 
@@ -219,16 +219,24 @@ class SpeculationController:
         tokens = float(emitted[np.arange(batch), choice].sum())
         nodes = (self._yields() if yields is None else yields)[choice]
         drafting = choice > 0
-        verified = batch + nodes.sum() if self.ragged else batch * (1 + nodes.max(initial=0.0))
         budgets = set(self.budgets[choice[drafting]].tolist())
-        measured = self._measured(batch, budgets.pop() if budgets else 0, int(drafting.sum())) if len(budgets) <= 1 else None
+        shared = (budgets.pop() if budgets else 0) if len(budgets) <= 1 else None
+        extra = float(np.maximum(nodes - self.depths[choice], 0.0)[drafting].sum())  # nodes beyond one per pass: lookups, grafts, trees
+        return tokens, self._seconds(batch, shared, int(drafting.sum()), float(nodes.sum()), float(nodes.max(initial=0.0)),
+                                     int(self.depths[choice].max()), extra, context)
+
+    def _seconds(self, batch: int, budget: int | None, drafting: int, nodes: float, widest: float, depth: int, extra: float,
+                 context: int) -> float:
+        """Seconds of a step of `batch` rows of which `drafting` draft (all the same `budget`, or None when they differ):
+        `nodes` draft nodes in all, `widest` in the widest row, `depth` passes, `extra` nodes beyond one per pass and row.
+        Measured once MEASURED_AFTER such steps ran (a shared budget only), else the model's: the verify of 1 + nodes
+        tokens a row (ragged) or the widest row's width for every row (padded), plus the drafter's time."""
+        measured = self._measured(batch, budget, drafting) if budget is not None else None
         if measured is not None:
-            return tokens, measured
+            return measured
+        verified = batch + nodes if self.ragged else batch * (1 + widest)
         seconds = self.forward.predict_total(batch, verified, context)
-        if drafting.any():
-            extra = np.maximum(nodes - self.depths[choice], 0.0)[drafting].sum()  # nodes beyond one per pass: lookups, grafts, trees
-            seconds += self.draft.seconds(int(self.depths[choice].max()), float(extra), int(drafting.sum()))
-        return tokens, seconds
+        return seconds + (self.draft.seconds(depth, extra, drafting) if drafting else 0.0)
 
     def _measured(self, batch: int, budget: int, drafting: int) -> float | None:
         """The measured seconds of a step of `batch` rows where `drafting` of them drafted `budget` (the others plain),
@@ -250,7 +258,8 @@ class SpeculationController:
         slope = self._verify_slope(batch, float(batch), context)
         cost = self.draft.current
         for j in range(1, len(self.budgets)):
-            rate = columns[j] / self._uniform_seconds(batch, batch, nodes[j], int(self.depths[j]), extra[j], context, int(self.budgets[j]))
+            budget, depth = int(self.budgets[j]), int(self.depths[j])
+            rate = columns[j] / self._seconds(batch, budget, batch, batch * nodes[j], nodes[j], depth, batch * extra[j], context)
             if rate > best_rate:
                 best, best_rate = np.full(batch, j), rate
             if batch == 1:
@@ -260,19 +269,10 @@ class SpeculationController:
             drafting = int(worth.sum())
             if 0 < drafting < batch:
                 tokens = float(np.where(worth, emitted[:, j], emitted[:, 0]).sum())
-                some_rate = tokens / self._uniform_seconds(batch, drafting, nodes[j], int(self.depths[j]), extra[j], context, int(self.budgets[j]))
+                some_rate = tokens / self._seconds(batch, budget, drafting, drafting * nodes[j], nodes[j], depth, drafting * extra[j], context)
                 if some_rate > best_rate:
                     best, best_rate = np.where(worth, j, 0), some_rate
         return best
-
-    def _uniform_seconds(self, batch: int, drafting: int, nodes: float, depth: int, extra: float, context: int, budget: int) -> float:
-        """Seconds of a step where `drafting` of the rows draft one shape (its budget, nodes, passes, nodes beyond one per
-        pass): measured, or the model's."""
-        measured = self._measured(batch, budget, drafting)
-        if measured is not None:
-            return measured
-        verified = batch + drafting * nodes if self.ragged else batch * (1 + nodes)
-        return self.forward.predict_total(batch, verified, context) + self.draft.seconds(depth, drafting * extra, drafting)
 
     def _verify_slope(self, batch: int, verified: float, context: int) -> float:
         """Seconds one more verified token adds around `verified` (0 for a padded verify: its width is the cap's)."""

@@ -37,6 +37,35 @@ class SpecDecodeCollector:
         yield CounterMetricFamily("tandem:num_engine_steps", "Engine verify steps.", value=stats.steps)
 
 
+class SpeculationCollector:
+    """The speculation controller's decisions (tandem.engine.control): whether it drafts, its steps, probes and
+    switches, the rows each draft shape was chosen for, and its predicted vs realised speedup over plain decoding."""
+
+    def __init__(self, policy):
+        self.policy = policy
+
+    def collect(self):
+        m = self.policy.metrics()  # read on the scrape thread: plain numbers and fresh dicts
+        yield GaugeMetricFamily("tandem:spec_control_speculating", "1 while the controller drafts (0: plain, probing now and then).", value=int(m["speculating"]))
+        for name, doc, value in (
+            ("tandem:spec_control_steps", "Engine steps the controller planned.", m["steps"]),
+            ("tandem:spec_control_speculative_steps", "Steps in which some row drafted.", m["speculative_steps"]),
+            ("tandem:spec_control_probes", "Drafting steps taken while off, to re-measure.", m["probes"]),
+            ("tandem:spec_control_switches", "Switches between drafting and plain decoding.", m["switches"]),
+        ):
+            yield CounterMetricFamily(name, doc, value=value)
+        rows = CounterMetricFamily("tandem:spec_control_shape_rows", "Request-steps per draft shape chosen (plain = no draft).", labels=["shape"])
+        for shape, count in m["shape_rows"].items():
+            rows.add_metric([shape], count)
+        yield rows
+        for name, doc, value in (
+            ("tandem:spec_control_predicted_speedup", "Mean predicted speedup over plain of the drafting steps.", m["predicted_speedup_mean"]),
+            ("tandem:spec_control_realised_speedup", "Mean realised speedup over plain of the drafting steps.", m["realised_speedup_mean"]),
+            ("tandem:spec_control_realised_speedup_overall", "Plain-equivalent time over actual time, every step.", m["realised_speedup_overall"]),
+        ):
+            yield GaugeMetricFamily(name, doc, value=float(value))
+
+
 class FlywheelCollector:
     """The flywheel's numbers: buffer, trainer, drafter version, swaps, refusals, rollbacks, alarms."""
 
@@ -141,6 +170,8 @@ class ServerMetrics:
         gauge("engine_loop_healthy", "1 while the engine loop takes requests.", lambda: int(loop.healthy))
         r.register(_Labelled(_LoopCounters(loop), model_name))
         r.register(_Labelled(SpecDecodeCollector(engine), model_name))
+        if hasattr(engine.draft_policy, "metrics"):
+            r.register(_Labelled(SpeculationCollector(engine.draft_policy), model_name))
         if swapper is not None:
             r.register(_Labelled(FlywheelCollector(swapper, flywheel), model_name))
 

@@ -31,7 +31,8 @@ class ServerConfig:
     served_model_name: str | None = None  # the `model` clients send; None = the model argument
     drafter: str | None = None  # ngram | draft_model | self_draft | eagle | mtp; None = plain decoding
     drafter_path: str | None = None  # eagle/mtp: a trained head directory
-    num_draft_tokens: int = 4
+    num_draft_tokens: int = 4  # the most a row drafts in a step (the deepest chain)
+    adaptive_k: bool = True  # the speculation controller picks each step's draft shape (plain included) by tokens/s; False: always num_draft_tokens
     draft_vocab_size: int | None = None  # eagle day-0 head: draft vocabulary size (None = the drafter's default)
     online: bool = False  # the flywheel: collect traces, train the eagle head, hot-swap validated versions
     state_dir: str | None = None  # checkpoints, spilled traces, drafter versions (None: $TANDEM_HOME/serve/MODEL online, else temporary)
@@ -187,8 +188,13 @@ class Runtime:
             extra = {"draft_vocab_size": c.draft_vocab_size} if c.draft_vocab_size else {}
             drafter = build_drafter(c.drafter, target=llm.target, num_draft_tokens=c.num_draft_tokens, drafter_path=c.drafter_path,
                                     device=llm.device, max_batch=llm.config.max_batch_size, max_len=llm.config.max_model_len, **extra)
+        policy = None
+        if drafter is not None and c.adaptive_k:  # at 16 rows every fixed draft ran 0.60-0.78x plain (docs/BENCHMARKS.md 14)
+            from tandem.engine.control import SpeculationController
+
+            policy = SpeculationController.for_engine(llm.target, drafter, model_name=c.model, max_k=c.num_draft_tokens)
         engine_config = replace(llm.config, record_steps=c.online, prefill_chunk_tokens=c.prefill_tokens_per_step)
-        llm.engine = Engine(llm.target, engine_config, drafter=drafter)
+        llm.engine = Engine(llm.target, engine_config, drafter=drafter, draft_policy=policy)
         return llm.engine
 
     def _flywheel(self):

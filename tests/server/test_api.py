@@ -93,6 +93,25 @@ def test_models_health_and_metrics(server):
     assert float(drafts.split()[-1]) == server.runtime.engine.stats.drafts > 0
 
 
+def test_metrics_show_the_speculation_controllers_decisions(server):
+    """A server with a drafter runs the controller by default; /metrics carries its step count, per-shape rows and
+    speedups, equal to what the controller itself reports."""
+    from tandem.engine.control import SpeculationController
+
+    client(server).completions.create(model=MODEL, prompt="abc", max_tokens=8, temperature=0)
+    policy = server.runtime.engine.draft_policy
+    assert isinstance(policy, SpeculationController)
+    with httpx.Client(base_url=server.url) as h:
+        lines = h.get("/metrics").text.splitlines()
+    value = lambda prefix: float(next(line for line in lines if line.startswith(prefix)).split()[-1])  # noqa: E731
+    m = policy.metrics()
+    assert value("tandem:spec_control_steps_total") == m["steps"] == server.runtime.engine.stats.steps
+    assert value('tandem:spec_control_shape_rows_total{model_name="tiny",shape="plain"}') == m["shape_rows"].get("plain", 0)
+    assert sum(value(f'tandem:spec_control_shape_rows_total{{model_name="tiny",shape="{shape}"}}') for shape in m["shape_rows"]) == sum(m["shape_rows"].values())
+    assert value("tandem:spec_control_speculating") == int(m["speculating"])
+    assert value("tandem:spec_control_realised_speedup_overall") == pytest.approx(m["realised_speedup_overall"])
+
+
 def test_logprobs_equal_a_teacher_forced_forward(server, reference):
     import torch
 
