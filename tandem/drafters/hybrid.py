@@ -44,10 +44,12 @@ class EagleNgramDrafter:
     def shapes(self) -> tuple[DraftShape, ...]:
         """The head's own shapes (the lookup branch grafted where it shares their nodes), then the head's largest
         draft plus a lookup branch of 1..k more nodes: the same passes, more nodes. The controller measures what each
-        emits, the grafted branch included, which the head's per-depth acceptance alone does not see."""
+        emits, the grafted branch included, which the head's per-depth acceptance alone does not see. A grafted shape's
+        first nodes are the head's chain (`prefix`): its verify also tells what each shorter chain would have emitted."""
         head = self.eagle.shapes()
         top = head[-1]
-        return head + tuple(DraftShape(top.budget + n, top.depth, f"{top.name}+lookup{n}") for n in range(1, self.ngram.k + 1))
+        prefix = top.budget if top.budget == top.depth else 0  # the head's largest draft is a chain (not a tree)
+        return head + tuple(DraftShape(top.budget + n, top.depth, f"{top.name}+lookup{n}", prefix) for n in range(1, self.ngram.k + 1))
 
     def propose(self, requests, budgets: list[int]) -> list[DraftTree]:
         """The head drafts first (up to its own max_nodes); greedy requests then get the n-gram branch in the

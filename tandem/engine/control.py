@@ -67,6 +67,7 @@ class SpeculationController:
         self.draft = draft or DraftCostModel()
         self.ema = ema
         self.budgets = np.array([0] + [s.budget for s in self.shapes])  # [S]: column 0 is plain
+        self.prefixes = {s.budget: s.prefix for s in self.shapes}
         self.depths = np.array([0] + [s.depth for s in self.shapes])
         self.global_alphas = [prior_acceptance] * max_k
         self.measured_depth = 0  # how many depths (engine-wide) have had their acceptance measured at least once
@@ -325,8 +326,10 @@ class SpeculationController:
     def _learn(self, requests, drafts, results, planned: list[int]) -> None:
         """Each shape's figure moves once per step by SHAPE_EMA toward the mean of what this step's rows measured of it.
         A chain also measures every smaller budget of the same drafter (its first b nodes are the draft at budget b:
-        min(accepted, b) + 1 tokens; budgets it had nodes to spare for give the same draft), which keeps the figures
-        of the shapes near the chosen one fresh. Request ratios are taken against the figures before this step."""
+        min(accepted, b) + 1 tokens; budgets it had nodes to spare for give the same draft), and so does a shape whose
+        first nodes are the chain shapes' drafts (`DraftShape.prefix`: a hybrid's head chain, measured by the accepted
+        path's leading nodes on it), which keeps the figures of the shapes not chosen fresh (else a chain measured
+        only when chosen keeps a stale figure). Request ratios are taken against the figures before this step."""
         expected = {b: self._global_emitted(b) - 1 for b in set(planned) if b}
         samples: dict[int, list[float]] = {}
         yields: dict[int, list[float]] = {}
@@ -338,9 +341,8 @@ class SpeculationController:
             seen, wanted = self.evidence.get(request.request_id, (0.0, 0.0))
             self.evidence[request.request_id] = (RATIO_DECAY * seen + emitted - 1, RATIO_DECAY * wanted + expected[budget])
             yields.setdefault(budget, []).append(len(draft))
-            smaller = [int(b) for b in self.budgets[1:] if b <= budget] if draft.is_chain else [budget]
-            for b in smaller:
-                samples.setdefault(b, []).append(min(accepted, b) + 1 if b < len(draft) else emitted)
+            for b, tokens in self._measured_by(budget, draft, result):
+                samples.setdefault(b, []).append(tokens)
             filled.append(1.0 if len(draft) else 0.0)
             if len(draft):
                 observed.append((len(draft.nodes_per_depth()), accepted))
@@ -354,6 +356,19 @@ class SpeculationController:
             self.last_used[b] = self.stats["steps"]
         for b, values in yields.items():
             self.yielded[b] = _ema(self.yielded.get(b), sum(values) / len(values), SHAPE_EMA)
+
+    def _measured_by(self, budget: int, draft, result) -> list[tuple[int, float]]:
+        """(budget, tokens it would have emitted) for every shape this row's verify measured: its own, and the smaller
+        budgets whose drafts are its first nodes (every one for a chain; up to its shape's `prefix` for a tree), each
+        emitting the accepted path's leading nodes on those + 1."""
+        emitted = len(result.tokens)
+        if draft.is_chain:
+            chain, along = budget, result.num_accepted  # budgets beyond its nodes (it had none to spare) drafted the same
+        else:
+            chain = min(self.prefixes.get(budget, 0), draft.leading_chain())
+            along = next((i for i, node in enumerate(result.accepted_nodes) if node != i), len(result.accepted_nodes))
+        nested = [int(b) for b in self.budgets[1:] if b < budget and b <= chain]
+        return [(b, float(min(along, b) + 1 if b < len(draft) else emitted)) for b in nested] + [(budget, float(emitted))]
 
     def _relax_stale(self) -> None:
         """A shape not drafted for STALE steps drifts toward its prior, so one unlucky estimate does not keep it from

@@ -88,6 +88,35 @@ def test_rows_that_accept_draft_and_rows_that_do_not_stay_plain():
     assert plan == [1, 1, 0, 0]  # the accepting rows draft one token each (compute-bound past 5 tokens), the others stay plain
 
 
+
+def test_a_grafted_shape_also_measures_the_head_chains_it_starts_with():
+    """chain4+lookup4 drafted every step (the head's chain is its first 4 nodes: prefix 4): the chains' figures are what
+    those nodes would have emitted alone. Accepted along the chain for 2 nodes: chain1 2 tokens, chain2..4 3; accepted
+    along the lookup branch (nodes 4, 5): every chain 1 token, the grafted shape 3. Shapes not drafted stay unmeasured."""
+    shapes = chain_shapes(4) + tuple(DraftShape(4 + n, 4, f"chain4+lookup{n}", prefix=4) for n in (1, 2, 3, 4))
+    c = SpeculationController(4, ForwardCost(WORK, MACHINE), DraftCostModel(DRAFT), shapes=shapes)
+    r = req(0)
+    c._plan = {r.request_id: 8}
+    along_chain = VerifyResult([0, 1], [7, 7, 7], 8, False)
+    c.observe([r], [grafted(8)], [along_chain], 0.05, verify_s(9), 9)
+    assert {b: c.emitted[b] for b in (1, 2, 3, 4, 8)} == {1: 2.0, 2: 3.0, 3: 3.0, 4: 3.0, 8: 3.0}
+    assert 5 not in c.emitted and 6 not in c.emitted and 7 not in c.emitted
+    c = SpeculationController(4, ForwardCost(WORK, MACHINE), DraftCostModel(DRAFT), shapes=shapes)
+    c._plan = {r.request_id: 8}
+    along_lookup = VerifyResult([4, 5], [7, 7, 7], 8, False)
+    c.observe([r], [grafted(8)], [along_lookup], 0.05, verify_s(9), 9)
+    assert {b: c.emitted[b] for b in (1, 2, 3, 4, 8)} == {1: 1.0, 2: 1.0, 3: 1.0, 4: 1.0, 8: 3.0}
+
+
+def test_a_tree_without_a_chain_prefix_measures_only_itself():
+    """The same grafted draft from shapes that declare no prefix (an EAGLE-2 tree's first nodes are not the chains'):
+    only the drafted shape is measured."""
+    c = SpeculationController(4, ForwardCost(WORK, MACHINE), DraftCostModel(DRAFT), shapes=HYBRID + (DraftShape(8, 4, "tree8"),))
+    r = req(0)
+    c._plan = {r.request_id: 8}
+    c.observe([r], [grafted(8)], [VerifyResult([0, 1], [7, 7, 7], 8, False)], 0.05, verify_s(9), 9)
+    assert c.emitted == {8: 3.0}
+
 def test_probes_cost_at_most_the_probe_budget_when_nothing_pays():
     """A drafter whose drafts are never accepted, at batch 1 on the fake clock: over 2,000 steps the time spent beyond
     plain decoding's (for the same tokens) is at most PROBE_BUDGET, the first steps (on, from the prior) included."""
