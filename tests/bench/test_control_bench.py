@@ -30,3 +30,22 @@ def test_bench_control_on_a_tiny_model(tiny_llama, tmp_path, monkeypatch):
         assert len(s["controller_vs_plain_rounds"]) == 2 and s["best_fixed"] in ("lookup1", "lookup3")
     metrics = report["settings"][-1]["controller_metrics"]
     assert set(metrics["shape_rows"]) <= {"plain", "lookup1", "lookup2", "lookup3", "lookup4"}
+
+
+def test_bench_control_with_quantized_weights_and_a_draft_model(tiny_llama, tmp_path, monkeypatch):
+    """--weights and --drafter-model reach the target and the draft_model drafter (the real-size settings: a 1.5B at
+    int4 drafted by a 0.5B)."""
+    from tandem.models import cpu_gemm
+
+    cpu_gemm.available()  # the int8 kernel from the machine's build, before TANDEM_HOME moves (a fresh home would build it again)
+    monkeypatch.setenv("TANDEM_HOME", str(tmp_path / "home"))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"domain": d, "prompt": f"{d} a b a b"}) for d in ("code", "sql")))
+    out = tmp_path / "c.json"
+    assert main(["bench", "control", "--model", tiny_llama, "--weights", "int8", "--drafters", "draft_model", "--drafter-model", tiny_llama,
+                 "--batch-sizes", "1", "--budgets", "1,2", "--max-tokens", "6", "--rounds", "1", "--waves", "1", "--prompts", str(prompts),
+                 "--json", str(out), "--threads", "1"]) == 0
+    report = json.loads(out.read_text())
+    assert report["config"]["weights"] == "int8" and report["config"]["drafter_model"] == tiny_llama
+    [setting] = report["settings"]
+    assert setting["drafter"] == "draft_model" and set(setting["tok_s"]) == {"plain", "chain1", "chain2", "controller"}

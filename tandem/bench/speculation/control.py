@@ -28,7 +28,9 @@ from tandem.errors import InvalidParameterError
 @dataclass(frozen=True)
 class ControlBenchConfig:
     model: str = "smollm2-135m"
+    weights: str = "fp32"  # the target's weights (int8 / int4 on the integer kernels)
     drafters: tuple[str, ...] = ("eagle_ngram", "ngram")
+    drafter_model: str | None = None  # draft_model*: the smaller model that drafts
     batch_sizes: tuple[int, ...] = (1, 4, 16, 60)
     num_draft_tokens: int = 4
     budgets: tuple[int, ...] = ()  # fixed shapes to sweep, by budget; () = every shape the drafter offers
@@ -63,12 +65,12 @@ def run_control_bench(config: ControlBenchConfig, progress=print) -> dict:
     from tandem.engine.control import SpeculationController
     from tandem.llm import LLM
 
-    base = LLM(model=config.model, max_batch_size=max(config.batch_sizes), max_model_len=config.max_model_len)
+    base = LLM(model=config.model, max_batch_size=max(config.batch_sizes), max_model_len=config.max_model_len, weights=config.weights)
     prompts = _prompts(config, base.tokenizer)
     params = SamplingParams(max_tokens=config.max_tokens, temperature=0.0, ignore_eos=True)
     settings = []
     for name in config.drafters:
-        drafter = base.with_drafter(name, config.num_draft_tokens).engine.drafter
+        drafter = base.with_drafter(name, config.num_draft_tokens, drafter_model=config.drafter_model).engine.drafter
         shapes = [s for s in drafter.shapes() if not config.budgets or s.budget in config.budgets]
         controller = SpeculationController.for_engine(base.target, drafter, model_name=config.model, max_k=config.num_draft_tokens)
         for batch in config.batch_sizes:
@@ -146,7 +148,9 @@ def add_bench_control_command(bench) -> None:
     d = ControlBenchConfig()
     p = bench.add_parser("control", help="the speculation controller vs every fixed draft shape and plain, per drafter and batch, interleaved")
     p.add_argument("--model", default=d.model)
+    p.add_argument("--weights", default=d.weights, choices=("fp32", "bf16", "int8", "int4"), help="the target's weights")
     p.add_argument("--drafters", default=",".join(d.drafters))
+    p.add_argument("--drafter-model", default=None, help="draft_model*: the smaller model that drafts (e.g. qwen2.5-coder-0.5b)")
     p.add_argument("--batch-sizes", default=",".join(map(str, d.batch_sizes)))
     p.add_argument("--num-draft-tokens", type=int, default=d.num_draft_tokens)
     p.add_argument("--budgets", default="", help="fixed shapes to sweep, by budget (default: every shape the drafter offers)")
@@ -167,7 +171,7 @@ def _bench_control(args) -> int:
 
     torch.set_num_threads(args.threads)
     ints = lambda s: tuple(int(x) for x in s.split(",") if x)  # noqa: E731
-    config = ControlBenchConfig(model=args.model, drafters=tuple(x for x in args.drafters.split(",") if x), batch_sizes=ints(args.batch_sizes),
+    config = ControlBenchConfig(model=args.model, weights=args.weights, drafter_model=args.drafter_model, drafters=tuple(x for x in args.drafters.split(",") if x), batch_sizes=ints(args.batch_sizes),
                                 num_draft_tokens=args.num_draft_tokens, budgets=ints(args.budgets), max_tokens=args.max_tokens,
                                 rounds=args.rounds, waves=args.waves, prompts=args.prompts)
     report = run_control_bench(config)
