@@ -45,6 +45,8 @@ DECISIVE = 0.15  # a prediction this far beyond 1 switches at once
 PROBE_BUDGET = 0.02  # probes cost at most this share of plain decoding time
 STEP_EMA = 0.1  # per step, the measured seconds of a plan's kind toward what the step took (in log, the step clipped to 0.5-2x)
 MEASURED_AFTER = 3  # steps of one kind of plan before its measured seconds replace the model's
+PLAIN_SPACING = 8  # while drafting, steps between the plain steps that measure plain's price at a batch size (until MEASURED_AFTER)
+PLAIN_REFRESH = 512  # ... and then between the plain steps that keep it fresh
 OFF_REPLAN = 4  # while off, the plan (~0.3 ms at batch 4, 2 % of a plain step) is made every this many steps
 PRIOR_ACCEPTANCE = 0.8
 MAX_BACKOFF = 8
@@ -83,9 +85,10 @@ class SpeculationController:
         self._drafted_last: dict[str, bool] = {}  # request -> did its previous step draft
         self._pending: tuple[float, float, float] | None = None  # (predicted speedup, plain seconds, plain tokens)
         self._probing = False  # this step's plan is a probe
+        self._plain_checked: dict[int, int] = {}  # batch -> the step a plain step was last taken to measure plain's price
         self.probe_extra: float | None = None  # EMA of a probe's measured extra time over what plain would take for its tokens, in plain steps
         self.stats = {"steps": 0, "speculative_steps": 0, "probes": 0, "switches": 0, "plain_equiv_s": 0.0, "actual_s": 0.0,
-                      "predicted_sum": 0.0, "realised_sum": 0.0, "shape_rows": {}, "last": {}}
+                      "predicted_sum": 0.0, "realised_sum": 0.0, "shape_rows": {}, "last": {}, "plain_checks": 0}
 
     @classmethod
     def for_engine(cls, model, drafter, calibration=None, model_name: str | None = None, recalibrate: bool = False,
@@ -124,11 +127,26 @@ class SpeculationController:
         tokens, seconds = price(candidate)
         predicted = (tokens / seconds) / (plain_tokens / plain_s)
         chosen = self._decide(candidate, predicted, price, lambda: self._could_pay(requests, context, plain_tokens / plain_s))
+        if self.on and chosen.any() and self._plain_due(batch):  # plain's own price, measured: what every plan is compared with
+            chosen = np.zeros_like(chosen)
+            self.stats["plain_checks"] += 1
         budgets = [int(self.budgets[c]) for c in chosen]
         self._plan = {r.request_id: b for r, b in zip(requests, budgets)}
         chosen_tokens, chosen_s = (tokens, seconds) if chosen is candidate else (plain_tokens, plain_s) if not chosen.any() else price(chosen)
         self._pending = ((chosen_tokens / chosen_s) / (plain_tokens / plain_s), plain_s, plain_tokens)
         return budgets
+
+    def _plain_due(self, batch: int) -> bool:
+        """While drafting, plain steps are only modelled (the verify model extrapolates to one token a row, and a plain
+        price 10 % high reads every plan as 10 % faster than it is): a plain step is taken every PLAIN_SPACING steps (from
+        the first plan at this batch) until MEASURED_AFTER ran at it, then every PLAIN_REFRESH steps (each costs at most
+        that step's gain)."""
+        steps = self.step_s.get((batch, 0, 0), (0.0, 0))[1]
+        since = self.stats["steps"] - self._plain_checked.setdefault(batch, self.stats["steps"])
+        if since >= (PLAIN_SPACING if steps < MEASURED_AFTER else PLAIN_REFRESH):
+            self._plain_checked[batch] = self.stats["steps"]
+            return True
+        return False
 
     def choose_k(self, request) -> int:
         if request.request_id not in self._plan:
@@ -175,6 +193,7 @@ class SpeculationController:
         names = {sh.budget: sh.name for sh in self.shapes} | {0: "plain"}
         return {
             "steps": s["steps"], "speculative_steps": s["speculative_steps"], "probes": s["probes"], "switches": s["switches"],
+            "plain_checks": s["plain_checks"],
             "speculating": self.on, "ragged": self.ragged,
             "shape_rows": {names[b]: n for b, n in sorted(s["shape_rows"].items())},
             "shape_emitted": {names[b]: round(e, 4) for b, e in sorted(self.emitted.items())},

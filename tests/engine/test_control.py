@@ -188,12 +188,12 @@ def test_a_request_ratio_moves_with_evidence_not_with_one_draft():
     c = controller()
     r = req(0)
     c.emitted = {b: 3.0 for b in range(1, 5)}  # the engine-wide figure: 2 extra tokens at every budget
-    c.plan([r])
+    c._plan = {r.request_id: 4}  # each step drafts 4 (whatever the plan would be)
     c.observe([r], [DraftTree.chain([1, 2, 3, 4])], [VerifyResult([], [1], 4, False)], 0.0, 0.02)
     assert c.request_ratio("r0") == pytest.approx(RATIO_PRIOR / (2 + RATIO_PRIOR))
     for _ in range(9):
         c.emitted = {b: 3.0 for b in range(1, 5)}
-        c.plan([r])
+        c._plan = {r.request_id: 4}
         c.observe([r], [DraftTree.chain([1, 2, 3, 4])], [VerifyResult([], [1], 4, False)], 0.0, 0.02)
     wanted = 2 * sum(RATIO_DECAY ** i for i in range(10))
     assert c.request_ratio("r0") == pytest.approx(RATIO_PRIOR / (wanted + RATIO_PRIOR))

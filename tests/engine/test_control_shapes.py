@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tandem.engine.control import MEASURED_AFTER, OFF_REPLAN, PATIENCE, PROBE_BUDGET, SpeculationController
+from tandem.engine.control import MEASURED_AFTER, OFF_REPLAN, PATIENCE, PLAIN_REFRESH, PLAIN_SPACING, PROBE_BUDGET, SpeculationController
 from tandem.engine.costs import DraftCostModel, ForwardCost
 from tandem.sim.roofline import Machine, ModelWork
 from tandem.sim.speculative import DraftCost
@@ -116,6 +116,27 @@ def test_a_tree_without_a_chain_prefix_measures_only_itself():
     c._plan = {r.request_id: 8}
     c.observe([r], [grafted(8)], [VerifyResult([0, 1], [7, 7, 7], 8, False)], 0.05, verify_s(9), 9)
     assert c.emitted == {8: 3.0}
+
+
+def test_while_drafting_plain_is_measured_not_only_modelled():
+    """A batch of 4 whose drafts pay: the controller drafts, but takes a plain step every PLAIN_SPACING steps until
+    MEASURED_AFTER ran, then every PLAIN_REFRESH; plain is then priced at what it measured (0.10 s here, where the model
+    says 0.11: priced by the model, every plan looked 1.1x faster against plain than it was)."""
+    c = SpeculationController(4, ForwardCost(WORK, MACHINE), DraftCostModel(DRAFT), shapes=chain_shapes(4))
+    requests = [req(i) for i in range(4)]
+    steps = PLAIN_REFRESH + 4 * PLAIN_SPACING
+    plain_steps = []
+    for step in range(steps):
+        budgets = c.plan(requests)
+        if not any(budgets):
+            plain_steps.append(step)
+        seconds = 0.10 if not any(budgets) else verify_s(sum(1 + b for b in budgets))
+        drafts = [DraftTree.chain(list(range(b))) for b in budgets]
+        c.observe(requests, drafts, [result_emitting(1 + b) for b in budgets], DRAFT.seconds(max(budgets), sum(budgets)) if any(budgets) else 0.0,
+                  seconds, sum(1 + b for b in budgets))
+    first = [(i + 1) * PLAIN_SPACING for i in range(MEASURED_AFTER)]
+    assert plain_steps == first + [first[-1] + PLAIN_REFRESH] and c.stats["plain_checks"] == MEASURED_AFTER + 1
+    assert c._seconds(4, 0, 0, 0.0, 0.0, 0, 0.0, 64) == pytest.approx(0.10)
 
 def test_probes_cost_at_most_the_probe_budget_when_nothing_pays():
     """A drafter whose drafts are never accepted, at batch 1 on the fake clock: over 2,000 steps the time spent beyond
