@@ -17,8 +17,8 @@ class DraftShape:
     budget: int  # the nodes asked of propose (>= 1)
     depth: int  # sequential passes it takes (>= 1): what the drafter's time grows with besides the nodes
     label: str = ""  # e.g. "chain3", "chain4+lookup3", "tree12": what metrics and reports call it
-    prefix: int = 0  # its draft's first `prefix` nodes, where they form a chain, are what the chain shape of each budget <= prefix
-    # drafts (a hybrid's head chain before its grafted branch): its verify also measures those shapes; 0 = nothing known
+    prefix: int = 0  # the draft of every budget b <= prefix is this shape's draft's first b nodes (nested drafts: a chain, a
+    # chain with a grafted lookup branch), so its verify also measures those shapes; 0 = nothing known (a chain draft nests anyway)
 
     def __post_init__(self):
         if self.budget < 1 or self.depth < 1 or not 0 <= self.prefix <= self.budget:
@@ -86,12 +86,7 @@ class DraftTree:
 
     @property
     def is_chain(self) -> bool:
-        return self.leading_chain() == len(self)
-
-    def leading_chain(self) -> int:
-        """How many of the first nodes form a chain from the root (node i the child of node i - 1)."""
-        off = (self.parents != torch.arange(len(self), dtype=torch.long) - 1).nonzero()
-        return int(off[0, 0]) if len(off) else len(self)
+        return bool(torch.equal(self.parents, torch.arange(len(self), dtype=torch.long) - 1))
 
     def probs(self, vocab: int) -> torch.Tensor:  # [N, V]
         if self.draft_probs is not None:

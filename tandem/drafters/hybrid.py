@@ -11,6 +11,8 @@ tree's accepted path, whichever branch it came from; the n-gram side is stateles
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import torch
 
@@ -44,12 +46,14 @@ class EagleNgramDrafter:
     def shapes(self) -> tuple[DraftShape, ...]:
         """The head's own shapes (the lookup branch grafted where it shares their nodes), then the head's largest
         draft plus a lookup branch of 1..k more nodes: the same passes, more nodes. The controller measures what each
-        emits, the grafted branch included, which the head's per-depth acceptance alone does not see. A grafted shape's
-        first nodes are the head's chain (`prefix`): its verify also tells what each shorter chain would have emitted."""
+        emits, the grafted branch included, which the head's per-depth acceptance alone does not see. Over a head that
+        drafts chains the drafts nest (`prefix`): budget b's draft is the first b nodes of any larger budget's (the head's
+        chain, cut where it is unsure, then the lookup branch's nodes in order), so one verify measures every smaller shape."""
         head = self.eagle.shapes()
         top = head[-1]
-        prefix = top.budget if top.budget == top.depth else 0  # the head's largest draft is a chain (not a tree)
-        return head + tuple(DraftShape(top.budget + n, top.depth, f"{top.name}+lookup{n}", prefix) for n in range(1, self.ngram.k + 1))
+        shapes = head + tuple(DraftShape(top.budget + n, top.depth, f"{top.name}+lookup{n}") for n in range(1, self.ngram.k + 1))
+        nested = all(s.budget == s.depth for s in head)  # a tree head's top nodes by score are not its first nodes
+        return tuple(replace(s, prefix=s.budget if nested else 0) for s in shapes)
 
     def propose(self, requests, budgets: list[int]) -> list[DraftTree]:
         """The head drafts first (up to its own max_nodes); greedy requests then get the n-gram branch in the

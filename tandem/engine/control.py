@@ -345,10 +345,10 @@ class SpeculationController:
     def _learn(self, requests, drafts, results, planned: list[int]) -> None:
         """Each shape's figure moves once per step by SHAPE_EMA toward the mean of what this step's rows measured of it.
         A chain also measures every smaller budget of the same drafter (its first b nodes are the draft at budget b:
-        min(accepted, b) + 1 tokens; budgets it had nodes to spare for give the same draft), and so does a shape whose
-        first nodes are the chain shapes' drafts (`DraftShape.prefix`: a hybrid's head chain, measured by the accepted
-        path's leading nodes on it), which keeps the figures of the shapes not chosen fresh (else a chain measured
-        only when chosen keeps a stale figure). Request ratios are taken against the figures before this step."""
+        min(accepted, b) + 1 tokens; budgets it had nodes to spare for give the same draft), and so does any shape whose
+        drafts nest (`DraftShape.prefix`: a chain with a grafted lookup branch), which measures the shapes on the same
+        steps (each measured only when chosen, at batch 1 their figures came from different requests and the noise of
+        that chose chain1 on a third of the steps). Request ratios are taken against the figures before this step."""
         expected = {b: self._global_emitted(b) - 1 for b in set(planned) if b}
         samples: dict[int, list[float]] = {}
         yields: dict[int, list[float]] = {}
@@ -377,17 +377,17 @@ class SpeculationController:
             self.yielded[b] = _ema(self.yielded.get(b), sum(values) / len(values), SHAPE_EMA)
 
     def _measured_by(self, budget: int, draft, result) -> list[tuple[int, float]]:
-        """(budget, tokens it would have emitted) for every shape this row's verify measured: its own, and the smaller
-        budgets whose drafts are its first nodes (every one for a chain; up to its shape's `prefix` for a tree), each
-        emitting the accepted path's leading nodes on those + 1."""
+        """(budget, tokens it would have emitted) for every shape this row's verify measured: its own, and each smaller
+        budget whose draft is this draft's first b nodes (any for a chain; up to its shape's `prefix` for a tree), which
+        would have emitted the accepted path's leading nodes among those + 1 (the target's tokens along a path do not
+        depend on the nodes beside it)."""
         emitted = len(result.tokens)
-        if draft.is_chain:
-            chain, along = budget, result.num_accepted  # budgets beyond its nodes (it had none to spare) drafted the same
-        else:
-            chain = min(self.prefixes.get(budget, 0), draft.leading_chain())
-            along = next((i for i, node in enumerate(result.accepted_nodes) if node != i), len(result.accepted_nodes))
-        nested = [int(b) for b in self.budgets[1:] if b < budget and b <= chain]
-        return [(b, float(min(along, b) + 1 if b < len(draft) else emitted)) for b in nested] + [(budget, float(emitted))]
+        nested = budget if draft.is_chain else min(self.prefixes.get(budget, 0), budget)
+        out = []
+        for b in (int(b) for b in self.budgets[1:] if b < budget and b <= nested):
+            lead = next((i for i, node in enumerate(result.accepted_nodes) if node >= b), len(result.accepted_nodes))
+            out.append((b, float(lead + 1)))
+        return out + [(budget, float(emitted))]
 
     def _relax_stale(self) -> None:
         """A shape not drafted for STALE steps drifts toward its prior, so one unlucky estimate does not keep it from

@@ -54,21 +54,23 @@ def test_budget_is_respected_and_zero_means_no_draft(tiny_llama):
 
 
 
-def test_a_grafted_shapes_first_nodes_are_the_head_chains_drafts(tiny_llama):
-    """DraftShape.prefix: for every budget b up to the grafted draft's leading chain (at most the prefix its shape
-    declares), the budget-b draft is that draft's first b nodes, which lets the controller measure the chains from it."""
+@pytest.mark.parametrize("min_confidence", [0.0, 0.1])
+def test_drafts_nest_so_one_verify_measures_every_smaller_budget(tiny_llama, min_confidence):
+    """DraftShape.prefix = budget on every shape: budget b's draft is the first b nodes of the largest budget's (the
+    head's chain, cut where unsure, then the lookup branch in order), with or without the confidence cut."""
     target = load_packed(tiny_llama)
-    drafter = build_drafter("eagle_ngram", target=target, num_draft_tokens=4, max_batch=1, max_len=512)
-    shapes = {s.budget: s for s in drafter.shapes()}
-    assert [shapes[b].prefix for b in (1, 2, 3, 4, 5, 6, 7, 8)] == [0, 0, 0, 0, 4, 4, 4, 4]
-    checked = 0
+    drafter = build_drafter("eagle_ngram", target=target, num_draft_tokens=4, max_batch=1, max_len=512, draft_vocab_size=16,
+                            min_confidence=min_confidence)
+    assert [(s.budget, s.prefix) for s in drafter.shapes()] == [(b, b) for b in range(1, 9)]
+    head_lengths = set()
     for prompt in repetitive_prompts():
         full = drafter.propose([catch_up(drafter, target, prompt)], [8])[0]
-        for b in range(1, min(shapes[8].prefix, full.leading_chain()) + 1):
+        head_lengths.add(len(drafter.eagle.propose([catch_up(drafter, target, prompt)], [4])[0]))
+        for b in range(1, 9):
             alone = drafter.propose([catch_up(drafter, target, prompt)], [b])[0]
-            assert alone.is_chain and alone.tokens.tolist() == full.tokens[:b].tolist()
-            checked += 1
-    assert checked == 16  # an untrained head drafts whole chains of 4 (no confidence cut)
+            assert alone.tokens.tolist() == full.tokens[:b].tolist() and alone.parents.tolist() == full.parents[:b].tolist()
+    assert head_lengths == ({4} if min_confidence == 0 else {1, 2})  # cut at 0.1: the lookup fills the rest of every budget
+
 
 def test_sampled_requests_get_the_heads_chain_alone(tiny_llama):
     target = load_packed(tiny_llama)

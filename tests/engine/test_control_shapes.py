@@ -89,27 +89,23 @@ def test_rows_that_accept_draft_and_rows_that_do_not_stay_plain():
 
 
 
-def test_a_grafted_shape_also_measures_the_head_chains_it_starts_with():
-    """chain4+lookup4 drafted every step (the head's chain is its first 4 nodes: prefix 4): the chains' figures are what
-    those nodes would have emitted alone. Accepted along the chain for 2 nodes: chain1 2 tokens, chain2..4 3; accepted
-    along the lookup branch (nodes 4, 5): every chain 1 token, the grafted shape 3. Shapes not drafted stay unmeasured."""
-    shapes = chain_shapes(4) + tuple(DraftShape(4 + n, 4, f"chain4+lookup{n}", prefix=4) for n in (1, 2, 3, 4))
-    c = SpeculationController(4, ForwardCost(WORK, MACHINE), DraftCostModel(DRAFT), shapes=shapes)
+def test_a_nested_shape_also_measures_every_smaller_budget():
+    """chain4+lookup4 drafted (nested drafts, `prefix` = budget: budget b's draft is its first b nodes, the head's chain
+    then the lookup branch): each smaller budget is measured as the accepted path's leading nodes below b, + 1.
+    Accepted along the chain (nodes 0, 1): budget 1 2 tokens, 2-7 3. Along the lookup branch (nodes 4, 5, from the
+    root): budgets 1-4 1 token, 5 2, 6-7 3."""
+    shapes = tuple(DraftShape(s.budget, s.depth, s.name, prefix=s.budget) for s in chain_shapes(4)) + tuple(
+        DraftShape(4 + n, 4, f"chain4+lookup{n}", prefix=4 + n) for n in (1, 2, 3, 4))
     r = req(0)
-    c._plan = {r.request_id: 8}
-    along_chain = VerifyResult([0, 1], [7, 7, 7], 8, False)
-    c.observe([r], [grafted(8)], [along_chain], 0.05, verify_s(9), 9)
-    assert {b: c.emitted[b] for b in (1, 2, 3, 4, 8)} == {1: 2.0, 2: 3.0, 3: 3.0, 4: 3.0, 8: 3.0}
-    assert 5 not in c.emitted and 6 not in c.emitted and 7 not in c.emitted
-    c = SpeculationController(4, ForwardCost(WORK, MACHINE), DraftCostModel(DRAFT), shapes=shapes)
-    c._plan = {r.request_id: 8}
-    along_lookup = VerifyResult([4, 5], [7, 7, 7], 8, False)
-    c.observe([r], [grafted(8)], [along_lookup], 0.05, verify_s(9), 9)
-    assert {b: c.emitted[b] for b in (1, 2, 3, 4, 8)} == {1: 1.0, 2: 1.0, 3: 1.0, 4: 1.0, 8: 3.0}
+    for accepted, want in (([0, 1], [2, 3, 3, 3, 3, 3, 3, 3]), ([4, 5], [1, 1, 1, 1, 2, 3, 3, 3])):
+        c = SpeculationController(4, ForwardCost(WORK, MACHINE), DraftCostModel(DRAFT), shapes=shapes)
+        c._plan = {r.request_id: 8}
+        c.observe([r], [grafted(8)], [VerifyResult(accepted, [7, 7, 7], 8, False)], 0.05, verify_s(9), 9)
+        assert [c.emitted[b] for b in range(1, 9)] == want
 
 
-def test_a_tree_without_a_chain_prefix_measures_only_itself():
-    """The same grafted draft from shapes that declare no prefix (an EAGLE-2 tree's first nodes are not the chains'):
+def test_a_tree_without_a_prefix_measures_only_itself():
+    """The same draft from shapes that declare no prefix (an EAGLE-2 tree's top nodes by score are not its first nodes):
     only the drafted shape is measured."""
     c = SpeculationController(4, ForwardCost(WORK, MACHINE), DraftCostModel(DRAFT), shapes=HYBRID + (DraftShape(8, 4, "tree8"),))
     r = req(0)

@@ -127,13 +127,3 @@ def test_graft_sequence_reuses_the_shared_prefix_and_appends_the_rest():
     assert graft_sequence(tokens, parents, [5, 9, 10], 4) == ([5, 6, 7, 9], [-1, 0, 1, 0])  # stops at max_nodes
     assert graft_sequence([], [], [1, 2], 5) == ([1, 2], [-1, 0])
 
-
-
-def test_leading_chain_counts_the_first_nodes_that_form_a_chain():
-    from tandem.types import DraftTree
-
-    grafted = DraftTree(torch.arange(7), torch.tensor([-1, 0, 1, 2, -1, 4, 5]))  # a head chain of 4, a branch of 3 from the root
-    assert grafted.leading_chain() == 4 and not grafted.is_chain
-    assert DraftTree(torch.arange(3), torch.tensor([-1, 0, 1])).leading_chain() == 3
-    assert DraftTree(torch.arange(3), torch.tensor([-1, -1, 0])).leading_chain() == 1
-    assert DraftTree.empty().leading_chain() == 0 and DraftTree.empty().is_chain
