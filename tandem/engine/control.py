@@ -50,9 +50,11 @@ PLAIN_REFRESH = 512  # ... and then between the plain steps that keep it fresh
 OFF_REPLAN = 4  # while off, the plan (~0.3 ms at batch 4, 2 % of a plain step) is made every this many steps
 PRIOR_ACCEPTANCE = 0.8
 MAX_BACKOFF = 8
+MAX_PROBE_INTERVAL = 4096  # steps: a probe at least this often even where nothing could pay (costs change with the batch)
 RELAX = 0.02  # per step: an undrafted depth's acceptance drifts toward the depth above it; a stale shape toward its prior
 SHAPE_EMA = 0.05  # per step, a shape's figure toward what the step measured of it (~20 steps of memory: acceptance comes in bursts no
 # plan can foresee, and chasing them drafted deep just as a burst ended)
+PROBE_EMA = 0.25  # ... and a probe's (while off, the only measurements: at 0.05 a dozen probes were needed to turn back on)
 RATIO_PRIOR = 32.0  # a request's ratio starts as if it had emitted what was expected over this many extra tokens (8 lost to 32 at batch 4: BENCHMARKS 14)
 RATIO_DECAY = 0.97  # per drafting step, the weight left to a request's older evidence (~30 steps of memory)
 STALE = 32  # steps a shape goes undrafted before its measured figure starts drifting back toward the prior
@@ -324,22 +326,27 @@ class SpeculationController:
             return best
         self._idle += 1
         plan = best
-        backoff = self._backoff if could_pay() else MAX_BACKOFF  # else only a wrong cost estimate could be corrected by a probe
-        if self._idle >= self._probe_interval(price, plan) * backoff:
+        interval = self._probe_interval(price, plan, self._backoff)
+        if not could_pay():  # only a wrong cost estimate could be corrected by a probe
+            interval = min(interval * MAX_BACKOFF, MAX_PROBE_INTERVAL)
+        if self._idle >= interval:
             self._idle, self._backoff = 0, min(self._backoff * 2, MAX_BACKOFF)
             self.stats["probes"] += 1
             self._probing = True
             return plan
         return np.zeros_like(best)
 
-    def _probe_interval(self, price, plan: np.ndarray) -> int:
+    def _probe_interval(self, price, plan: np.ndarray, backoff: int = 1) -> int:
         """Plain steps between probes so that a probe's net extra time (its time minus the plain time its tokens would
         have taken: predicted, or as the last probes measured it when that was more) is <= PROBE_BUDGET of plain
-        decoding time."""
+        decoding time, and at least 8 x backoff. (The backoff is a floor, not a factor: a probe's measured time includes
+        catching the drafter up on every plain step since the last one, which grows with the interval, and multiplying
+        the two made the intervals grow without bound: the demo's engine stayed plain through a block that drafting
+        ran 1.67x faster.)"""
         plain_tokens, plain_s = price(np.zeros_like(plan))
         probe_tokens, probe_s = price(plan)
         extra = max(probe_s - plain_s * probe_tokens / plain_tokens, 0.0) / plain_s
-        return max(8, math.ceil(max(extra, self.probe_extra or 0.0) / PROBE_BUDGET))
+        return max(8 * backoff, math.ceil(max(extra, self.probe_extra or 0.0) / PROBE_BUDGET))
 
     # ---- learning ---------------------------------------------------------------------------------
     def _learn(self, requests, drafts, results, planned: list[int]) -> None:
@@ -350,6 +357,7 @@ class SpeculationController:
         steps (each measured only when chosen, at batch 1 their figures came from different requests and the noise of
         that chose chain1 on a third of the steps). Request ratios are taken against the figures before this step."""
         expected = {b: self._global_emitted(b) - 1 for b in set(planned) if b}
+        weight = PROBE_EMA if self._probing else SHAPE_EMA  # probes are rare: each moves the figures further
         samples: dict[int, list[float]] = {}
         yields: dict[int, list[float]] = {}
         filled, observed = [], []  # per drafting row: was its draft non-empty; (depth, accepted) of the non-empty ones
@@ -371,10 +379,10 @@ class SpeculationController:
             self.measured_depth = max(self.measured_depth, max(min(d, a + 1, self.max_k) for d, a in observed))
             self._update(self.global_alphas, observed)
         for b, values in samples.items():
-            self.emitted[b] = _ema(self.emitted.get(b), sum(values) / len(values), SHAPE_EMA)
+            self.emitted[b] = _ema(self.emitted.get(b), sum(values) / len(values), weight)
             self.last_used[b] = self.stats["steps"]
         for b, values in yields.items():
-            self.yielded[b] = _ema(self.yielded.get(b), sum(values) / len(values), SHAPE_EMA)
+            self.yielded[b] = _ema(self.yielded.get(b), sum(values) / len(values), weight)
 
     def _measured_by(self, budget: int, draft, result) -> list[tuple[int, float]]:
         """(budget, tokens it would have emitted) for every shape this row's verify measured: its own, and each smaller

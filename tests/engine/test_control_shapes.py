@@ -153,11 +153,15 @@ def test_probes_cost_at_most_the_probe_budget_when_nothing_pays():
 def test_probes_stay_within_the_budget_when_catching_the_drafter_up_costs_more_than_predicted():
     """As above, but the drafter's first draft after plain steps also writes what it missed (an EAGLE head's catch-up),
     0.55 s here (5 plain steps) that no steady-state figure of the model sees: the probes' measured extra time spaces
-    them so that probing still costs at most PROBE_BUDGET (priced by the model alone, it cost ~5 %)."""
+    them so that probing, from the first step the controller is off, costs at most PROBE_BUDGET (priced by the model
+    alone, it cost ~8 %)."""
     c = SpeculationController(4, ForwardCost(WORK, MACHINE), DraftCostModel(DRAFT), shapes=chain_shapes(4))
     r = req(0)
     spent, plain, drafted_last = 0.0, 0.0, True
-    for _ in range(4000):
+    for step in range(6000):
+        if step == 200:  # the first steps: on, from the prior, until PATIENCE plans said otherwise
+            assert not c.on
+            spent, plain = 0.0, 0.0
         [budget] = c.plan([r])
         draft_s = DRAFT.seconds(budget, budget) + (0.55 if budget and not drafted_last else 0.0)
         c.observe([r], [DraftTree.chain(list(range(budget)))], [result_emitting(1)], draft_s, verify_s(1 + budget), 1 + budget)
@@ -166,6 +170,28 @@ def test_probes_stay_within_the_budget_when_catching_the_drafter_up_costs_more_t
         drafted_last = budget > 0
     assert spent / plain - 1 <= PROBE_BUDGET
     assert c.probe_extra == pytest.approx(0.55 / 0.11 + (verify_s(2) + DRAFT.seconds(1, 1) - verify_s(1)) / 0.11, rel=0.05)
+
+
+def test_drafting_resumes_soon_after_acceptance_returns_though_catching_up_grows_with_the_plain_stretch():
+    """Nothing accepted for 600 steps (the controller goes off), then 2 of every draft: each probe's catch-up costs
+    1 ms per plain step since the last draft (an EAGLE head writing the queue), so the longer probes are apart, the
+    dearer each one. Drafting must resume within 300 steps (at 0.05 a probe, with the backoff multiplying the
+    measured cost, the intervals grew without bound and it stayed plain)."""
+    c = SpeculationController(4, ForwardCost(WORK, MACHINE), DraftCostModel(DRAFT), shapes=chain_shapes(4))
+    r = req(0)
+    lag, resumed = 0, None
+    for step in range(3000):
+        [budget] = c.plan([r])
+        emitted = 1 + min(budget, 2) if step >= 600 else 1
+        draft_s = DRAFT.seconds(budget, budget) + (0.001 * lag if budget else 0.0)
+        c.observe([r], [DraftTree.chain(list(range(budget)))], [result_emitting(emitted)], draft_s, verify_s(1 + budget), 1 + budget)
+        lag = 0 if budget else lag + 1
+        if step == 599:
+            assert not c.on
+        if step >= 600 and c.on:
+            resumed = step
+            break
+    assert resumed is not None and resumed - 600 <= 300
 
 @pytest.mark.parametrize("ragged", [True, False])
 def test_padding_is_priced_when_the_engine_pads(ragged):
