@@ -369,6 +369,7 @@ def _demo_command(sub) -> None:
     p.add_argument("--batch", type=int, default=1, help="requests in flight")
     p.add_argument("--out", default="out", help="directory for the plot")
     p.add_argument("--head", default=None, help="an EAGLE head directory to start from (default: the shipped one)")
+    p.add_argument("--adaptive-k", action="store_true", help="static and flywheel draft under the speculation controller (default: the fixed draft)")
     _trainer_argument(p)
     p.set_defaults(func=_demo)
 
@@ -377,7 +378,7 @@ def _demo(args) -> int:
     from tandem.demo import run_demo
 
     run_demo(args.model, args.requests, args.block, args.max_tokens, args.out, args.batch, trainer_process=TRAINER_PLACES[args.trainer],
-             domains=tuple(x for x in args.domains.split(",") if x), head=args.head)
+             domains=tuple(x for x in args.domains.split(",") if x), head=args.head, adaptive_k=args.adaptive_k)
     return 0
 
 

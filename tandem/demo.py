@@ -90,10 +90,11 @@ def demo_head(target, path: str | Path | None = None, draft_vocab: int = 8192, s
 
 
 def run_demo(model: str, requests: int = 96, block: int = 12, max_tokens: int = 64, out_dir: str = "out", batch: int = 1,
-             trainer_process: bool | None = None, domains: tuple[str, ...] = DEMO_DOMAINS, head: str | Path | None = None) -> dict:
+             trainer_process: bool | None = None, domains: tuple[str, ...] = DEMO_DOMAINS, head: str | Path | None = None,
+             adaptive_k: bool = False) -> dict:
     """trainer_process: train in a child process (True) or a thread of this one (False); None: a process when
     the machine has >= 2 cores (one for the engine, one for the trainer). head: a head directory (default:
-    the shipped one, `demo_head`)."""
+    the shipped one, `demo_head`). adaptive_k: static and flywheel draft under the speculation controller."""
     import torch
 
     from tandem.config import SamplingParams
@@ -117,7 +118,7 @@ def run_demo(model: str, requests: int = 96, block: int = 12, max_tokens: int = 
     longest = max(len(ids) for ids, _ in pairs) + max_tokens + 1
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     torch.set_num_threads(1)
-    setup = demo_setup(start_head.min_confidence, trainer_process)  # the flywheel's defaults (tandem.flywheel.setups.DEFAULTS)
+    setup = replace(demo_setup(start_head.min_confidence, trainer_process), adaptive_k=adaptive_k)  # the flywheel's defaults (setups.DEFAULTS)
     print(f"tandem demo: {model}, {len(stream)} requests in blocks of {block} ({' -> '.join(domains)}), greedy, "
           f"{batch} in flight, {max_tokens} new tokens each\n")
     split = core_split() if setup.trainer_process else None

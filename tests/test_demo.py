@@ -67,3 +67,13 @@ def test_per_domain_lines_compare_all_blocks_and_the_last_block(capsys):
     assert lines[3].split() == ["all", "blocks", "25.0", "20.0", "(1.25x)", "2.500", "2.000"]
     assert lines[4].split() == ["last", "block", "30.0", "20.0", "(1.50x)", "3.000", "2.000"]
     assert lines[7].split() == ["last", "block", "18.0", "20.0", "(0.90x)", "1.800", "2.000"]
+
+
+def test_adaptive_k_flag_reaches_the_demo(monkeypatch):
+    """`tandem demo --adaptive-k`: static and flywheel draft under the speculation controller (off by default)."""
+    from tandem.cli import main
+
+    seen = []
+    monkeypatch.setattr(demo, "run_demo", lambda *args, **kwargs: seen.append(kwargs["adaptive_k"]))
+    assert main(["demo", "--requests", "2"]) == 0 and main(["demo", "--requests", "2", "--adaptive-k"]) == 0
+    assert seen == [False, True]
