@@ -214,6 +214,7 @@ def validate(version: WeightVersion, served: dict[str, torch.Tensor]) -> None:
 
 
 MAX_EVENTS = 256  # swap / refusal / rollback events kept (the newest): a server runs for months
+UNJUDGED_AFTER = 4  # x window: request-steps without a draft after which a swapped-in version's watch ends unjudged
 
 
 def _keep_last(items: list, n: int = MAX_EVENTS) -> None:
@@ -228,13 +229,14 @@ class SwapStats:
     refused: int = 0
     rollbacks: int = 0
     alarms: int = 0  # collapse alarms raised (each one rolled back)
+    unjudged: int = 0  # watches ended without a verdict: too few drafted steps (the controller was not drafting)
     swap_ms: list[float] = field(default_factory=list)  # time of each in-place copy (incl. rollbacks), the newest MAX_EVENTS
     events: list[dict] = field(default_factory=list)  # [{"time", "kind": swap|refused|rollback, "version", ...}], the newest MAX_EVENTS
     max_swap_ms: float = 0.0  # of all swaps since start
 
     def as_dict(self) -> dict:
         return {"version": self.version, "swaps": self.swaps, "refused": self.refused, "rollbacks": self.rollbacks,
-                "alarms": self.alarms, "max_swap_ms": round(self.max_swap_ms, 2)}
+                "alarms": self.alarms, "unjudged": self.unjudged, "max_swap_ms": round(self.max_swap_ms, 2)}
 
 
 class HotSwapper:
@@ -250,6 +252,7 @@ class HotSwapper:
         self._recent: dict[int, deque[int]] = {}  # version -> emitted tokens per request-step (recent window)
         self._baseline: float | None = None  # previous version's recent mean at the last swap
         self._watching: int | None = None  # version under watch after a swap
+        self._plain_steps = 0  # request-steps without a draft since the watched version went in
         self._rollback = False
         self._bad: set[int] = set()
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tandem-weights") if background else None
@@ -304,7 +307,7 @@ class HotSwapper:
             self._baseline = sum(self._served) / len(self._served)
         previous = self.stats.version
         self._install(version, "swap")
-        self._watching = version.version
+        self._watching, self._plain_steps = version.version, 0
         self.stats.events[-1]["from"] = previous
 
     def _refuse(self, version: WeightVersion, error: BaseException) -> None:
@@ -339,6 +342,10 @@ class HotSwapper:
         if record.kind != "decode":
             return
         lengths = [len(e.emitted_tokens) for e in record.requests if e.draft_tokens]
+        self._plain_steps += len(record.requests) - len(lengths)
+        if self._watching is not None and self._plain_steps >= UNJUDGED_AFTER * self.window:
+            self._watching = None  # drafting stopped (the speculation controller): unjudged, not promoted to good, no longer blocking
+            self.stats.unjudged += 1
         self.observe_lengths(record.drafter_version, lengths)
 
     def observe_lengths(self, version: int, lengths: list[int]) -> None:

@@ -163,6 +163,30 @@ def test_healthy_version_is_kept(target):
     assert swapper.stats.rollbacks == 0 and engine.drafter.version == 1
 
 
+
+def test_a_watch_ends_unjudged_when_nothing_is_drafted(target):
+    """After a swap the next version waits until the watched one served `window` drafted request-steps; when the speculation
+    controller stops drafting there are none, so after UNJUDGED_AFTER x window plain request-steps the watch ends without a
+    verdict (the version is not promoted to good: a rollback still goes to the last judged one) and the next version goes in."""
+    from types import SimpleNamespace
+
+    from tandem.flywheel.weights import UNJUDGED_AFTER
+
+    engine = eagle_engine(target)
+    store = WeightStore()
+    swapper = HotSwapper(engine.drafter, store, window=4, background=False)
+    plain_step = SimpleNamespace(kind="decode", drafter_version=1, requests=[SimpleNamespace(draft_tokens=[], emitted_tokens=[7])] * 2)
+    store.publish(perturbed(engine.drafter.head, seed=1))
+    swapper()
+    store.publish(perturbed(engine.drafter.head, seed=2))
+    for _ in range(UNJUDGED_AFTER * 4 // 2 - 1):  # two plain request-steps each
+        swapper.observe(plain_step)
+        swapper()
+    assert engine.drafter.version == 1 and swapper.stats.unjudged == 0  # still watching version 1
+    swapper.observe(plain_step)
+    swapper()
+    assert engine.drafter.version == 2 and swapper.stats.unjudged == 1 and swapper._good.version == 0
+
 def test_swaps_between_steps_keep_serving_lossless(target):
     """Publish new weights while requests run: they are adopted between steps, each step under one
     version, and greedy output stays identical to plain decoding."""
