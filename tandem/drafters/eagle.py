@@ -174,12 +174,11 @@ class EagleDrafter(DrafterBase):
             raw.append(torch.cat(self.pending.pop(request.row)))
             self.queued[request.row] = 0
         counts = [len(q) for q in raw]
-        fused = list(self.head.fuse([torch.cat(raw)]).split(counts))  # [m_b, d] per row
+        queued = list(self.head.fuse([torch.cat(raw)]).split(counts))  # [m_b, d] fused features per row
         for b, request in enumerate(requests):
             if counts[b] > PAD_LIMIT:
-                self._write(request, fused[b][:-1])
-                fused[b], counts[b] = fused[b][-1:], 1
-        queued = fused
+                self._write(request, queued[b][:-1])
+                queued[b], counts[b] = queued[b][-1:], 1
         starts = self.cache.lengths[: len(requests)].tolist()
         device = queued[0].device
         ids = torch.zeros(len(requests), max(counts), dtype=torch.long)

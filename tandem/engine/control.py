@@ -23,9 +23,9 @@ Hysteresis: speculation turns on when the best plan is predicted >= (1 + ON_MARG
 steps (the others are plain at no planning cost). While off it probes (the best plan
 for one step), spaced so that probing costs at most PROBE_BUDGET of plain decoding time (a probe's cost: the larger of
 its predicted and its last measured extra time, which includes catching the drafter up on the rows' plain steps, a cost
-no steady-state figure sees), doubling the spacing
-after each probe that does not turn speculation back on, and MAX_BACKOFF times apart where not even drafts
-accepted in full would pay at this batch.
+no steady-state figure sees), at least 8 steps apart, a floor doubled after each probe that does not turn speculation
+back on (up to MAX_BACKOFF), and MAX_BACKOFF times the spacing (at most MAX_PROBE_INTERVAL) where not even drafts
+accepted in full would pay at this batch. A probe's measurements move the figures by PROBE_EMA.
 """
 from __future__ import annotations
 
@@ -336,7 +336,7 @@ class SpeculationController:
             return plan
         return np.zeros_like(best)
 
-    def _probe_interval(self, price, plan: np.ndarray, backoff: int = 1) -> int:
+    def _probe_interval(self, price, plan: np.ndarray, backoff: int) -> int:
         """Plain steps between probes so that a probe's net extra time (its time minus the plain time its tokens would
         have taken: predicted, or as the last probes measured it when that was more) is <= PROBE_BUDGET of plain
         decoding time, and at least 8 x backoff. (The backoff is a floor, not a factor: a probe's measured time includes
