@@ -108,11 +108,11 @@ class ForwardCost:
         groups: dict[tuple[int, int], list[Timing]] = {}
         for t in self.timings:
             groups.setdefault((t.batch, round(t.batch * t.tokens)), []).append(t)
-        measured = sorted((g for g in groups.values() if len(g) >= MIN_GROUP), key=len, reverse=True)[:MAX_GROUPS]
+        measured = sorted(((key, g) for key, g in groups.items() if len(g) >= MIN_GROUP), key=lambda kg: len(kg[1]), reverse=True)[:MAX_GROUPS]
         roofline_due = self.refits < 4 or self.refits % 4 == 0  # a fit costs ~10 ms at 24 groups: every 4th refit after the first 4
-        if roofline_due and len({total for (_, total), g in groups.items() if g in measured}) >= 4:
+        if roofline_due and len({total for (_, total), _ in measured}) >= 4:
             try:
-                self.machine = fit_machine(self.work, [_median_timing(g) for g in measured], name="online").machine
+                self.machine = fit_machine(self.work, [_median_timing(g) for _, g in measured], name="online").machine
             except InvalidParameterError:
                 pass
         self.corrections = self._corrections(groups)
