@@ -28,8 +28,8 @@ from tandem.models import cpu_gemm
 from tandem.models.kv_cache import KVCache
 from tandem.models.zoo import tandem_home
 from tandem.sim.calibration import Calibration, load_calibration, save_calibration
-from tandem.sim.fit import FitReport, Timing, fit_machine, nonneg_least_squares
-from tandem.sim.roofline import Machine, forward_seconds, work_from_config
+from tandem.sim.fit import Timing, fit_machine, measured_rates_report, nonneg_least_squares
+from tandem.sim.roofline import work_from_config
 from tandem.sim.speculative import DraftCost
 
 if TYPE_CHECKING:  # the type only: drafters are built by the caller
@@ -195,9 +195,7 @@ def calibrate(model, model_name: str, factories: dict[str, Callable[[], Drafter]
     try:
         report = fit_machine(work, timings, name=label)
     except InvalidParameterError:  # times flat in the tokens (a tiny model: overhead only): the machine's measured rates
-        machine = Machine(label, bandwidth, flops, overhead_s=min(t.seconds for t in timings), source="measured rates; no roofline fit")
-        errors = [abs(forward_seconds(work, machine, t.batch, t.tokens, t.context) / t.seconds - 1) for t in timings]
-        report = FitReport(machine, float(np.sqrt(np.mean(np.square(errors)))), float(max(errors)), len(timings))
+        report = measured_rates_report(work, timings, bandwidth, flops, name=label)
     fitted = {name: fit_draft_cost(measure_drafter(model, factory, grid)) for name, factory in (factories or {}).items()}
     measured = {
         "bandwidth_bytes_per_s": bandwidth, "matmul_flops_per_s": flops,

@@ -60,6 +60,15 @@ def fit_machine(work: ModelWork, timings: list[Timing], name: str = "fitted") ->
     return FitReport(best[1], float(best[0]), float(max(errors)), len(timings))
 
 
+def measured_rates_report(work: ModelWork, timings: list[Timing], bandwidth: float, peak_flops: float,
+                          name: str = "measured") -> FitReport:
+    """The report for timings no roofline fits (flat in the tokens: a tiny model's forwards are overhead only): the
+    measured bandwidth and peak FLOP/s, overhead = the fastest timing, with that machine's errors on the timings."""
+    machine = Machine(name, bandwidth, peak_flops, overhead_s=min(t.seconds for t in timings), source="measured rates; no roofline fit")
+    errors = [abs(forward_seconds(work, machine, t.batch, t.tokens, t.context) / t.seconds - 1) for t in timings]
+    return FitReport(machine, float(np.sqrt(np.mean(np.square(errors)))), float(max(errors)), len(timings))
+
+
 def _solve_split(data: np.ndarray, weights: np.ndarray, split: int, name: str) -> Machine | None:
     mem = np.arange(len(data)) < split
     design = np.stack([np.ones(len(data)), data[:, 2], np.where(mem, data[:, 0], 0.0), np.where(mem, 0.0, data[:, 1])], axis=1)

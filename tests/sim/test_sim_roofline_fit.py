@@ -2,7 +2,7 @@
 import pytest
 
 from tandem.errors import InvalidParameterError
-from tandem.sim.fit import Timing, fit_machine
+from tandem.sim.fit import Timing, fit_machine, measured_rates_report
 from tandem.sim.roofline import Machine, ModelWork, forward_seconds, is_memory_bound
 
 WORK = ModelWork("toy", dense_params=100e6, bytes_per_param=4.0, kv_bytes_per_token=20e3, attn_flops_per_token_ctx=4e4)
@@ -41,6 +41,17 @@ def test_fit_needs_enough_points():
     with pytest.raises(InvalidParameterError):
         fit_machine(WORK, [Timing(1, 1, 0, 0.01)] * 3)
 
+
+
+def test_measured_rates_report_keeps_the_rates_with_the_fastest_timing_as_overhead():
+    # batch 1, 1 token, no context is memory-bound: 16.0008 ms of weights + KV at 25 GB/s, over an overhead of 16 ms
+    timings = [Timing(1, 1, 0, 0.016), Timing(1, 1, 0, 0.032)]
+    report = measured_rates_report(WORK, timings, bandwidth=25e9, peak_flops=60e9, name="flat")
+    assert report.machine == Machine("flat", 25e9, 60e9, overhead_s=0.016, source="measured rates; no roofline fit")
+    errors = (0.0320008 / 0.016 - 1, 0.0320008 / 0.032 - 1)  # 1.00005 and 0.000025
+    assert report.max_rel_error == pytest.approx(errors[0], rel=1e-9)
+    assert report.rms_rel_error == pytest.approx(((errors[0] ** 2 + errors[1] ** 2) / 2) ** 0.5, rel=1e-9)
+    assert report.points == 2
 
 def test_moe_touches_more_experts_with_more_tokens():
     moe = ModelWork("moe", 1e9, 1.0, 0.0, 0.0, expert_params=1e8, num_experts=128, experts_per_token=8)
