@@ -303,11 +303,12 @@ class Transformer(nn.Module):
 
     def ragged_ready(self, cache: KVCache | None) -> bool:
         """Whether forward_ragged runs here: the fused CPU decode path (fp32 activations and cache, kernels built,
-        inference). Where it does not, a verify pads its rows to the widest (Transformer.forward with a tree mask)."""
-        weight = self.embed.weight
-        return (self.fused_glue and decode_glue.enabled() and decode_glue.supports(self.cfg) and cache is not None
-                and weight.dtype == torch.float32 and weight.device.type == "cpu" and not torch.compiler.is_compiling()
-                and cache.k.dtype == torch.float32 and cache.k.is_contiguous())
+        inference). Where it does not, a verify pads its rows to the widest (Transformer.forward with a tree mask).
+        The test is decode_glue.applies on what forward_ragged gives forward_batch: one embedded token per row (the
+        embedding's dtype and device), in inference mode."""
+        token = self.embed.weight[:1, None]  # [1, 1, hidden]
+        with torch.inference_mode():
+            return decode_glue.applies(token, cache, self.fused_glue and decode_glue.enabled() and decode_glue.supports(self.cfg))
 
     def forward_ragged(
         self,
