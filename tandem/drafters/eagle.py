@@ -30,12 +30,12 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.drafters.base import DrafterBase, register
+from tandem.drafters.base import DrafterBase, draw_draft_tokens, register
 from tandem.errors import InvalidParameterError
 from tandem.models.eagle import EagleConfig, EagleHead, draft_vocab_from_tokens, expand_to_target, load_eagle, new_eagle_head, shipped_eagle_path, tree_cache_mask
 from tandem.models.kv_cache import KVCache
 from tandem.ops import tree as tree_ops
-from tandem.ops.sampling import draw_uniform, sample_from_probs, sampling_probs
+from tandem.ops.sampling import sampling_probs
 from tandem.types import DraftShape, DraftTree, chain_shapes
 
 DAY0_DRAFT_VOCAB = 8192  # draft vocabulary of an untrained head (the target's lowest ids)
@@ -214,20 +214,21 @@ class EagleDrafter(DrafterBase):
                 ks = [k if k <= step or sure[b] else step for b, k in enumerate(ks)]
                 if max(ks) <= step:
                     break
-            token, prob = self._pick(requests, logits)
+            token, prob = self._pick(requests, logits, step)
             tokens.append(self.draft_to_target[token])
             probs.append(prob)
         return [self._chain_draft(b, k, tokens, probs) for b, k in enumerate(ks)]
 
-    def _pick(self, requests, logits: torch.Tensor):  # logits [B, Vd] -> draft ids [B], probs [B, V] or None
+    def _pick(self, requests, logits: torch.Tensor, step: int):  # logits [B, Vd] -> draft ids [B], probs [B, V] or None
         if all(r.params.greedy for r in requests):
             return logits.argmax(-1), None
         temperature = torch.tensor([r.params.temperature for r in requests], dtype=torch.float32)
         top_k = torch.tensor([r.params.top_k for r in requests])
         top_p = torch.tensor([r.params.top_p for r in requests], dtype=torch.float32)
         probs = sampling_probs(logits.float().cpu(), temperature, top_k, top_p)  # [B, Vd]; greedy rows one-hot
-        token = sample_from_probs(probs, draw_uniform([r.generator for r in requests])[:, 0])
-        return token.to(logits.device), expand_to_target(probs, self.draft_to_target.cpu(), self.target_vocab)
+        vocab_ids = self.draft_to_target.cpu()
+        token = draw_draft_tokens(requests, probs, step, vocab_ids, self.target_vocab)
+        return token.to(logits.device), expand_to_target(probs, vocab_ids, self.target_vocab)
 
     @staticmethod
     def _chain_draft(b: int, k: int, tokens: list[torch.Tensor], probs: list) -> DraftTree:

@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import torch
 
-from tandem.drafters.base import DrafterBase
+from tandem.drafters.base import DrafterBase, draw_draft_tokens
 from tandem.errors import InvalidParameterError
 from tandem.models.kv_cache import KVCache
 from tandem.models.transformer import Transformer
-from tandem.ops.sampling import draw_uniform, sample_from_probs, sampling_probs
+from tandem.ops.sampling import sampling_probs
 from tandem.types import DraftTree
 
 
@@ -73,7 +73,7 @@ class ModelDrafter(DrafterBase):
                 if step:
                     out = self.model(tokens[-1].unsqueeze(1).to(self.cache.k.device), cache=self.cache, rows=slice(0, len(requests)))
                     logits = out.logits[:, -1]
-                token, prob = self._pick(requests, logits)
+                token, prob = self._pick(requests, logits, step)
                 tokens.append(token)
                 probs.append(prob)
         finally:
@@ -94,14 +94,14 @@ class ModelDrafter(DrafterBase):
         ids = torch.tensor([request.all_ids[seen:]], device=self.cache.k.device)
         return self.model(ids, cache=self.cache, rows=slice(request.row, request.row + 1), last_only=True).logits[0, -1]
 
-    def _pick(self, requests, logits: torch.Tensor):  # logits [B, V] -> tokens [B], probs [B, V] or None
+    def _pick(self, requests, logits: torch.Tensor, step: int):  # logits [B, V] -> tokens [B], probs [B, V] or None
         if all(r.params.greedy for r in requests):
             return logits.argmax(-1), None
         temperature = torch.tensor([r.params.temperature for r in requests], dtype=torch.float32)
         top_k = torch.tensor([r.params.top_k for r in requests])
         top_p = torch.tensor([r.params.top_p for r in requests], dtype=torch.float32)
         probs = sampling_probs(logits.float().cpu(), temperature, top_k, top_p)  # greedy rows come out one-hot
-        tokens = sample_from_probs(probs, draw_uniform([r.generator for r in requests])[:, 0])
+        tokens = draw_draft_tokens(requests, probs, step)
         return tokens, probs
 
     @staticmethod

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import torch
 
-from tandem.drafters.base import DrafterBase, register
+from tandem.drafters.base import DrafterBase, draw_draft_tokens, register
 from tandem.drafters.eagle import DAY0_DRAFT_VOCAB, sibling_ranks
 from tandem.errors import InvalidParameterError
 from tandem.models.eagle import draft_vocab_from_tokens, expand_to_target
 from tandem.models.mtp import MtpConfig, MtpHeads, load_mtp, new_mtp_heads
 from tandem.ops import tree as tree_ops
-from tandem.ops.sampling import draw_uniform, sample_from_probs, sampling_probs
+from tandem.ops.sampling import sampling_probs
 from tandem.types import DraftTree
 
 
@@ -78,8 +78,10 @@ class MtpDrafter(DrafterBase):
         top_k = per_row([r.params.top_k for r in requests], torch.long)
         top_p = per_row([r.params.top_p for r in requests], torch.float32)
         probs = sampling_probs(logits.reshape(batch * k, -1).float().cpu(), temperature, top_k, top_p)  # [B*k, Vd]
-        tokens = sample_from_probs(probs, draw_uniform([r.generator for r in requests], k).reshape(-1))
-        expanded = expand_to_target(probs, self.draft_to_target.cpu(), self.heads.cfg.target_vocab_size)
+        vocab_ids = self.draft_to_target.cpu()
+        by_step = probs.view(batch, k, -1)
+        tokens = torch.stack([draw_draft_tokens(requests, by_step[:, j], j, vocab_ids, self.heads.cfg.target_vocab_size) for j in range(k)], 1)
+        expanded = expand_to_target(probs, vocab_ids, self.heads.cfg.target_vocab_size)
         return tokens.view(batch, k).to(logits.device), expanded.view(batch, k, -1)
 
     def _static_tree(self, budgets: list[int], logits: torch.Tensor) -> list[DraftTree]:

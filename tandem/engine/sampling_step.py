@@ -7,7 +7,8 @@ import torch
 
 from tandem.engine.adjust import adjusted_logits, draft_paths, emitted_paths
 from tandem.engine.request import Request
-from tandem.ops.sampling import sampling_probs, token_logprobs, top_logprobs
+from tandem.ops.sampling import keyed_exponentials, race_sample, sampling_probs, token_logprobs, top_logprobs
+from tandem.ops.tree import depths
 from tandem.types import DraftTree
 
 
@@ -21,6 +22,17 @@ def sampling_tensors(requests: list[Request]) -> tuple[torch.Tensor, ...]:
 def target_probs(requests: list[Request], logits: torch.Tensor, paths: list[list[int]] | None = None) -> torch.Tensor:
     """logits [N, V], one request per row; paths: the drafted tokens before each row (tandem.engine.adjust; None: roots)."""
     return sampling_probs(adjusted_logits(logits.float().cpu(), requests, paths), *sampling_tensors(requests))
+
+
+def seeded_draws(request: Request, draft: DraftTree, probs: torch.Tensor) -> torch.Tensor:  # probs [N+1, V] -> [N+1] long
+    """A seeded request's own token at the root and after each draft node: its draw from that row's target_probs on
+    the exponentials keyed by (seed, sequence position). Nodes at one depth share a position (their numbers), so
+    the draws are the ones decoding without the draft makes wherever the draft agreed with them."""
+    depth = torch.cat([torch.zeros(1, dtype=torch.long), depths(draft.parents).cpu() + 1])  # [N+1]
+    first = len(request.all_ids)  # the sequence position of the token after the pending one
+    vocab = probs.shape[-1]
+    exponentials = torch.stack([keyed_exponentials(request.params.seed, first + d, vocab) for d in range(int(depth.max()) + 1)])
+    return race_sample(probs, exponentials[depth])
 
 
 def step_target_probs(requests: list[Request], drafts: list[DraftTree], logits: torch.Tensor, needed: list[bool]) -> list[torch.Tensor | None]:

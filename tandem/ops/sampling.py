@@ -7,9 +7,14 @@ Greedy (temperature 0) is the degenerate distribution: a one-hot on the argmax.
 vLLM's order: logits -> `suppress_tokens` (min_tokens) -> `apply_penalties` (repetition, frequency,
 presence) -> greedy argmax, or temperature -> min_p -> top-k / top-p -> softmax. The first two depend on
 the tokens before the position; the caller passes them per row (the engine: tandem.engine.adjust).
+
+A seeded request draws by an exponential race on numbers keyed by (seed, sequence position): whatever
+drafted, and whatever the batch, the token drawn at a position is the same, so seeded sampling gives the
+same bits with and without speculation (`keyed_exponentials`, `race_sample`).
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -109,6 +114,27 @@ def sample_from_probs(
     target = (uniform.to(cdf.dtype) * cdf[:, -1]).unsqueeze(-1)
     idx = torch.searchsorted(cdf, target, right=True).squeeze(-1)
     return idx.clamp(max=probs.shape[-1] - 1)
+
+
+def keyed_exponentials(seed: int, position: int, vocab: int) -> torch.Tensor:  # [V] float32
+    """Standard exponentials for the draw at one sequence position of a seeded request, a pure function of
+    (seed, position): plain decoding, a drafter and a verify that draw there all race on the same numbers.
+    PCG64 seeded through numpy's SeedSequence, which hashes the pair, so nearby seeds and positions are
+    unrelated streams."""
+    uniform = np.random.Generator(np.random.PCG64([seed, position])).random(vocab, dtype=np.float32)  # [0, 1)
+    return torch.from_numpy(uniform).log_().neg_()  # -log(u): u = 0 gives +inf, a token that cannot win
+
+
+def race_sample(
+    probs: torch.Tensor,  # [N, V] sampling distributions (need not be normalised)
+    exponentials: torch.Tensor,  # [N, V] independent standard exponentials
+) -> torch.Tensor:  # [N] long
+    """The exponential race (the Gumbel-max trick without logs): argmax probs / E. E(x) / p(x) is exponential of
+    rate p(x), and the smallest of independent exponentials is each one's with probability proportional to
+    its rate, so token x wins with probability p(x) / sum(p); a token of probability 0 never wins. Two
+    distributions raced on the same exponentials pick the same token with probability >= (1 - tv) / (1 + tv)
+    (tv: their total variation distance), which is how a seeded draft agrees with the target's own draw."""
+    return (probs.float() / exponentials).argmax(-1)
 
 
 def draw_uniform(generators: list[torch.Generator | None], count: int = 1) -> torch.Tensor:  # [N, count]

@@ -1,4 +1,6 @@
-"""Lossless verification of a draft (chain or tree) against the target: speculative rejection sampling.
+"""Lossless verification of a draft (chain or tree) against the target: speculative rejection sampling
+(`verify_chain`, `verify_tree`), or comparison with the target's own tokens (`verify_tokens`: greedy, and
+seeded sampling, whose draws do not depend on the draft).
 
 Inputs follow `tandem.ops.tree`: nodes in topological order, `target_probs[0]` is the target's sampling
 distribution at the root (after the last committed token) and `target_probs[i + 1]` the one after node
@@ -178,18 +180,22 @@ def _check_tokens(token_list: list[int], vocab: int) -> None:
         raise InvalidParameterError(f"drafted token ids {bad} are outside the vocabulary [0, {vocab})")
 
 
-def verify_greedy(
+def verify_tokens(
     parents: torch.Tensor,  # [N] long, topological, -1 = child of the root
     tokens: torch.Tensor,  # [N] long
-    target_argmax: torch.Tensor,  # [N + 1] long: the target's greedy token at the root and after each node
+    target_tokens: torch.Tensor,  # [N + 1] long: the target's own token at the root and after each node
 ) -> VerifyResult:
-    """`verify_tree` for a greedy target (one-hot target rows), without building any [*, V] tensor.
+    """Accept, from the root down, the child whose token is the target's own token at its parent; emit the
+    target's token where no child has it. Without any [*, V] tensor.
 
-    With a one-hot target every child is accepted iff its token is the argmax (target(x) = 1 >= any
-    draft(x)); a rejection leaves the residual one-hot on the argmax, so the next sibling faces the same
-    test and the final token is the argmax of the last accepted node. No randomness is used.
+    The target's own token is its argmax (greedy), or its draw from a seeded request's keyed exponentials
+    (`race_sample`), which depends on the position and the tokens before it, never on the draft: the
+    emitted tokens are the ones decoding without a draft draws, bit for bit, so this is lossless for any
+    drafter. On a greedy target it is `verify_tree` with one-hot target rows: a child is accepted iff its token
+    is the argmax (target(x) = 1 >= any draft(x)), a rejection leaves the residual one-hot on the argmax, and
+    the final token is the argmax of the last accepted node.
     """
-    token_list, best = tokens.tolist(), target_argmax.tolist()
+    token_list, best = tokens.tolist(), target_tokens.tolist()
     kids = children(parents)
     row, accepted = 0, []
     while True:

@@ -1,9 +1,12 @@
-"""End to end: with every drafter, sampled output (temperature 0.8, top-p 0.9) has the target's distribution.
+"""End to end: with every drafter, sampled output (temperature 0.8, top-p 0.9) has the target's distribution, for
+seeded requests (keyed draws, the draft compared with the target's own token) and unseeded ones (rejection sampling).
 
 The exact distribution of the first three output tokens is enumerated from the model; the engine's
 empirical distribution over many seeds must pass a chi-square goodness-of-fit test. Each test's false
 failure probability is 1e-4 (the p-value threshold); seeds are fixed, so a run is deterministic.
 """
+
+import itertools
 
 import pytest
 import torch
@@ -11,6 +14,7 @@ import torch
 from tandem.config import EngineConfig, SamplingParams
 from tandem.drafters import build_drafter
 from tandem.engine.engine import Engine
+from tandem.engine.request import Request
 from tandem.models.loader import load_transformer
 from tandem.models.tiny import make_tiny_model
 from tandem.ops.sampling import sampling_probs
@@ -32,15 +36,20 @@ def exact_distribution(model, params, length=3) -> dict[tuple, float]:
     return dist
 
 
-def sample_outputs(path, drafter_name, params, drafter_model=None) -> tuple[dict[tuple, int], Engine]:
+def sample_outputs(path, drafter_name, params, drafter_model=None, seeded=True) -> tuple[dict[tuple, int], Engine]:
+    """SAMPLES requests; seeded: seeds 0.., else unseeded requests whose generators are seeded 0.. (deterministic runs)."""
     target = load_transformer(path)
     target.pack()
     drafter = None
     if drafter_name:
         drafter = build_drafter(drafter_name, target=target, num_draft_tokens=3, max_batch=16, max_len=64, drafter_model=drafter_model)
     engine = Engine(target, EngineConfig(max_batch_size=16, max_model_len=64), drafter=drafter)
-    params_list = [SamplingParams(max_tokens=3, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, seed=s, ignore_eos=True) for s in range(SAMPLES)]
-    outputs = engine.run([PROMPT] * SAMPLES, params_list)
+    params_list = [SamplingParams(max_tokens=3, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, seed=s if seeded else None, ignore_eos=True) for s in range(SAMPLES)]
+    with pytest.MonkeyPatch.context() as patch:
+        if not seeded:
+            counter = itertools.count()
+            patch.setattr(Request, "make_generator", staticmethod(lambda seed: torch.Generator().manual_seed(next(counter))))
+        outputs = engine.run([PROMPT] * SAMPLES, params_list)
     counts: dict[tuple, int] = {}
     for r in outputs:
         key = tuple(r.output_ids)
@@ -53,10 +62,11 @@ def sample_outputs(path, drafter_name, params, drafter_model=None) -> tuple[dict
     SamplingParams(temperature=0.8, top_p=0.9),
     pytest.param(SamplingParams(temperature=1.0, top_k=4), marks=pytest.mark.slow),
 ])
-def test_sampled_output_has_target_distribution(small_vocab_model, tmp_path, drafter_name, params):
+@pytest.mark.parametrize("seeded", [True, False])
+def test_sampled_output_has_target_distribution(small_vocab_model, tmp_path, drafter_name, params, seeded):
     drafter_model = str(make_tiny_model(tmp_path / "d", "llama", seed=12, vocab_size=VOCAB)) if drafter_name == "draft_model" else None
     exact = exact_distribution(load_transformer(small_vocab_model), params)
-    counts, engine = sample_outputs(small_vocab_model, drafter_name, params, drafter_model)
+    counts, engine = sample_outputs(small_vocab_model, drafter_name, params, drafter_model, seeded)
     stats = engine.stats
     assert stats.drafted_tokens == stats.drafts == first_step_drafts(drafter_name, counts)
     assert stats.request_steps == 2 * SAMPLES - stats.accepted_tokens  # accepted: done in that verify; else one more, undrafted

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from tandem.ops.sampling import draw_uniform, sample_from_probs, sampling_probs
+from tandem.ops.sampling import draw_uniform, keyed_exponentials, race_sample, sample_from_probs, sampling_probs
 
 VOCAB = 20
 
@@ -138,3 +138,41 @@ def test_draw_uniform_uses_each_generator():
     assert rows.shape == (3, 4) and ((rows >= 0) & (rows < 1)).all()
     assert torch.equal(rows[0], rows[2])
     assert draw_uniform([], count=3).shape == (0, 3)
+
+
+def test_keyed_exponentials_are_a_function_of_seed_and_position():
+    first = keyed_exponentials(7, 40, 1000)
+    assert first.shape == (1000,) and first.dtype == torch.float32 and (first >= 0).all()
+    assert torch.equal(first, keyed_exponentials(7, 40, 1000))  # the same numbers on every call
+    for other in (keyed_exponentials(8, 40, 1000), keyed_exponentials(7, 41, 1000)):  # a neighbouring seed or position
+        assert abs(float(torch.corrcoef(torch.stack([first, other]))[0, 1])) < 0.1
+    assert abs(float(first.double().mean()) - 1.0) < 0.1  # Exp(1): mean 1 (sd of the mean ~0.03)
+
+
+def test_race_sample_matches_probs_and_never_returns_a_zero_probability_token():
+    """Chi-square goodness of fit of 20k draws on keyed exponentials (one position each), false failure 1e-4; and the
+    negative control: the same draws fail against another distribution."""
+    probs = torch.tensor([0.05, 0.0, 0.3, 0.15, 0.0, 0.25, 0.2, 0.05])
+    num = 20_000
+    exponentials = torch.stack([keyed_exponentials(3, position, 8) for position in range(num)])
+    counts = torch.bincount(race_sample(probs.expand(num, -1) * 2.0, exponentials), minlength=8).double()  # unnormalised
+    assert (counts[probs == 0] == 0).all()
+
+    def p_value(reference):
+        expected = reference.double()[reference > 0] * num
+        stat = ((counts[reference > 0] - expected) ** 2 / expected).sum()
+        dof = torch.tensor((int((reference > 0).sum()) - 1) / 2, dtype=torch.float64)
+        return float(torch.special.gammaincc(dof, stat / 2))
+    assert p_value(probs) > 1e-4, counts
+    assert p_value(torch.tensor([0.05, 0.0, 0.25, 0.2, 0.0, 0.25, 0.2, 0.05])) < 1e-4
+
+
+def test_race_sample_couples_close_distributions():
+    """Two distributions raced on the same exponentials agree at least (1 - tv) / (1 + tv) of the time; the same one
+    always agrees. Here tv = 0.1: bound 0.818 (independent draws would agree sum p q = 0.29)."""
+    p = torch.tensor([0.5, 0.3, 0.2])
+    q = torch.tensor([0.4, 0.4, 0.2])
+    exponentials = torch.stack([keyed_exponentials(11, position, 3) for position in range(4000)])
+    same = (race_sample(p.expand(4000, -1), exponentials) == race_sample(q.expand(4000, -1), exponentials)).double().mean()
+    assert float(same) > 0.818 - 0.03  # sd of the mean ~0.006
+    assert torch.equal(race_sample(p.expand(4000, -1), exponentials), race_sample(p.expand(4000, -1), exponentials))

@@ -403,8 +403,8 @@ def test_tree_result_is_a_path_ending_in_recovered_or_bonus():
         assert target[last + 1, result.tokens[-1]] > 0  # residuals stay inside the target's support
 
 
-def test_verify_greedy_equals_verify_tree_with_one_hot_target():
-    from tandem.ops.verify import verify_greedy
+def test_verify_tokens_equals_verify_tree_with_one_hot_target():
+    from tandem.ops.verify import verify_tokens
 
     gen = torch.Generator().manual_seed(123)
     vocab = 4
@@ -416,4 +416,4 @@ def test_verify_greedy_equals_verify_tree_with_one_hot_target():
         target = torch.nn.functional.one_hot(argmax, vocab).float()
         draft = torch.softmax(torch.randn(n, vocab, generator=gen), -1)
         uniform = torch.rand(n + 1, generator=gen)
-        assert verify_greedy(parents, tokens, argmax) == verify_tree(parents, tokens, draft, target, uniform)
+        assert verify_tokens(parents, tokens, argmax) == verify_tree(parents, tokens, draft, target, uniform)
