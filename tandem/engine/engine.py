@@ -21,7 +21,7 @@ from tandem.config import WEIGHTS, EngineConfig, SamplingParams
 from tandem.engine.admission import first_of_each_prompt, prefill_groups, take_waiting
 from tandem.engine.request import FinishReason, Request
 from tandem.engine.adjust import draft_paths
-from tandem.engine.sampling_step import emitted_logprobs, seeded_draws, step_target_probs, target_probs
+from tandem.engine.sampling_step import emitted_logprobs, seeded_draw, step_target_probs, target_probs
 from tandem.engine.stats import EngineStats, add_position_counts
 from tandem.engine.policy_update import copy_named_, validate_named_tensors
 from tandem.errors import InvalidParameterError, PolicyUpdateError, PromptTooLongError
@@ -349,12 +349,13 @@ class Engine:
         """Verify one request's draft (argmax [N+1] / probs, its target_probs [N+1, V]: already computed for the step,
         or None); the target_probs are returned only when they were needed or recorded."""
         if not self._needs_target_probs(request):
-            return verify_tokens(draft.parents, draft.tokens, logits.argmax(-1).cpu() if argmax is None else argmax), None
+            best = (logits.argmax(-1).cpu() if argmax is None else argmax).tolist()
+            return verify_tokens(draft.parents, draft.tokens, best.__getitem__), None
         n = len(draft)
         if probs is None:
             probs = target_probs([request] * (n + 1), logits, draft_paths(draft))
         if request.params.seed is not None:
-            return verify_tokens(draft.parents, draft.tokens, seeded_draws(request, draft, probs)), probs
+            return verify_tokens(draft.parents, draft.tokens, seeded_draw(request, draft, probs)), probs
         uniform = draw_uniform([request.generator], n + 1)[0]
         return verify_tree(draft.parents, draft.tokens, draft.probs(probs.shape[-1]), probs, uniform), probs
 

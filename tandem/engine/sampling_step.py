@@ -3,6 +3,8 @@ verify needs one, and the log-probs of the tokens it emitted. Pure functions of 
 and the verify forward's logits (a row's result never depends on the other rows)."""
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from tandem.engine.adjust import adjusted_logits, draft_paths, emitted_paths
@@ -24,15 +26,17 @@ def target_probs(requests: list[Request], logits: torch.Tensor, paths: list[list
     return sampling_probs(adjusted_logits(logits.float().cpu(), requests, paths), *sampling_tensors(requests))
 
 
-def seeded_draws(request: Request, draft: DraftTree, probs: torch.Tensor) -> torch.Tensor:  # probs [N+1, V] -> [N+1] long
-    """A seeded request's own token at the root and after each draft node: its draw from that row's target_probs on
-    the exponentials keyed by (seed, sequence position). Nodes at one depth share a position (their numbers), so
-    the draws are the ones decoding without the draft makes wherever the draft agreed with them."""
-    depth = torch.cat([torch.zeros(1, dtype=torch.long), depths(draft.parents).cpu() + 1])  # [N+1]
+def seeded_draw(request: Request, draft: DraftTree, probs: torch.Tensor) -> Callable[[int], int]:  # probs [N+1, V]
+    """row -> a seeded request's own token at the root (row 0) or after draft node i (row i + 1): its draw from that
+    row's target_probs on the exponentials keyed by (seed, sequence position), the numbers decoding without the draft
+    draws the token at that position with. Made when the verify reaches the row (a rejected draft's rows never are)."""
+    depth = [0] + [d + 1 for d in depths(draft.parents).tolist()]
     first = len(request.all_ids)  # the sequence position of the token after the pending one
-    vocab = probs.shape[-1]
-    exponentials = torch.stack([keyed_exponentials(request.params.seed, first + d, vocab) for d in range(int(depth.max()) + 1)])
-    return race_sample(probs, exponentials[depth])
+
+    def own_token(row: int) -> int:
+        exponentials = keyed_exponentials(request.params.seed, first + depth[row], probs.shape[-1])
+        return int(race_sample(probs[row : row + 1], exponentials.unsqueeze(0))[0])
+    return own_token
 
 
 def step_target_probs(requests: list[Request], drafts: list[DraftTree], logits: torch.Tensor, needed: list[bool]) -> list[torch.Tensor | None]:

@@ -19,6 +19,8 @@ drafter lied) but it stays well defined and never emits a token the target exclu
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from tandem.errors import InvalidParameterError
@@ -183,10 +185,11 @@ def _check_tokens(token_list: list[int], vocab: int) -> None:
 def verify_tokens(
     parents: torch.Tensor,  # [N] long, topological, -1 = child of the root
     tokens: torch.Tensor,  # [N] long
-    target_tokens: torch.Tensor,  # [N + 1] long: the target's own token at the root and after each node
+    own_token: Callable[[int], int],  # row -> the target's own token at the root (row 0) or after node i (row i + 1)
 ) -> VerifyResult:
     """Accept, from the root down, the child whose token is the target's own token at its parent; emit the
-    target's token where no child has it. Without any [*, V] tensor.
+    target's token where no child has it. Without any [*, V] tensor; `own_token` is asked only for the rows
+    the walk reaches.
 
     The target's own token is its argmax (greedy), or its draw from a seeded request's keyed exponentials
     (`race_sample`), which depends on the position and the tokens before it, never on the draft: the
@@ -195,13 +198,14 @@ def verify_tokens(
     is the argmax (target(x) = 1 >= any draft(x)), a rejection leaves the residual one-hot on the argmax, and
     the final token is the argmax of the last accepted node.
     """
-    token_list, best = tokens.tolist(), target_tokens.tolist()
+    token_list = tokens.tolist()
     kids = children(parents)
     row, accepted = 0, []
     while True:
-        match = next((c for c in kids[row] if token_list[c] == best[row]), None)
+        best = own_token(row)
+        match = next((c for c in kids[row] if token_list[c] == best), None)
         if match is None:
             break
         accepted.append(match)
         row = match + 1
-    return VerifyResult(accepted, [token_list[c] for c in accepted] + [best[row]], len(token_list), bonus=not kids[row])
+    return VerifyResult(accepted, [token_list[c] for c in accepted] + [best], len(token_list), bonus=not kids[row])

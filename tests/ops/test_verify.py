@@ -416,4 +416,19 @@ def test_verify_tokens_equals_verify_tree_with_one_hot_target():
         target = torch.nn.functional.one_hot(argmax, vocab).float()
         draft = torch.softmax(torch.randn(n, vocab, generator=gen), -1)
         uniform = torch.rand(n + 1, generator=gen)
-        assert verify_tokens(parents, tokens, argmax) == verify_tree(parents, tokens, draft, target, uniform)
+        assert verify_tokens(parents, tokens, argmax.tolist().__getitem__) == verify_tree(parents, tokens, draft, target, uniform)
+
+
+def test_verify_tokens_asks_for_the_rows_its_walk_reaches_only():
+    """A tree: root children 0 (token 5) and 1 (token 6); node 0's child 2 (token 7); node 1's child 3 (token 8). The target's
+    own tokens: 6 at the root, 8 after node 1: the walk takes node 1, then node 3, then asks row 4 (after node 3, a leaf)."""
+    from tandem.ops.verify import verify_tokens
+
+    own = {0: 6, 2: 8, 4: 9}
+    asked = []
+    result = verify_tokens(torch.tensor([-1, -1, 0, 1]), torch.tensor([5, 6, 7, 8]), lambda row: asked.append(row) or own[row])
+    assert asked == [0, 2, 4]
+    assert (result.accepted_nodes, result.tokens, result.bonus) == ([1, 3], [6, 8, 9], True)
+    asked.clear()
+    result = verify_tokens(torch.tensor([-1, 0, 1]), torch.tensor([3, 4, 5]), lambda row: asked.append(row) or 2)  # rejected at once
+    assert asked == [0] and (result.accepted_nodes, result.tokens, result.bonus) == ([], [2], False)
