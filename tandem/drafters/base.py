@@ -12,7 +12,7 @@ import torch
 
 from tandem.config import SamplingParams
 from tandem.errors import InvalidParameterError
-from tandem.ops.sampling import draw_uniform, keyed_exponentials, race_sample, sample_from_probs
+from tandem.ops.sampling import draw_uniform, keyed_sample, race_key, sample_from_probs
 from tandem.types import DraftShape, DraftTree, VerifyResult, chain_shapes
 
 
@@ -31,20 +31,19 @@ def draw_draft_tokens(
     probs: torch.Tensor,  # [B, V'] each row's sampling distribution over the drafter's vocabulary (greedy rows one-hot)
     step: int,  # the token drawn is `step` tokens after the one after the pending token (0: the next token)
     vocab_ids: torch.Tensor | None = None,  # [V'] the target's id of each drafter token; None: the target's vocabulary
-    vocab: int | None = None,  # the target's vocabulary size (with vocab_ids)
 ) -> torch.Tensor:  # [B] long, in the drafter's vocabulary
-    """One draft token per row. A seeded row races on the exponentials the verify draws its own token with at that
-    position, so the draft is the target's own draw as often as a coupling without communication allows, and the
-    output never depends on it; an unseeded row draws from its generator (rejection sampling verifies it)."""
+    """One draft token per row. A seeded row races on the numbers the verify draws its own token with at that position
+    (tandem.ops.sampling.keyed_sample), so the draft is the target's own draw as often as a coupling without
+    communication allows, and the output never depends on it; an unseeded row draws from its generator (rejection
+    sampling verifies it)."""
     seeded = [b for b, r in enumerate(requests) if r.params.seed is not None]
     free = [b for b, r in enumerate(requests) if r.params.seed is None]
     tokens = torch.empty(len(requests), dtype=torch.long)
     if free:
         tokens[free] = sample_from_probs(probs[free], draw_uniform([requests[b].generator for b in free])[:, 0])
     if seeded:
-        width = probs.shape[-1] if vocab_ids is None else vocab
-        exponentials = torch.stack([keyed_exponentials(requests[b].params.seed, len(requests[b].all_ids) + step, width) for b in seeded])
-        tokens[seeded] = race_sample(probs[seeded], exponentials if vocab_ids is None else exponentials[:, vocab_ids])
+        keys = [race_key(requests[b].params.seed, len(requests[b].all_ids) + step) for b in seeded]
+        tokens[seeded] = keyed_sample(probs[seeded], keys, vocab_ids)
     return tokens
 
 

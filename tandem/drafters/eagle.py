@@ -227,7 +227,7 @@ class EagleDrafter(DrafterBase):
         top_p = torch.tensor([r.params.top_p for r in requests], dtype=torch.float32)
         probs = sampling_probs(logits.float().cpu(), temperature, top_k, top_p)  # [B, Vd]; greedy rows one-hot
         vocab_ids = self.draft_to_target.cpu()
-        token = draw_draft_tokens(requests, probs, step, vocab_ids, self.target_vocab)
+        token = draw_draft_tokens(requests, probs, step, vocab_ids)
         return token.to(logits.device), expand_to_target(probs, vocab_ids, self.target_vocab)
 
     @staticmethod

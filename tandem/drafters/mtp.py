@@ -80,7 +80,7 @@ class MtpDrafter(DrafterBase):
         probs = sampling_probs(logits.reshape(batch * k, -1).float().cpu(), temperature, top_k, top_p)  # [B*k, Vd]
         vocab_ids = self.draft_to_target.cpu()
         by_step = probs.view(batch, k, -1)
-        tokens = torch.stack([draw_draft_tokens(requests, by_step[:, j], j, vocab_ids, self.heads.cfg.target_vocab_size) for j in range(k)], 1)
+        tokens = torch.stack([draw_draft_tokens(requests, by_step[:, j], j, vocab_ids) for j in range(k)], 1)
         expanded = expand_to_target(probs, vocab_ids, self.heads.cfg.target_vocab_size)
         return tokens.view(batch, k).to(logits.device), expanded.view(batch, k, -1)
 

@@ -9,7 +9,7 @@ import torch
 
 from tandem.engine.adjust import adjusted_logits, draft_paths, emitted_paths
 from tandem.engine.request import Request
-from tandem.ops.sampling import keyed_exponentials, race_sample, sampling_probs, token_logprobs, top_logprobs
+from tandem.ops.sampling import keyed_sample, race_key, sampling_probs, token_logprobs, top_logprobs
 from tandem.ops.tree import depths
 from tandem.types import DraftTree
 
@@ -28,15 +28,11 @@ def target_probs(requests: list[Request], logits: torch.Tensor, paths: list[list
 
 def seeded_draw(request: Request, draft: DraftTree, probs: torch.Tensor) -> Callable[[int], int]:  # probs [N+1, V]
     """row -> a seeded request's own token at the root (row 0) or after draft node i (row i + 1): its draw from that
-    row's target_probs on the exponentials keyed by (seed, sequence position), the numbers decoding without the draft
-    draws the token at that position with. Made when the verify reaches the row (a rejected draft's rows never are)."""
+    row's target_probs keyed by (seed, sequence position), as decoding without the draft draws the token at that
+    position. Made when the verify reaches the row (a rejected draft's rows never are)."""
     depth = [0] + [d + 1 for d in depths(draft.parents).tolist()]
     first = len(request.all_ids)  # the sequence position of the token after the pending one
-
-    def own_token(row: int) -> int:
-        exponentials = keyed_exponentials(request.params.seed, first + depth[row], probs.shape[-1])
-        return int(race_sample(probs[row : row + 1], exponentials.unsqueeze(0))[0])
-    return own_token
+    return lambda row: int(keyed_sample(probs[row : row + 1], [race_key(request.params.seed, first + depth[row])])[0])
 
 
 def step_target_probs(requests: list[Request], drafts: list[DraftTree], logits: torch.Tensor, needed: list[bool]) -> list[torch.Tensor | None]:

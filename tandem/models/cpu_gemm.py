@@ -31,8 +31,10 @@ from pathlib import Path
 import torch
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = (CSRC / "small_gemm.cpp", CSRC / "wide_gemm.cpp", CSRC / "q8_gemm.cpp", CSRC / "q4_gemm.cpp", CSRC / "bf16_gemm.cpp", CSRC / "decode_glue.cpp")  # one extension: the GEMMs
-# (q8_gemm.cpp / q4_gemm.cpp: int8 / int4 weights with int8 activations; bf16_gemm.cpp: bf16 weights; tandem.models.quant_gemm) and the per-layer glue (decode_glue.py)
+SOURCES = (CSRC / "small_gemm.cpp", CSRC / "wide_gemm.cpp", CSRC / "q8_gemm.cpp", CSRC / "q4_gemm.cpp", CSRC / "bf16_gemm.cpp", CSRC / "decode_glue.cpp",
+           CSRC / "keyed_race.cpp")  # one extension: the GEMMs
+# (q8_gemm.cpp / q4_gemm.cpp: int8 / int4 weights with int8 activations; bf16_gemm.cpp: bf16 weights; tandem.models.quant_gemm), the per-layer glue (decode_glue.py)
+# and the seeded draw (keyed_race.cpp: tandem.ops.sampling.keyed_sample)
 HEADERS = (CSRC / "simd.h", CSRC / "gemm.h", CSRC / "act_quant.h")
 ENV = "TANDEM_CPU_GEMM"  # "onednn": never use the kernel (A/B runs, a suspected kernel problem)
 MAX_ROWS = 512  # measured here up to 512 rows: the register-blocked path beats F.linear (MKL) 1.1-1.5x from 64 rows on
@@ -99,6 +101,7 @@ def _load() -> bool:
     torch.library.register_fake("tandem_cpu::wide_gemm_kn")(_wide_gemm_kn_fake)
     torch.library.register_fake("tandem_cpu::wide_gemm_silu")(_wide_gemm_silu_fake)
     torch.library.register_fake("tandem_cpu::prefill_attention")(_prefill_attention_fake)
+    torch.library.register_fake("tandem_cpu::keyed_race")(lambda probs, keys, ids: keys.new_empty(probs.shape[:1]))
     return True
 
 

@@ -10,11 +10,10 @@ the tokens before the position; the caller passes them per row (the engine: tand
 
 A seeded request draws by an exponential race on numbers keyed by (seed, sequence position): whatever
 drafted, and whatever the batch, the token drawn at a position is the same, so seeded sampling gives the
-same bits with and without speculation (`keyed_exponentials`, `race_sample`).
+same bits with and without speculation (`race_key`, `keyed_sample`).
 """
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 
@@ -116,25 +115,91 @@ def sample_from_probs(
     return idx.clamp(max=probs.shape[-1] - 1)
 
 
-def keyed_exponentials(seed: int, position: int, vocab: int) -> torch.Tensor:  # [V] float32
-    """Standard exponentials for the draw at one sequence position of a seeded request, a pure function of
-    (seed, position): plain decoding, a drafter and a verify that draw there all race on the same numbers.
-    SFC64 seeded through numpy's SeedSequence, which hashes the pair, so nearby seeds and positions are
-    unrelated streams (and it starts 3x faster than PCG64: ~75 us for 49k numbers here)."""
-    uniform = np.random.Generator(np.random.SFC64([seed, position])).random(vocab, dtype=np.float32)  # [0, 1)
-    return torch.from_numpy(uniform).log_().neg_()  # -log(u): u = 0 gives +inf, a token that cannot win
+GAMMA, MIX1, MIX2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB  # SplitMix64's increment and finaliser
+MASK64 = (1 << 64) - 1
+LOG_POLY = (7.0376836292e-2, -1.1514610310e-1, 1.1676998740e-1, -1.2420140846e-1, 1.4249322787e-1, -1.6668057665e-1,
+            2.0000714765e-1, -2.4999993993e-1, 3.3333331174e-1)  # Cephes logf on [sqrt(1/2), sqrt(2))
 
 
-def race_sample(
-    probs: torch.Tensor,  # [N, V] sampling distributions (need not be normalised)
-    exponentials: torch.Tensor,  # [N, V] independent standard exponentials
-) -> torch.Tensor:  # [N] long
-    """The exponential race (the Gumbel-max trick without logs): argmax probs / E. E(x) / p(x) is exponential of
-    rate p(x), and the smallest of independent exponentials is each one's with probability proportional to
-    its rate, so token x wins with probability p(x) / sum(p); a token of probability 0 never wins. Two
-    distributions raced on the same exponentials pick the same token with probability >= (1 - tv) / (1 + tv)
-    (tv: their total variation distance), which is how a seeded draft agrees with the target's own draw."""
-    return (probs.float() / exponentials).argmax(-1)
+def _mix64(z: int) -> int:
+    z = ((z ^ (z >> 30)) * MIX1) & MASK64
+    z = ((z ^ (z >> 27)) * MIX2) & MASK64
+    return z ^ (z >> 31)
+
+
+def race_key(seed: int, position: int) -> int:  # a signed int64
+    """The key of a seeded request's draw at one sequence position: SplitMix64 of the seed, then of the position."""
+    key = _mix64((_mix64((seed + GAMMA) & MASK64) + position * GAMMA) & MASK64)
+    return key - (1 << 64) if key >> 63 else key
+
+
+def keyed_sample(
+    probs: torch.Tensor,  # [N, W] sampling distributions (need not be normalised)
+    keys: list[int],  # [N] race_key of each row
+    token_ids: torch.Tensor | None = None,  # [W] long: each column's token id (a drafter's vocabulary); None: the column
+) -> torch.Tensor:  # [N] long columns
+    """Each row's draw by an exponential race on numbers keyed by (key, token id): the first argmax of p(x) / E(x), where
+    E(x) = -log(u(x)) is a standard exponential and u(x) = (2 (h >> 41) + 1) / 2^24, h = SplitMix64(key + (x + 1) GAMMA).
+    E(x) / p(x) is exponential of rate p(x), and the smallest of independent exponentials is each one's with probability
+    proportional to its rate, so token x wins with probability p(x) / sum(p): the Gumbel-max trick, and a token of
+    probability 0 never wins. Plain decoding, a drafter and a verify that draw at one position race on the same numbers,
+    so the draw never depends on the draft, and two distributions raced there pick the same token with probability
+    >= (1 - tv) / (1 + tv) (tv: their total variation distance). The compiled kernel (csrc/keyed_race.cpp) and
+    `keyed_sample_reference` do the same float32 operations in the same order: the same bits."""
+    probs = probs.float()
+    kernel = _race_kernel() if probs.device.type == "cpu" else None
+    if kernel is None:
+        return keyed_sample_reference(probs, keys, token_ids)
+    return kernel(probs.contiguous(), torch.tensor(keys, dtype=torch.long), None if token_ids is None else token_ids.cpu().long())
+
+
+def _race_kernel():
+    """torch.ops.tandem_cpu.keyed_race where the CPU kernels are built and loaded (tandem.models.cpu_gemm), else None."""
+    try:
+        return torch.ops.tandem_cpu.keyed_race
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def keyed_sample_reference(probs: torch.Tensor, keys: list[int], token_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """`keyed_sample` in torch ops (int64 products wrap, as the kernel's do)."""
+    device = probs.device
+    tokens = (torch.arange(probs.shape[-1], device=device) if token_ids is None else token_ids.to(device).long()) + 1
+    h = _mix64_tensor(torch.tensor(keys, dtype=torch.long, device=device).unsqueeze(-1) + tokens * _signed(GAMMA))
+    uniform = (2 * _shift_right(h, 41) + 1).float() * 2.0**-24  # in (0, 1), exactly
+    return (probs.float() / _neg_log(uniform)).argmax(-1)  # argmax: the first maximum, as the kernel's
+
+
+def _signed(value: int) -> int:
+    return value - (1 << 64) if value >> 63 else value
+
+
+def _shift_right(z: torch.Tensor, bits: int) -> torch.Tensor:  # logical: int64 >> is arithmetic
+    return (z >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def _mix64_tensor(z: torch.Tensor) -> torch.Tensor:
+    z = (z ^ _shift_right(z, 30)) * _signed(MIX1)
+    z = (z ^ _shift_right(z, 27)) * _signed(MIX2)
+    return z ^ _shift_right(z, 31)
+
+
+def _neg_log(u: torch.Tensor) -> torch.Tensor:  # u in (0, 1), float32: -log(u), each product and sum rounded on its own
+    bits = u.view(torch.int32)
+    exponent = ((bits >> 23) - 127).float()
+    mantissa = ((bits & 0x007FFFFF) | 0x3F800000).view(torch.float32)
+    big = mantissa > 1.41421356
+    mantissa = torch.where(big, mantissa * 0.5, mantissa)
+    exponent = torch.where(big, exponent + 1.0, exponent)
+    f = mantissa - 1.0
+    z = f * f
+    poly = torch.full_like(f, LOG_POLY[0])
+    for c in LOG_POLY[1:]:
+        poly = poly * f + c
+    y = (f * z) * poly
+    y = y + exponent * -2.12194440e-4
+    y = y - z * 0.5
+    return -((f + y) + exponent * 0.693359375)
 
 
 def draw_uniform(generators: list[torch.Generator | None], count: int = 1) -> torch.Tensor:  # [N, count]

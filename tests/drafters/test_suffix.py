@@ -238,10 +238,10 @@ def test_sampled_output_at_temperature_one_has_the_target_distribution(small_voc
 
 
 # Drafts of one token at each request's first verify (max_tokens 3 leaves a budget of 1 there, 0 after). suffix_self's
-# int8 self-draft fills the budget wherever the suffix does not; the suffix alone drafts nothing for the 15 requests
-# whose first token nothing in the group had yet been seen to follow (16 with the seeded requests' keyed draws; 15 with
-# the generator draws before them, on the AVX-512, AVX2 and oneDNN paths alike).
-FIRST_STEP_DRAFTS = {"suffix": SAMPLES - 16, "suffix_tree": SAMPLES - 16, "suffix_self": SAMPLES}
+# int8 self-draft fills the budget wherever the suffix does not; the suffix alone drafts nothing for the 19 requests
+# whose first token nothing in the group had yet been seen to follow (seeded draws: the kernel's and the torch reference's
+# are the same bits, so the count is the same on every path).
+FIRST_STEP_DRAFTS = {"suffix": SAMPLES - 19, "suffix_tree": SAMPLES - 19, "suffix_self": SAMPLES}
 
 
 @pytest.mark.slow

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from tandem.ops.sampling import draw_uniform, keyed_exponentials, race_sample, sample_from_probs, sampling_probs
+from tandem.ops.sampling import draw_uniform, keyed_sample, keyed_sample_reference, race_key, sample_from_probs, sampling_probs
 
 VOCAB = 20
 
@@ -140,22 +140,25 @@ def test_draw_uniform_uses_each_generator():
     assert draw_uniform([], count=3).shape == (0, 3)
 
 
-def test_keyed_exponentials_are_a_function_of_seed_and_position():
-    first = keyed_exponentials(7, 40, 1000)
-    assert first.shape == (1000,) and first.dtype == torch.float32 and (first >= 0).all()
-    assert torch.equal(first, keyed_exponentials(7, 40, 1000))  # the same numbers on every call
-    for other in (keyed_exponentials(8, 40, 1000), keyed_exponentials(7, 41, 1000)):  # a neighbouring seed or position
-        assert abs(float(torch.corrcoef(torch.stack([first, other]))[0, 1])) < 0.1
-    assert abs(float(first.double().mean()) - 1.0) < 0.1  # Exp(1): mean 1 (sd of the mean ~0.03)
+def keyed_draws(probs: torch.Tensor, seed: int, count: int) -> torch.Tensor:  # [count] draws of one distribution, one position each
+    return keyed_sample_reference(probs.expand(count, -1), [race_key(seed, position) for position in range(count)])
 
 
-def test_race_sample_matches_probs_and_never_returns_a_zero_probability_token():
-    """Chi-square goodness of fit of 20k draws on keyed exponentials (one position each), false failure 1e-4; and the
-    negative control: the same draws fail against another distribution."""
+def test_race_key_is_splitmix64_of_seed_then_position():
+    """Known values: SplitMix64's finaliser of seed + GAMMA is its first output for that seed (0 -> 0xE220A8397B1DCDAF)."""
+    assert race_key(0, 0) == race_key(0, 0) and race_key(0, 0) != race_key(1, 0) != race_key(0, 1)
+    from tandem.ops.sampling import GAMMA, _mix64
+    assert _mix64(GAMMA) == 0xE220A8397B1DCDAF  # SplitMix64(seed 0)'s first number (Vigna's reference)
+    key = _mix64((0xE220A8397B1DCDAF + 7 * GAMMA) % 2**64)
+    assert race_key(0, 7) == (key - 2**64 if key >= 2**63 else key)
+
+
+def test_keyed_sample_matches_probs_and_never_returns_a_zero_probability_token():
+    """Chi-square goodness of fit of 20k draws (one position each), false failure 1e-4, and the negative control: the
+    same draws fail against another distribution."""
     probs = torch.tensor([0.05, 0.0, 0.3, 0.15, 0.0, 0.25, 0.2, 0.05])
     num = 20_000
-    exponentials = torch.stack([keyed_exponentials(3, position, 8) for position in range(num)])
-    counts = torch.bincount(race_sample(probs.expand(num, -1) * 2.0, exponentials), minlength=8).double()  # unnormalised
+    counts = torch.bincount(keyed_draws(probs * 2.0, 3, num), minlength=8).double()  # unnormalised
     assert (counts[probs == 0] == 0).all()
 
     def p_value(reference):
@@ -167,12 +170,38 @@ def test_race_sample_matches_probs_and_never_returns_a_zero_probability_token():
     assert p_value(torch.tensor([0.05, 0.0, 0.25, 0.2, 0.0, 0.25, 0.2, 0.05])) < 1e-4
 
 
-def test_race_sample_couples_close_distributions():
-    """Two distributions raced on the same exponentials agree at least (1 - tv) / (1 + tv) of the time; the same one
-    always agrees. Here tv = 0.1: bound 0.818 (independent draws would agree sum p q = 0.29)."""
-    p = torch.tensor([0.5, 0.3, 0.2])
-    q = torch.tensor([0.4, 0.4, 0.2])
-    exponentials = torch.stack([keyed_exponentials(11, position, 3) for position in range(4000)])
-    same = (race_sample(p.expand(4000, -1), exponentials) == race_sample(q.expand(4000, -1), exponentials)).double().mean()
+def test_keyed_sample_couples_close_distributions():
+    """Two distributions raced on the same numbers agree at least (1 - tv) / (1 + tv) of the time; the same one always
+    does. Here tv = 0.1: bound 0.818 (independent draws would agree sum p q = 0.36)."""
+    p, q = torch.tensor([0.5, 0.3, 0.2]), torch.tensor([0.4, 0.4, 0.2])
+    same = (keyed_draws(p, 11, 4000) == keyed_draws(q, 11, 4000)).double().mean()
     assert float(same) > 0.818 - 0.03  # sd of the mean ~0.006
-    assert torch.equal(race_sample(p.expand(4000, -1), exponentials), race_sample(p.expand(4000, -1), exponentials))
+    assert torch.equal(keyed_draws(p, 11, 4000), keyed_draws(p, 11, 4000))
+
+
+def test_keyed_sample_of_a_sub_vocabulary_races_on_its_token_ids():
+    """A drafter's row over a part of the vocabulary (token_ids) draws the token the full row draws wherever it holds
+    all of the mass: the numbers belong to token ids, not columns."""
+    full = torch.zeros(5, 50)
+    full[:, [3, 17, 41]] = torch.tensor([0.2, 0.5, 0.3])
+    ids = torch.tensor([41, 3, 17, 8])
+    keys = [race_key(9, position) for position in range(5)]
+    assert torch.equal(ids[keyed_sample_reference(full[:, ids], keys, ids)], keyed_sample_reference(full, keys))
+
+
+@pytest.mark.parametrize("scale", [0.1, 1.0, 4.0, 12.0])  # flat to peaked rows
+def test_keyed_race_kernel_gives_the_reference_bits(scale):
+    """The compiled race (which skips the logarithm where a token provably cannot win) draws what the torch ops draw."""
+    from tandem.models import cpu_gemm
+
+    if not cpu_gemm.available():
+        pytest.skip("the CPU kernels are not built here")
+    gen = torch.Generator().manual_seed(int(scale * 10))
+    probs = torch.softmax(torch.randn(96, 4099, generator=gen) * scale, -1)
+    probs[::3, ::7] = 0.0  # filtered tokens
+    keys = [race_key(seed, seed * 31) for seed in range(96)]
+    assert torch.equal(keyed_sample(probs, keys), keyed_sample_reference(probs, keys))
+    ids = torch.randperm(50_000, generator=gen)[:4099]
+    assert torch.equal(keyed_sample(probs, keys, ids), keyed_sample_reference(probs, keys, ids))
+    for width in (1, 7, 9, 17):  # tails
+        assert torch.equal(keyed_sample(probs[:8, :width], keys[:8]), keyed_sample_reference(probs[:8, :width], keys[:8]))
