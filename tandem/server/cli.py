@@ -12,8 +12,8 @@ def add_serve_command(sub) -> None:
     p.add_argument("--drafter", default=None, help="ngram | draft_model | self_draft | eagle | mtp (default: none)")
     p.add_argument("--drafter-path", default=None, help="eagle/mtp: directory of a trained head")
     p.add_argument("--num-draft-tokens", type=int, default=4, help="the most a request drafts in a step")
-    p.add_argument("--adaptive-k", action="store_true", help="the speculation controller picks each step's draft shape, plain included, "
-                   "by measured tokens/s (/metrics shows its choices; seeded sampling is then not reproducible); default: --num-draft-tokens every step")
+    p.add_argument("--fixed-k", action="store_true", help="draft --num-draft-tokens every step (default: the speculation controller picks "
+                   "each step's draft shape, plain included, by measured tokens/s; /metrics shows its choices)")
     p.add_argument("--draft-vocab-size", type=int, default=None, help="eagle without --drafter-path: the day-0 head's draft vocabulary")
     p.add_argument("--online", action="store_true", help="the flywheel: train the eagle head on live traffic and hot-swap it")
     p.add_argument("--state-dir", default=None, help="checkpoints, traces, drafter versions; resumed on start (default with --online: $TANDEM_HOME/serve/MODEL)")
@@ -56,7 +56,7 @@ def config_from_args(args: argparse.Namespace):
 
     return ServerConfig(
         model=args.model, served_model_name=args.served_model_name, drafter=args.drafter, drafter_path=args.drafter_path,
-        num_draft_tokens=args.num_draft_tokens, adaptive_k=args.adaptive_k, draft_vocab_size=args.draft_vocab_size, online=args.online, state_dir=args.state_dir, host=args.host, port=args.port,
+        num_draft_tokens=args.num_draft_tokens, adaptive_k=not args.fixed_k, draft_vocab_size=args.draft_vocab_size, online=args.online, state_dir=args.state_dir, host=args.host, port=args.port,
         api_key=args.api_key, admin_key=args.admin_key, max_batch_size=args.max_batch_size, max_queue=args.max_queue,
         max_model_len=args.max_model_len, max_body_bytes=args.max_body_bytes, threads=args.threads,
         publish_every=args.publish_every, checkpoint_every=args.checkpoint_every,

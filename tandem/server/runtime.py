@@ -32,8 +32,8 @@ class ServerConfig:
     drafter: str | None = None  # ngram | draft_model | self_draft | eagle | mtp; None = plain decoding
     drafter_path: str | None = None  # eagle/mtp: a trained head directory
     num_draft_tokens: int = 4  # the most a row drafts in a step (the deepest chain)
-    adaptive_k: bool = False  # the speculation controller picks each step's draft shape (plain included) by tokens/s (off by default:
-    # a seeded sampled request is then not reproducible, its draws following the shapes chosen); False: always num_draft_tokens
+    adaptive_k: bool = True  # the speculation controller picks each step's draft shape (plain included) by tokens/s (a seeded
+    # request's output does not depend on the shapes: tandem.ops.sampling.keyed_sample); False: always num_draft_tokens
     draft_vocab_size: int | None = None  # eagle day-0 head: draft vocabulary size (None = the drafter's default)
     online: bool = False  # the flywheel: collect traces, train the eagle head, hot-swap validated versions
     state_dir: str | None = None  # checkpoints, spilled traces, drafter versions (None: $TANDEM_HOME/serve/MODEL online, else temporary)

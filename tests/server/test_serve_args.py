@@ -16,6 +16,6 @@ def test_prefill_tokens_per_step_flag_and_default():
     assert parse("--model", "m", "--prefill-tokens-per-step", "1024").prefill_tokens_per_step == 1024
 
 
-def test_the_speculation_controller_is_opt_in():
-    assert parse("--model", "m").adaptive_k is False and ServerConfig().adaptive_k is False
-    assert parse("--model", "m", "--adaptive-k").adaptive_k is True
+def test_the_speculation_controller_is_the_default_and_fixed_k_turns_it_off():
+    assert parse("--model", "m").adaptive_k is True and ServerConfig().adaptive_k is True
+    assert parse("--model", "m", "--fixed-k").adaptive_k is False
