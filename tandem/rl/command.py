@@ -125,7 +125,7 @@ def run_rl(args, build=None) -> int:
     def on_step(record: dict) -> None:
         line = {k: round(record[k], 4) if isinstance(record[k], float) else record[k]
                 for k in ("step", "reward_mean", "exact_mean", "completion_tokens_mean", "train_s", "sync_s", "step_wall_s", "entropy", "clip_fraction")}
-        line |= {"rollout_s": {d: round(s, 2) for d, s in record["rollout_s"].items()}, "eval": record.get("eval")}
+        line |= {"rollout_s": {d: round(s, 2) for d, s in record["rollout_s"].items()}, "same_rollouts": record["same_rollouts"], "eval": record.get("eval")}
         print(json.dumps(line), flush=True)
         if args.checkpoint:
             save_checkpoint(trainer, args.checkpoint, model=model_ref)

@@ -242,6 +242,8 @@ class GRPOTrainer:
             "tokens": sum(len(r.completion_ids) for r in primary.rollouts),
             "rollout_tokens": {n: sum(len(r.completion_ids) for r in b.rollouts) for n, b in batches.items()},
             "completion_lengths": {n: [len(r.completion_ids) for r in b.rollouts] for n, b in batches.items()},  # `tandem simulate --rollout`
+            "same_rollouts": {n: [r.completion_ids for r in b.rollouts] == [r.completion_ids for r in primary.rollouts]
+                              for n, b in batches.items()},  # seeded draws: speculation decodes the first engine's tokens
             "prompt_tokens_mean": float(np.mean([len(r.prompt_ids) for r in primary.rollouts])),
         } | stats
         if self.online is not None:

@@ -44,6 +44,7 @@ def summarize(history: list[dict], baseline: str = "ar") -> dict:
             "step_speedup": round(measured, 3), "amdahl_prediction": round(amdahl, 3),
             "measured_vs_amdahl": round(measured / amdahl - 1.0, 4),
             "acceptance_length": round(sum(h["acceptance_length"][d] for h in history) / len(history), 3),
+            "steps_same_rollouts_as_first": sum(h["same_rollouts"][d] for h in history if "same_rollouts" in h),
         }
         if all("rollout_tokens" in h for h in history):
             rate = {k: sum(h["rollout_tokens"][k] for h in history) / rollout[k] for k in (base, d)}

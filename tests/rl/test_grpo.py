@@ -72,6 +72,7 @@ def test_two_step_grpo_run(tiny_llama, async_mode, monkeypatch):
     assert {n for n in after if not torch.equal(before[n], after[n])} == trainable  # every trainable tensor moved, nothing else
     for h in history:  # the learner's clock advanced by 0.25 s at each optimiser step only: one per update
         assert set(h["rollout_s"]) == {"ar", "self_draft", "eagle"} and h["train_s"] == 0.25
+        assert h["same_rollouts"] == {"ar": True, "self_draft": True, "eagle": True}  # sampled (T = 1), token for token
         assert h["eagle_staleness"] == 1 and "resync/self_draft" in h["sync"]
     assert [h["sample_staleness"] for h in history] == ([0, 1] if async_mode else [0, 0])
     assert [h["overlapped"] for h in history] == [async_mode] * 2
