@@ -10,7 +10,10 @@ recent timings:
 - correction(B, N) is the median measured / refitted time per (rows, tokens), its deviation from the rows' mean
   shrunk by SHRINK timings, interpolated between the token counts measured at these rows, and made monotone:
   what a roofline cannot draw (on a Zen 5 at batch 1, 1-2 tokens took 10 ms and 3-9 took 13.5), without the noise
-  of one EMA per token count (which priced 4 tokens dearer than 8);
+  of one EMA per token count (which priced 4 tokens dearer than 8). Past the most tokens measured at these rows, the
+  time grows from that count's as the prior roofline (the calibration's) grows: an engine that mostly decodes plain
+  measures its forwards only below the ridge, and a roofline refitted to them has no compute roof (at 16 rows it
+  priced a 90-token verify at 55 ms that took 82, and every verify shape looked like a win until tried);
 - `level` restarts at 1 and follows measured / predicted between refits (load, drift).
 predict(B, T, C) is the padded case, N = B x T.
 Drafter: seconds = fixed + per_depth * depth + per_node * nodes + per_sequence * B, ridge least squares pulled toward the
@@ -47,6 +50,7 @@ UNIT_MACHINE = Machine("prior", bandwidth=1.0, peak_flops=4.0, source="prior: ri
 class ForwardCost:
     def __init__(self, work: ModelWork = UNIT_WORK, machine: Machine = UNIT_MACHINE, refit: bool = False):
         self.work, self.machine, self.refit = work, machine, refit
+        self.prior = machine  # the calibrated (or preset) machine: how time grows past the token counts measured
         self.level = 1.0  # EMA of measured / predicted since the last refit
         self.corrections: dict[int, tuple[list[int], list[float], int]] = {}  # rows -> (token counts, monotone times, context)
         self.timings: deque[Timing] = deque(maxlen=256)
@@ -70,14 +74,17 @@ class ForwardCost:
 
     def correction(self, batch: int, total: float) -> float:
         """Measured / roofline at these rows and tokens (1 where nothing was measured at these rows): between measured
-        token counts the times are interpolated (at the rows' median context), beyond them the nearest one's ratio."""
+        token counts the times are interpolated (at the rows' median context); below them the smallest one's ratio;
+        above them the largest one's time grown as the prior roofline grows."""
         if batch not in self.corrections:
             return 1.0
         totals, times, context = self.corrections[batch]
         i = bisect.bisect_left(totals, total)
-        if i == len(totals) or (i == 0 and total < totals[0]):
-            j = min(i, len(totals) - 1)
-            return times[j] / self.roofline(batch, totals[j] / batch, context)
+        if i == len(totals):
+            grown = forward_seconds(self.work, self.prior, batch, total / batch, context) / forward_seconds(self.work, self.prior, batch, totals[-1] / batch, context)
+            return times[-1] * grown / self.roofline(batch, total / batch, context)
+        if i == 0 and total < totals[0]:
+            return times[0] / self.roofline(batch, totals[0] / batch, context)
         if totals[i] == total:
             seconds = times[i]
         else:

@@ -271,3 +271,21 @@ def test_a_lookup_drafter_that_rarely_finds_a_draft_is_discounted():
         c.observe([r], [DraftTree.empty()], [VerifyResult([], [7], 0, False)], 0.0, 0.11, 1)
     assert c.emitted[4] == 1.0 and c.yielded[4] < 0.01  # it emits what plain emits and verifies ~nothing more
     assert c.metrics()["shape_emitted"]["chain4"] == 1.0
+
+
+def test_past_the_token_counts_measured_the_time_grows_as_the_calibration_says():
+    """An engine decoding plain measures its forwards only below the ridge (here 25 tokens), and a roofline refitted to
+    them has no compute roof (`refitted`, what the online fit made of a Zen 5's plain steps). A 96-token verify at 16
+    rows is priced from the 16-token time grown as the calibrated roofline grows: 0.95 x its 0.25 s, not along the
+    refitted line (0.95 x 0.158 s, 37 % low: at 16 rows every verify shape looked like a win until tried)."""
+    calibrated = Machine("calibrated", bandwidth=10e9, peak_flops=5e11, overhead_s=0.01, per_token_s=0.0005)
+    fwd = ForwardCost(WORK, calibrated, refit=True)
+    fwd.machine = Machine("refitted", bandwidth=10e9, peak_flops=1e15, overhead_s=0.01, per_token_s=0.0005)
+    for _ in range(REFIT_EVERY):
+        fwd.observe_total(16, 16, 64, 0.95 * forward_seconds(WORK, calibrated, 16, 1.0, 64))
+    assert fwd.refits >= 1 and fwd.machine.name == "refitted"  # one token count: the roofline is not refitted
+    assert forward_seconds(WORK, calibrated, 16, 1.0, 64) == pytest.approx(0.118)
+    assert forward_seconds(WORK, calibrated, 16, 6.0, 64) == pytest.approx(0.25)
+    assert fwd.predict_total(16, 16, 64) == pytest.approx(0.95 * 0.118, rel=1e-6)
+    assert fwd.predict_total(16, 96, 64) == pytest.approx(0.95 * 0.25, rel=1e-6)
+    assert fwd.predict_total(16, 32, 64) == pytest.approx(0.95 * forward_seconds(WORK, calibrated, 16, 2.0, 64), rel=1e-6)
