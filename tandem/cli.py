@@ -221,7 +221,7 @@ def _bench_shift_command(bench) -> None:
     p.add_argument("--live-batch", type=int, default=d.live_batch)
     p.add_argument("--min-confidence", type=float, default=d.min_confidence,
                    help="live, from a trained head: chains end below this path confidence (the served default; 0 = full chains)")
-    p.add_argument("--prompt-lookup", action="store_true", help="live: graft a prompt-lookup branch onto the head's draft (eagle_ngram, as the demo)")
+    p.add_argument("--prompt-lookup", action="store_true", help="graft a prompt-lookup branch onto the head's draft (eagle_ngram, as the demo): live, it serves; --replay, the drafter as deployed is replayed beside the chain and reported (mean_deployed_acceptance_length)")
     _trainer_argument(p)
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--threads", type=int, default=2)

@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+import numpy as np
 import torch
 from tqdm import tqdm
 
@@ -27,7 +28,19 @@ from tandem.flywheel.buffer import load_traces, write_shard
 from tandem.flywheel.traces import TRACE_SCHEMA, SequenceTrace, TraceAssembler
 from tandem.flywheel.objective import generated_roots, trace_example
 from tandem.models.eagle import EagleHead
+from tandem.ops.ngram import ngram_candidates
+from tandem.ops.tree import depths as tree_depths, graft_sequence
+from tandem.ops.verify import verify_tokens
 from tandem.training.offline import eagle_logits
+
+
+@dataclass(frozen=True)
+class Lookup:
+    """The prompt-lookup branch `eagle_ngram` grafts onto the head's chain (tandem.drafters.hybrid): NgramDrafter's
+    settings, its continuation of up to k tokens after the latest match of the context's longest suffix."""
+    k: int = 4
+    n_min: int = 1
+    n_max: int = 4
 
 
 @dataclass
@@ -35,11 +48,19 @@ class ReplayResult:
     steps: list[tuple[int, int, int]]  # (pending position n, drafted k, accepted)
     rejections: list[tuple[int, int, int]]  # (root n - 1, depth, rejected target token)
     output_tokens: int
+    deployed: list[tuple[int, int, int]] | None = None  # with a Lookup: the deployed drafter's (n, nodes drafted, accepted)
 
     @property
     def acceptance_length(self) -> float:
         """The engine's per-request metric: (output tokens - 1) / verify steps."""
         return (self.output_tokens - 1) / len(self.steps) if self.steps else 0.0
+
+    @property
+    def deployed_acceptance_length(self) -> float | None:
+        """The same metric for the drafter as deployed: the chain with the lookup branch grafted on."""
+        if self.deployed is None:
+            return None
+        return (self.output_tokens - 1) / len(self.deployed) if self.deployed else 0.0
 
 
 @torch.inference_mode()
@@ -52,7 +73,9 @@ def chain_predictions(head: EagleHead, trace: SequenceTrace, k: int) -> tuple[to
     return torch.stack([head.draft_to_target[step[0].argmax(-1)].cpu() for step in logits]), int(roots[0])
 
 
-def replay_request(head: EagleHead, trace: SequenceTrace, k: int, max_tokens: int) -> ReplayResult:
+def replay_request(head: EagleHead, trace: SequenceTrace, k: int, max_tokens: int, lookup: Lookup | None = None) -> ReplayResult:
+    """The head's chain replayed; with `lookup`, also the drafter as `eagle_ngram` deploys it (`deployed`), from the
+    same predictions."""
     tokens = trace.tokens.tolist()
     length, prompt = len(tokens), trace.prompt_len
     predicted, first = chain_predictions(head, trace, k) if length - prompt > 1 else (torch.zeros(k, 0, dtype=torch.long), 0)
@@ -69,7 +92,32 @@ def replay_request(head: EagleHead, trace: SequenceTrace, k: int, max_tokens: in
         steps.append((n, budget, accepted))
         output += accepted + 1
         n += accepted + 1
-    return ReplayResult(steps, rejections, min(output, length - prompt))
+    deployed = None if lookup is None else deployed_steps(tokens, prompt, predicted, first, k, max_tokens, lookup)
+    return ReplayResult(steps, rejections, min(output, length - prompt), deployed)
+
+
+def deployed_steps(tokens: list[int], prompt: int, predicted: list[list[int]], first: int, k: int, max_tokens: int,
+                   lookup: Lookup) -> list[tuple[int, int, int]]:
+    """(n, nodes drafted, accepted) per step of `eagle_ngram` with full chains: the engine's budget b (the tokens left
+    but one), the head's chain of min(k, b), the lookup continuation of the context so far grafted on it within b
+    nodes (where the chain is not empty), and the greedy walk along the target's tokens (the trace's)."""
+    length = len(tokens)
+    steps = []
+    n, output = prompt, 1
+    while output < length - prompt:
+        budget = max(0, max_tokens - output - 1)
+        chain = [predicted[d][n - 1 - first] for d in range(min(k, budget))]
+        draft, parents = chain, list(range(-1, len(chain) - 1))
+        found = ngram_candidates(np.asarray(tokens[: n + 1]), lookup.n_min, lookup.n_max, lookup.k, 1) if chain else []
+        if found:
+            draft, parents = graft_sequence(chain, parents, found[0], budget)
+        depth = [0] + [d + 1 for d in tree_depths(torch.tensor(parents, dtype=torch.long)).tolist()]
+        target = lambda row: tokens[n + 1 + depth[row]] if n + 1 + depth[row] < length else -1  # noqa: E731
+        accepted = verify_tokens(torch.tensor(parents, dtype=torch.long), torch.tensor(draft, dtype=torch.long), target).num_accepted
+        steps.append((n, len(draft), accepted))
+        output += accepted + 1
+        n += accepted + 1
+    return steps
 
 
 def replay_trace(trace: SequenceTrace, result: ReplayResult, version: int) -> SequenceTrace:

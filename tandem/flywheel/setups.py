@@ -34,7 +34,7 @@ from tandem.errors import InvalidParameterError
 from tandem.flywheel.buffer import TraceBuffer
 from tandem.flywheel.loop import Flywheel, FlywheelOptions
 from tandem.flywheel.pace import CoreBudget
-from tandem.flywheel.replay import ReplayResult, replay_request, replay_trace
+from tandem.flywheel.replay import Lookup, ReplayResult, replay_request, replay_trace
 from tandem.flywheel.schedule import ShiftDetector, ShiftDetectorConfig, StepSchedule, StepScheduleConfig
 from tandem.flywheel.traces import SequenceTrace
 from tandem.flywheel.trainer import FlywheelConfig, OnlineTrainer, target_lm_rows, trainer_copy
@@ -79,7 +79,7 @@ class FlywheelSetup:
     trainer_process: bool = False  # live: train in a child process (1 torch thread) instead of a thread of the serving process
     trainer_core: bool = False  # live, with trainer_process: the child trains on a core of its own and serving keeps the others (`core_split`)
     adaptive_k: bool = False  # live: the speculation controller picks k (0 = plain) per step from measured acceptance
-    prompt_lookup: bool = False  # live: graft a prompt-lookup branch onto the head's draft (tandem.drafters.hybrid)
+    prompt_lookup: bool = False  # live: graft a prompt-lookup branch onto the head's draft (tandem.drafters.hybrid); replay: also replay that drafter
     min_confidence: float = 0.0  # live, from a trained head: chains end below this path confidence (EagleDrafter); replay models full chains
     sample: str = "domains"  # the trainer's replay draw: "uniform" over traces or "domains" (balanced; FlywheelConfig.sample)
     recent_share: float = 0.5  # ... of which this share of each batch comes from the newest recent_window traces (FlywheelConfig.recent_share)
@@ -245,7 +245,8 @@ class ReplayFlywheel:
         With a trainer: the trace goes to the buffer, the detector sees its acceptance, and the trainer takes
         the steps the schedule (or the core's budget) gives, at the schedule's learning-rate multiplier."""
         version = self.drafter.version
-        result = replay_request(self.served, trace, self.setup.num_draft_tokens, max_tokens)
+        lookup = Lookup(k=self.setup.num_draft_tokens) if self.setup.prompt_lookup else None  # the deployed drafter, reported beside the chain
+        result = replay_request(self.served, trace, self.setup.num_draft_tokens, max_tokens, lookup)
         if self.trainer is not None:
             self.buffer.put(replay_trace(trace, result, version))
             self.swapper.observe_lengths(version, [accepted + 1 for _, drafted, accepted in result.steps if drafted])

@@ -52,6 +52,12 @@ def summarize(results: dict[str, list[dict]], cfg) -> dict:
             "max_recovery_requests": max(recovered) if recovered else None,
             "max_recovery_fraction": round(max(recovered) / len(rows), 4) if recovered else None,
         }
+        deployed = [r["deployed_acceptance_length"] for r in rows if "deployed_acceptance_length" in r]
+        if deployed:  # replay with the lookup branch: the drafter as deployed, and its ratio to static's deployed drafter
+            static_deployed = [r.get("deployed_acceptance_length") for r in results.get("static", [])]
+            base = _mean(static_deployed) if static_deployed and None not in static_deployed else None
+            summary[mode] |= {"mean_deployed_acceptance_length": round(_mean(deployed), 4),
+                              "deployed_ratio_to_static": round(_mean(deployed) / base, 4) if base else None}
     return summary
 
 

@@ -37,6 +37,17 @@ def test_summary_ratios_against_static():
     assert summary["online"]["recovered_shifts"] == "1/1"
 
 
+def test_summary_of_the_deployed_drafter_against_static():
+    """Replayed with the lookup branch, rows carry the deployed drafter's acceptance: its mean and ratio to static's."""
+    cfg = ShiftConfig(requests=12, block=6, domains=("code", "sql"), window=2, modes=("static", "online"))
+    deployed = lambda values, extra: [dict(r, deployed_acceptance_length=r["acceptance_length"] + extra) for r in rows(values, 6)]  # noqa: E731
+    summary = summarize({"static": deployed([1.0] * 12, 1.0), "online": deployed([1.5] * 12, 0.5)}, cfg)
+    assert summary["static"]["mean_deployed_acceptance_length"] == 2.0 and summary["static"]["deployed_ratio_to_static"] == 1.0
+    assert summary["online"]["mean_deployed_acceptance_length"] == 2.0 and summary["online"]["deployed_ratio_to_static"] == 1.0
+    assert summary["online"]["ratio_to_static"] == 1.5  # the chain gained 1.5x; as deployed, nothing
+    assert "mean_deployed_acceptance_length" not in summarize({"static": rows([1.0] * 12, 6)}, cfg)["static"]
+
+
 def test_plot_is_written(tmp_path):
     from tandem.flywheel.stream_plot import plot_shift
 

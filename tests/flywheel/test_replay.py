@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from tandem.config import SamplingParams
-from tandem.flywheel.replay import generated_roots, replay_request, replay_trace, target_traces, trace_example
+from tandem.flywheel.replay import Lookup, generated_roots, replay_request, replay_trace, target_traces, trace_example
 from tandem.models.eagle import EagleConfig, save_eagle
 from tandem.training.offline import TrainConfig, build_examples, eagle_logits, train_head
 
@@ -67,6 +67,45 @@ def test_replay_matches_live_acceptance(target, trained_head_dir, tmp_path):
         assert replayed.reject_token.tolist() == [t for _, _, t in result.rejections]
         assert int(replayed.node_accepted.sum()) == sum(a for _, _, a in result.steps) and int((~replayed.node_accepted).sum()) == len(result.rejections)
     assert rejected > 0 and near_ties <= max(1, rejected // 20)
+
+
+def test_replay_of_the_deployed_drafter_matches_a_live_eagle_ngram_engine(target, trained_head_dir, tmp_path):
+    """With a Lookup, the replay also gives the steps of the drafter as deployed (the head's full chain with the
+    prompt-lookup branch grafted on): the same pending positions, nodes drafted and accepted counts as a live
+    `eagle_ngram` engine (full chains) serving the same requests, on prompts with repeats (so the branch matters)."""
+    from tandem.config import EngineConfig
+    from tandem.drafters import build_drafter
+    from tandem.engine.engine import Engine
+    from tandem.flywheel.traces import TraceCollector
+    from tiny_helpers import repetitive_prompts
+
+    prompts = repetitive_prompts(6, seed=5) + make_prompts(2, seed=12)
+    budgets = [40, 23, 40, 9, 40, 31, 40, 17]
+    drafter = build_drafter("eagle_ngram", target=target, num_draft_tokens=4, max_batch=4, max_len=256, draft_vocab_size=200,
+                            drafter_path=trained_head_dir, min_confidence=0.0)
+    engine = Engine(target, EngineConfig(max_batch_size=4, max_model_len=256, record_steps=True), drafter=drafter)
+    live_traces = []
+    collector = TraceCollector(live_traces.append)
+    engine.observers.append(collector)
+    live = engine.run(prompts, [SamplingParams(max_tokens=m, temperature=0.0) for m in budgets])
+    collector.flush()
+    collector.close()
+    recorded = {t.request_id: t for t in live_traces}
+    traces = target_traces(target, {str(i): p for i, p in enumerate(prompts)}, 40, EagleConfig.for_target(target.cfg).taps, cache=tmp_path)
+    grafted = better = 0
+    for i, (request, budget) in enumerate(zip(live, budgets)):
+        trace = traces[str(i)]
+        length = len(prompts[i]) + min(budget, len(trace.tokens) - len(prompts[i]))
+        generated = max(0, length - 1 - len(prompts[i]))
+        trace = replace(trace, tokens=trace.tokens[:length], features=trace.features[: length - 1], final_hidden=trace.final_hidden[:generated])
+        result = replay_request(drafter.eagle.head, trace, 4, budget, Lookup(k=4))
+        live_steps = list(zip(recorded[request.request_id].step_root.tolist(), recorded[request.request_id].step_drafted.tolist(),
+                              recorded[request.request_id].step_accepted.tolist()))
+        assert result.deployed == live_steps, i
+        assert result.deployed_acceptance_length == pytest.approx(request.metrics.acceptance_length)
+        grafted += sum(drafted > min(4, max(0, budget - 1)) for _, drafted, _ in result.deployed)  # steps with a lookup branch beside the chain
+        better += result.deployed_acceptance_length > result.acceptance_length
+    assert grafted > 0 and better > 0  # the branch was grafted and it paid somewhere: the comparison has power
 
 
 @torch.inference_mode()

@@ -88,7 +88,7 @@ class ShiftConfig:
     seed: int = 0
     live_batch: int = 4  # live mode: concurrent requests
     min_confidence: float = TRAINED_MIN_CONFIDENCE  # live, a trained starting head: its chains end below this path confidence, as served by default (0: full chains)
-    prompt_lookup: bool = False  # live: graft a prompt-lookup branch onto every head's draft (the demo's drafter, eagle_ngram)
+    prompt_lookup: bool = False  # graft a prompt-lookup branch onto every head's draft (the demo's drafter, eagle_ngram): live, serve it; replay, also report it
     trainer_process: bool | None = None  # live mode: train in a child process (True) or a thread (False); None: a process when there are >= 2 cores
     trainer_core: bool = True  # live mode, trainer process: it trains on a core of its own, every mode serves on the others
 
@@ -188,6 +188,8 @@ def replay_mode(mode: str, target, stream: list[Prompt], traces: dict, heads: di
         serve_s += modelled_seconds(result.steps, costs)
         rows.append({"i": i, "domain": prompt.domain, "acceptance_length": round(result.acceptance_length, 4),
                      "tokens_per_s": round(modelled_tokens_per_s(result.steps, result.output_tokens, costs), 3), "version": version})
+        if result.deployed is not None:  # --prompt-lookup: the drafter as eagle_ngram deploys it, beside the head's chain
+            rows[-1]["deployed_acceptance_length"] = round(result.deployed_acceptance_length, 4)
     metrics = flywheel.metrics()
     if "trainer_s" in metrics:  # the trainer's wall time over the stream's modelled decode time: <= 1 means a core of its own keeps pace
         metrics |= {"modelled_serve_s": round(serve_s, 1), "trainer_core_load": round(metrics["trainer_s"] / serve_s, 3) if serve_s else None}
