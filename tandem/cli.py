@@ -222,6 +222,8 @@ def _bench_shift_command(bench) -> None:
     p.add_argument("--min-confidence", type=float, default=d.min_confidence,
                    help="live, from a trained head: chains end below this path confidence (the served default; 0 = full chains)")
     p.add_argument("--prompt-lookup", action="store_true", help="graft a prompt-lookup branch onto the head's draft (eagle_ngram, as the demo): live, it serves; --replay, the drafter as deployed is replayed beside the chain and reported (mean_deployed_acceptance_length)")
+    p.add_argument("--covered-weight", type=float, default=d.covered_weight, help="with --prompt-lookup: the trainer's imitation weight at the "
+                   "positions the lookup branch already drafts right (1 = every position alike)")
     _trainer_argument(p)
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--threads", type=int, default=2)
@@ -245,6 +247,7 @@ def _bench_shift(args) -> int:
         sample=args.sample, recent_share=args.recent_share,
         discard_weight=args.discard_weight, branch_weight=args.branch_weight, window=args.window, live_batch=args.live_batch, seed=args.seed,
         trainer_process=TRAINER_PLACES[args.trainer], min_confidence=args.min_confidence, prompt_lookup=args.prompt_lookup,
+        covered_weight=args.covered_weight,
     )
     report = run_shift_bench(config, args.plot)
     if args.json_out:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from tandem.errors import InvalidParameterError
@@ -37,6 +38,7 @@ from tandem.flywheel.traces import SequenceTrace
 from tandem.models.eagle import EagleHead, target_to_draft
 from tandem.models.eagle_train import entry_context, forward_on, lm_head_rows
 from tandem.ops.losses import discard_loss, rejection_probability, soft_cross_entropy
+from tandem.ops.ngram import ngram_candidates
 from tandem.training.offline import Example, eagle_states, step_stats, target_states
 
 
@@ -49,6 +51,32 @@ def trace_example(trace: SequenceTrace) -> Example:
     final = trace.final_hidden.float()
     final = torch.cat([final.new_zeros(m - len(final), final.shape[1]), final])
     return Example(trace.tokens[:m], trace.features.float(), final, trace.tokens[1 : m + 1], prompt)
+
+
+def lookup_covered(tokens: list[int], roots: torch.Tensor, depth: int, k: int = 4, n_min: int = 1, n_max: int = 4) -> torch.Tensor:  # [R] long
+    """Per chain root t (the step whose pending token is t + 1): how many leading tokens of the committed continuation
+    the prompt-lookup branch `eagle_ngram` grafts there drafts right (its continuation of the context tokens[: t + 2],
+    tandem.ops.ngram; NgramDrafter's settings), at most `depth`. The head's prediction at depth s < that adds nothing
+    to what the deployed drafter accepts."""
+    context = np.asarray(tokens)
+    out = []
+    for t in roots.tolist():
+        found = ngram_candidates(context[: t + 2], n_min, n_max, k, 1)
+        run = 0
+        for token in (found[0] if found else [])[:depth]:
+            if t + 2 + run >= len(tokens) or tokens[t + 2 + run] != token:
+                break
+            run += 1
+        out.append(run)
+    return torch.tensor(out, dtype=torch.long)
+
+
+def covered_weights(trace: SequenceTrace, step_roots: list[torch.Tensor], weight: float) -> list[torch.Tensor]:  # [1, R_s] per step
+    """The imitation weight of each unroll step's predictions: `weight` where the lookup branch already drafts that
+    depth right (lookup_covered), 1 elsewhere."""
+    roots = torch.unique(torch.cat(step_roots))
+    covered = dict(zip(roots.tolist(), lookup_covered(trace.tokens.tolist(), roots, len(step_roots)).tolist()))
+    return [torch.tensor([[weight if s < covered[t] else 1.0 for t in root.tolist()]]) for s, root in enumerate(step_roots)]
 
 
 def generated_roots(trace: SequenceTrace) -> torch.Tensor:  # [R] chain roots whose first draft token is generated output
@@ -226,7 +254,8 @@ def flywheel_loss(head: EagleHead, target_rows: torch.Tensor, traces: list[Seque
         rejections += len(plan.events.root)
         parts = {}
         if cfg.imitation:
-            parts["imitation"] = step_stats([plan.example], target_rows, logits, plan.step_roots, head.draft_to_target, imitation[i]).loss
+            weights = covered_weights(plan.trace, plan.step_roots, cfg.covered_weight) if cfg.covered_weight < 1.0 else None
+            parts["imitation"] = step_stats([plan.example], target_rows, logits, plan.step_roots, head.draft_to_target, imitation[i], weights).loss
         if cfg.discard_weight > 0:
             parts["discard"] = cfg.discard_weight * discard_term(logits, plan.step_roots, plan.events, plan.normaliser, plan.trace.sampling)
         if plan.branch is not None:

@@ -91,6 +91,7 @@ class FlywheelSetup:
     boost_lr: float = 2.0
     shift_drop: float = 0.15  # the detector fires when recent acceptance < (1 - shift_drop) x its baseline
     pace_margin: float | None = None  # None: the trainer steps whenever it can; else it rests while its newest traces are learnt (FlywheelConfig.pace_margin; not yet measured)
+    covered_weight: float = 1.0  # with prompt_lookup: imitation weight where the lookup branch already drafts right (FlywheelConfig.covered_weight; 1 = off)
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -119,14 +120,15 @@ class FlywheelSetup:
         base = {"unroll": self.num_draft_tokens, "batch_size": self.batch_size, "lr": self.finetune_lr if trained else self.lr,
                 "anchor": self.anchor if trained else 0.0, "publish_every": self.publish_every,
                 "discard_weight": self.discard_weight, "branch_weight": self.branch_weight, "sample": self.sample,
-                "recent_share": self.recent_share, "recent_window": self.recent_window, "pace_margin": self.pace_margin, "seed": self.seed}
+                "recent_share": self.recent_share, "recent_window": self.recent_window, "pace_margin": self.pace_margin, "seed": self.seed,
+                "covered_weight": self.covered_weight if self.prompt_lookup else 1.0}  # without the branch no position is covered
         return FlywheelConfig(**(base | switches))
 
 
 DEFAULTS = FlywheelSetup()
 # the fields that decide what and how fast the trainer learns (publish cadence, placement and drafting are per entry point)
 LEARNING = ("batch_size", "lr", "finetune_lr", "anchor", "discard_weight", "branch_weight", "sample", "recent_share", "recent_window",
-            "steps_per_request", "shift_detect", "boost_steps_per_request", "boost_requests", "boost_lr", "shift_drop", "pace_margin")
+            "steps_per_request", "shift_detect", "boost_steps_per_request", "boost_requests", "boost_lr", "shift_drop", "pace_margin", "covered_weight")
 
 
 def allowed_cores() -> set[int]:

@@ -60,6 +60,8 @@ class FlywheelConfig:
     recent_share: float = 0.0  # share of each batch drawn from the newest `recent_window` traces (today's traffic); the rest as `sample` says
     recent_window: int = 32
     pace_margin: float | None = None  # None: step whenever there are traces; else rest when a round of steps lowers the newest traces' loss by less than this share (tandem.flywheel.pace)
+    covered_weight: float = 1.0  # imitation weight of a (root, depth) the deployed drafter's prompt-lookup branch already drafts right
+    # (eagle_ngram: the head's token there adds nothing); 1.0 = every position alike (tandem.flywheel.objective.lookup_covered)
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -76,6 +78,8 @@ class FlywheelConfig:
         for name in ("unroll", "batch_size", "publish_every", "min_traces"):
             if getattr(self, name) < 1:
                 raise InvalidParameterError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0.0 <= self.covered_weight <= 1.0:
+            raise InvalidParameterError(f"covered_weight must be in [0, 1], got {self.covered_weight}")
         if self.discard_weight < 0 or self.branch_weight < 0 or self.lr <= 0 or not 0 < self.chain_fraction <= 1:
             raise InvalidParameterError("discard_weight, branch_weight >= 0, lr > 0 and chain_fraction in (0, 1] are required")
         if not 0 <= self.anchor * self.lr < 1:

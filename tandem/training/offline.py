@@ -202,12 +202,13 @@ def target_states(examples: list[Example], roots: list[torch.Tensor]) -> torch.T
 
 
 def _stats(examples: list[Example], target_rows: torch.Tensor, logits: list[torch.Tensor], roots: list[torch.Tensor], draft_to_target: torch.Tensor,
-           probs: torch.Tensor | None = None) -> StepStats:
+           probs: torch.Tensor | None = None, weights: list[torch.Tensor] | None = None) -> StepStats:
     """Draft position s at root t predicts the token after position t+s+1 (target distribution there).
 
     logits[s] [B, R_s, Vd] holds the chains rooted at roots[s] [R_s]; correct/valid are scattered back
     to [S, B, T] (positions a step did not unroll count as invalid). probs [B, P, Vd]: the target distribution
     at `target_positions(roots)` when the caller computed it (one pass over target_rows for many examples).
+    weights[s] [B, R_s]: each prediction's weight in the loss (None: 1 each).
     """
     steps, batch, t = len(logits), len(examples), max(len(e.tokens) for e in examples) - 1
     greedy = _pad(examples, "target_next", t + steps + 1)
@@ -224,7 +225,8 @@ def _stats(examples: list[Example], target_rows: torch.Tensor, logits: list[torc
         mask = position.unsqueeze(0) <= lengths - 1  # [B, R]
         target_probs = probs[:, torch.searchsorted(read, position)]
         vocab = step_logits.shape[-1]
-        loss = loss + soft_cross_entropy(step_logits.reshape(-1, vocab), target_probs.reshape(-1, vocab), mask.reshape(-1).float())
+        weight = mask.float() if weights is None else mask.float() * weights[s]
+        loss = loss + soft_cross_entropy(step_logits.reshape(-1, vocab), target_probs.reshape(-1, vocab), weight.reshape(-1))
         correct[s][:, root] = draft_to_target[step_logits.detach().argmax(-1)] == greedy[:, position]
         valid[s][:, root] = mask
     continuation = torch.arange(t).unsqueeze(0) >= torch.tensor([e.prompt_len - 1 for e in examples]).unsqueeze(1)

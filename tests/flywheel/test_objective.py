@@ -190,3 +190,39 @@ def test_one_lm_head_pass_for_the_batch_gives_the_per_trace_loss_and_gradient(se
     torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=1e-6)
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_lookup_covered_counts_what_the_grafted_branch_drafts_right():
+    """tokens 5 6 7 8 | 5 6 7 9: at root 4 (context ends 8 5) the lookup continues 6 7 8 5 after the earlier 5: the
+    committed 6 7 match, 9 does not (2); at root 5 (... 5 6) it continues 7 8 5 6: 7 matches (1); at root 6 (... 6 7):
+    8 5 6 7, the committed 9 does not (0); capped at `depth`."""
+    from tandem.flywheel.objective import covered_weights, lookup_covered
+
+    tokens = [5, 6, 7, 8, 5, 6, 7, 9, 1]
+    roots = torch.tensor([2, 3, 4, 5])  # at root 2 the context 5 6 7 8 has no earlier match of its suffix
+    assert lookup_covered(tokens, roots, depth=4).tolist() == [0, 2, 1, 0]
+    assert lookup_covered(tokens, roots, depth=1).tolist() == [0, 1, 1, 0]
+    trace = type("T", (), {"tokens": torch.tensor(tokens)})()
+    weights = covered_weights(trace, [roots, roots[1:3]], 0.25)  # step 0 over every root, step 1 over roots 3, 4
+    assert [w.tolist() for w in weights] == [[[1.0, 0.25, 0.25, 1.0]], [[0.25, 1.0]]]
+
+
+def test_covered_weight_zero_drops_the_covered_predictions_from_the_imitation(served, target):
+    """With covered_weight 0 the imitation term is the mean over the predictions the lookup branch does not already
+    make; with 1 it is the plain one; the two differ where some position is covered."""
+    from tandem.flywheel.objective import covered_weights, flywheel_loss
+    from tandem.flywheel.trainer import FlywheelConfig, target_lm_rows, trainer_copy
+
+    from dataclasses import replace
+
+    head, traces = served
+    head = trainer_copy(head)
+    rows = target_lm_rows(target, head).float()
+    repeat = lambda t: torch.tensor([7, 8, 9, 10, 11]).repeat(len(t.tokens) // 5 + 1)[: len(t.tokens)]  # noqa: E731 - text the lookup finds
+    traces = [replace(t, tokens=torch.cat([t.tokens[: t.prompt_len], repeat(t)[t.prompt_len :]])) for t in traces]
+    loss = {w: flywheel_loss(head, rows, traces, FlywheelConfig(discard_weight=0.0, branch_weight=0.0, covered_weight=w), torch.Generator().manual_seed(0))[1]["imitation"]
+            for w in (1.0, 0.0)}
+    covered = sum(float((1 - w).sum()) for t in traces for w in covered_weights(t, [generated_roots(t)], 0.0))
+    assert covered > 0 and loss[0.0] != pytest.approx(loss[1.0], rel=1e-6)
+    with pytest.raises(Exception):
+        FlywheelConfig(covered_weight=1.5)

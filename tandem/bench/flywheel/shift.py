@@ -89,6 +89,7 @@ class ShiftConfig:
     live_batch: int = 4  # live mode: concurrent requests
     min_confidence: float = TRAINED_MIN_CONFIDENCE  # live, a trained starting head: its chains end below this path confidence, as served by default (0: full chains)
     prompt_lookup: bool = False  # graft a prompt-lookup branch onto every head's draft (the demo's drafter, eagle_ngram): live, serve it; replay, also report it
+    covered_weight: float = FlywheelSetup.covered_weight  # with prompt_lookup: the trainer's imitation weight where the branch already drafts right
     trainer_process: bool | None = None  # live mode: train in a child process (True) or a thread (False); None: a process when there are >= 2 cores
     trainer_core: bool = True  # live mode, trainer process: it trains on a core of its own, every mode serves on the others
 
@@ -105,7 +106,7 @@ class ShiftConfig:
                              boost_requests=self.boost_requests, boost_lr=self.boost_lr, shift_drop=self.shift_drop,
                              trainer_process=trainer_process_pays() if self.trainer_process is None else self.trainer_process,
                              trainer_core=self.trainer_core, min_confidence=self.min_confidence, prompt_lookup=self.prompt_lookup,
-                             steps_per_request=self.train_steps_per_request)
+                             covered_weight=self.covered_weight, steps_per_request=self.train_steps_per_request)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "domains", tuple(self.domains))
