@@ -192,7 +192,7 @@ def verify_tokens(
     the walk reaches.
 
     The target's own token is its argmax (greedy), or its draw from a seeded request's keyed exponentials
-    (`race_sample`), which depends on the position and the tokens before it, never on the draft: the
+    (`ops.sampling.keyed_sample`), which depends on the position and the tokens before it, never on the draft: the
     emitted tokens are the ones decoding without a draft draws, bit for bit, so this is lossless for any
     drafter. On a greedy target it is `verify_tree` with one-hot target rows: a child is accepted iff its token
     is the argmax (target(x) = 1 >= any draft(x)), a rejection leaves the residual one-hot on the argmax, and

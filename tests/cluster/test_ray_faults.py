@@ -80,7 +80,7 @@ def test_rl_on_ray_retries_a_step_whose_rollout_worker_died(observed):
     assert any(m.startswith("rollout worker 1 of 2 ") and "decoding its " in m for m in w["warnings"]), w["warnings"]
     # the same run as the uninterrupted one (test_ray_cluster.py): the retried slice kept its seeds and its policy
     assert [h["policy_version"] for h in w["history"]] == [1, 2] and [h["tokens"] for h in w["history"]] == [72, 72]
-    assert [h["reward_mean"] for h in w["history"]] == pytest.approx([3 / 9, 5 / 9])
+    assert [h["reward_mean"] for h in w["history"]] == pytest.approx([6 / 9, 6 / 9])  # parity reward over 9 rollouts a step (seeded draws)
 
 
 def test_rl_on_ray_stops_clearly_when_the_learner_dies_and_resume_continues(observed):
