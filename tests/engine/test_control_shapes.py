@@ -246,3 +246,20 @@ def test_measured_step_seconds_replace_a_model_that_misprices():
         c.observe([r], [DraftTree.chain([0, 1, 2, 3])], [result_emitting(5)], DRAFT.seconds(4, 4), 0.5 - DRAFT.seconds(4, 4), 5)
     assert c.step_s[(1, 4, 1)] == (pytest.approx(0.5), MEASURED_AFTER)
     assert c.plan([r]) == [3]
+
+
+def test_a_shape_that_nests_the_best_one_is_preferred_within_its_margin():
+    """Rates (hand computed as above): chain2 3 / 0.13 = 23.08; chain4+lookup1, whose draft nests chain2's (drafting it
+    measures both), 3.8 / 0.17 = 22.35 = 0.968x: within NESTED_PREFERENCE (5 %), it is drafted; at 3.6 / 0.17 = 21.18
+    (0.918x) chain2 is. A lookup shape that does not nest (prefix 0) is never preferred below the best rate."""
+    from tandem.engine.control import NESTED_PREFERENCE
+
+    assert NESTED_PREFERENCE == 0.05
+    for prefix, figure, expected in ((5, 3.8, 5), (5, 3.6, 2), (0, 3.8, 2)):
+        c = SpeculationController(4, ForwardCost(WORK, MACHINE), DraftCostModel(DRAFT), shapes=chain_shapes(4) + (DraftShape(5, 4, "chain4+lookup1", prefix=prefix),))
+        r = req(0)
+        for budget, n in {1: 2, 2: 3, 3: 3, 4: 3, 5: 4}.items():
+            feed(c, [r], [budget], [n])
+        c.emitted[5] = figure
+        c.evidence.clear()  # the request's own ratio at 1: the engine-wide figures decide
+        assert c.plan([r]) == [expected], (prefix, figure)
