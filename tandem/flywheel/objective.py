@@ -53,17 +53,17 @@ def trace_example(trace: SequenceTrace) -> Example:
     return Example(trace.tokens[:m], trace.features.float(), final, trace.tokens[1 : m + 1], prompt)
 
 
-def lookup_covered(tokens: list[int], roots: torch.Tensor, depth: int, k: int = 4, n_min: int = 1, n_max: int = 4) -> torch.Tensor:  # [R] long
+def lookup_covered(tokens: list[int], roots: torch.Tensor, depth: int, n_min: int = 1, n_max: int = 4) -> torch.Tensor:  # [R] long
     """Per chain root t (the step whose pending token is t + 1): how many leading tokens of the committed continuation
-    the prompt-lookup branch `eagle_ngram` grafts there drafts right (its continuation of the context tokens[: t + 2],
-    tandem.ops.ngram; NgramDrafter's settings), at most `depth`. The head's prediction at depth s < that adds nothing
-    to what the deployed drafter accepts."""
+    the prompt-lookup branch `eagle_ngram` grafts there drafts right (its continuation of up to `depth` tokens of the
+    context tokens[: t + 2], tandem.ops.ngram; NgramDrafter's settings with num_draft_tokens = depth, as the flywheel
+    unrolls). The head's prediction at depth s < that adds nothing to what the deployed drafter accepts."""
     context = np.asarray(tokens)
     out = []
     for t in roots.tolist():
-        found = ngram_candidates(context[: t + 2], n_min, n_max, k, 1)
+        found = ngram_candidates(context[: t + 2], n_min, n_max, depth, 1)
         run = 0
-        for token in (found[0] if found else [])[:depth]:
+        for token in found[0] if found else []:
             if t + 2 + run >= len(tokens) or tokens[t + 2 + run] != token:
                 break
             run += 1

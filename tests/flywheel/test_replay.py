@@ -47,10 +47,7 @@ def test_replay_matches_live_acceptance(target, trained_head_dir, tmp_path):
     assert cached.keys() == traces.keys()
     rejected = near_ties = 0
     for i, (request, budget) in enumerate(zip(live, budgets)):
-        trace = traces[str(i)]
-        length = len(prompts[i]) + min(budget, len(trace.tokens) - len(prompts[i]))
-        generated = max(0, length - 1 - len(prompts[i]))
-        trace = replace(trace, tokens=trace.tokens[:length], features=trace.features[: length - 1], final_hidden=trace.final_hidden[:generated])
+        trace = served_part(traces[str(i)], len(prompts[i]), budget)
         assert trace.tokens[len(prompts[i]):].tolist() == request.output_ids
         result = replay_request(engine.drafter.head, trace, 4, budget)
         recorded = live_traces[request.request_id]
@@ -94,10 +91,7 @@ def test_replay_of_the_deployed_drafter_matches_a_live_eagle_ngram_engine(target
     traces = target_traces(target, {str(i): p for i, p in enumerate(prompts)}, 40, EagleConfig.for_target(target.cfg).taps, cache=tmp_path)
     grafted = better = 0
     for i, (request, budget) in enumerate(zip(live, budgets)):
-        trace = traces[str(i)]
-        length = len(prompts[i]) + min(budget, len(trace.tokens) - len(prompts[i]))
-        generated = max(0, length - 1 - len(prompts[i]))
-        trace = replace(trace, tokens=trace.tokens[:length], features=trace.features[: length - 1], final_hidden=trace.final_hidden[:generated])
+        trace = served_part(traces[str(i)], len(prompts[i]), budget)
         result = replay_request(drafter.eagle.head, trace, 4, budget, Lookup(k=4))
         live_steps = list(zip(recorded[request.request_id].step_root.tolist(), recorded[request.request_id].step_drafted.tolist(),
                               recorded[request.request_id].step_accepted.tolist()))
@@ -106,6 +100,13 @@ def test_replay_of_the_deployed_drafter_matches_a_live_eagle_ngram_engine(target
         grafted += sum(drafted > min(4, max(0, budget - 1)) for _, drafted, _ in result.deployed)  # steps with a lookup branch beside the chain
         better += result.deployed_acceptance_length > result.acceptance_length
     assert grafted > 0 and better > 0  # the branch was grafted and it paid somewhere: the comparison has power
+
+
+def served_part(trace, prompt_len: int, budget: int):
+    """The cached target trace (40 new tokens) cut to what a request of max_tokens `budget` serves."""
+    length = prompt_len + min(budget, len(trace.tokens) - prompt_len)
+    generated = max(0, length - 1 - prompt_len)
+    return replace(trace, tokens=trace.tokens[:length], features=trace.features[: length - 1], final_hidden=trace.final_hidden[:generated])
 
 
 @torch.inference_mode()
