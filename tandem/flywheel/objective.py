@@ -36,10 +36,11 @@ import torch
 from tandem.errors import InvalidParameterError
 from tandem.flywheel.traces import SequenceTrace
 from tandem.models.eagle import EagleHead, target_to_draft
-from tandem.models.eagle_train import entry_context, forward_on, lm_head_rows
+from tandem.flywheel.packing import packed_branch_hidden, packed_unroll
+from tandem.models.eagle_train import lm_head_rows
 from tandem.ops.losses import discard_loss, rejection_probability, soft_cross_entropy
 from tandem.ops.ngram import ngram_candidates
-from tandem.training.offline import Example, eagle_states, step_stats, target_states
+from tandem.training.offline import Example, step_stats, target_states
 
 
 def trace_example(trace: SequenceTrace) -> Example:
@@ -169,25 +170,6 @@ def branch_batch(trace: SequenceTrace) -> BranchBatch | None:
     return BranchBatch(token.unsqueeze(0), branch_feats.unsqueeze(0), pos.unsqueeze(0), mask, committed, trace.branch_final[keep])
 
 
-def committed_context(head: EagleHead, trace: SequenceTrace, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys and values of the committed entries 0..length-1 computed on their own (the flywheel loss takes
-    them from the unroll instead)."""
-    fused = head.fuse([trace.features[:length].float().unsqueeze(0)])
-    return entry_context(head, trace.tokens[1 : length + 1].unsqueeze(0), fused, torch.arange(length).unsqueeze(0))
-
-
-def branch_hidden(head: EagleHead, batch: BranchBatch, context: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:  # [Nb, d] normed
-    """What the LM head reads at the branch nodes. context: keys and values of at least the first C committed
-    entries ([1, Hkv, >= C, D]; the unroll's step 0 has them), so the pass costs the branch nodes only."""
-    keys, values = (c[:, :, : batch.committed] for c in context)
-    hidden = forward_on(head, (keys, values), batch.ids, head.fuse([batch.features.float()]), batch.positions, batch.mask)
-    return head.norm(hidden[0])
-
-
-def branch_logits(head: EagleHead, batch: BranchBatch, context: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:  # [Nb, Vd]
-    return head.lm_head(branch_hidden(head, batch, context))
-
-
 def branch_loss(logits: torch.Tensor, target_rows: torch.Tensor, batch: BranchBatch, probs: torch.Tensor | None = None) -> torch.Tensor:
     """probs [Nb, Vd]: the target distribution at the nodes when the caller computed it (`target_distributions`)."""
     if probs is None:
@@ -219,26 +201,32 @@ class TracePlan(NamedTuple):
 
 
 def flywheel_loss(head: EagleHead, target_rows: torch.Tensor, traces: list[SequenceTrace], cfg, generator: torch.Generator) -> tuple[torch.Tensor, dict]:
-    """Mean over traces of the switched-on terms (cfg: a FlywheelConfig). Each trace runs alone (no
-    padding): its step-0 logits are read at the generated positions only, and its chains are a
-    `chain_fraction` sample of them plus every root a scored proposal past depth 0 needs. The LM head runs
-    once over every row of every trace (eagle_train.lm_head_rows), after the per-trace passes of the layer, and
-    the target's distributions for every trace and term come from one pass over `target_rows`."""
+    """Mean over traces of the switched-on terms (cfg: a FlywheelConfig). A trace's step-0 logits are read at its
+    generated positions only, and its chains are a `chain_fraction` sample of them plus every root a scored
+    proposal past depth 0 needs. The traces are packed end to end (tandem.flywheel.packing: no padding, each
+    attends within itself), so the layer runs once per unroll step for the whole batch and once more for every
+    trace's branch nodes; the LM head runs once over every row (eagle_train.lm_head_rows), and the target's
+    distributions for every trace and term come from one pass over `target_rows`."""
     traces = [t for t in traces if len(t.features) >= 2]
     if not traces:
         raise InvalidParameterError("no trace in the batch has two committed positions")
     to_draft = target_to_draft(head.draft_to_target.cpu(), head.cfg.target_vocab_size)
-    plans, normed = [], []
-    for trace in traces:  # the layer, per trace
+    examples, firsts, chains, drafted = [], [], [], []
+    for trace in traces:
         roots = generated_roots(trace)
         events, normaliser = discard_events(trace, to_draft, cfg.unroll, roots)
         sampled = roots[torch.randperm(len(roots), generator=generator)[: max(1, math.ceil(cfg.chain_fraction * len(roots)))]]
-        chains = torch.unique(torch.cat([sampled, events.root[events.depth > 0]]))
-        example = trace_example(trace)
-        hidden, step_roots, context = eagle_states(head, [example], cfg.unroll, chains, roots, project=False)
-        branch = branch_batch(trace) if cfg.branch_weight > 0 and len(trace.branch_token) else None
-        if branch is not None:
-            hidden = hidden + [branch_hidden(head, branch, context)]
+        examples.append(trace_example(trace))
+        firsts.append(roots)
+        chains.append(torch.unique(torch.cat([sampled, events.root[events.depth > 0]])))
+        drafted.append((events, normaliser))
+    packed = packed_unroll(head, examples, cfg.unroll, chains, firsts)
+    branch_batches = [branch_batch(t) if cfg.branch_weight > 0 and len(t.branch_token) else None for t in traces]
+    branch_states = packed_branch_hidden(head, branch_batches, packed)
+    plans, normed = [], []
+    for trace, example, first, chain, (events, normaliser), branch, hidden, extra in zip(traces, examples, firsts, chains, drafted, branch_batches, packed.hidden, branch_states):
+        hidden = hidden + ([extra] if extra is not None else [])
+        step_roots = [first] + [chain] * (cfg.unroll - 1)
         plans.append(TracePlan(trace, example, events, normaliser, step_roots, branch, slice(len(normed), len(normed) + len(hidden))))
         normed += hidden
     projected = lm_head_rows(head, normed)  # one LM-head GEMM for the whole batch

@@ -15,11 +15,13 @@ if TYPE_CHECKING:
     from tandem.models.eagle import EagleHead
 
 
-def unroll_mask(roots: torch.Tensor, num_tokens: int, step: int) -> torch.Tensor:  # [R, T + step R] bool
+def unroll_mask(roots: torch.Tensor, num_tokens: int, step: int, segment: torch.Tensor | None = None) -> torch.Tensor:  # [R, T + step R] bool
     """Training-time-test attention at unroll step s for chains rooted at `roots` [R]: causal over the T
-    target-feature entries (up to the root), then each chain sees only its own entries from steps 1..s
-    (one per step, on the diagonal)."""
+    target-feature entries (up to the root; with `segment` [T], only the root's own segment's), then each chain
+    sees only its own entries from steps 1..s (one per step, on the diagonal)."""
     causal = torch.arange(num_tokens).unsqueeze(0) <= roots.unsqueeze(1)
+    if segment is not None:
+        causal &= segment.unsqueeze(0) == segment[roots].unsqueeze(1)
     return torch.cat([causal] + [torch.eye(len(roots), dtype=torch.bool)] * step, dim=1)
 
 
@@ -36,6 +38,8 @@ def unroll_states(
     chain_roots: torch.Tensor | None = None,  # [R] increasing: roots whose chains go past step 0; None = all T
     first_roots: torch.Tensor | None = None,  # [R0]: roots whose step-0 logits are wanted; None = all T
     project: bool = True,  # False: the normed hidden states [.., d] the LM head would read, for one LM-head pass over many (lm_head_rows)
+    segment: torch.Tensor | None = None,  # [T]: sequences packed end to end (B = 1); a chain attends within its root's segment only
+    positions: torch.Tensor | None = None,  # [T + steps - 1] RoPE position of each entry (packed: within its segment); None: the index
 ) -> tuple[list[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
     """Training-time test: step s feeds step s-1's hidden states back in place of target features.
 
@@ -60,11 +64,11 @@ def unroll_states(
             at = roots if read is None else torch.searchsorted(read, roots)
             features = features[:, at.to(features.device)]
         index = (roots + step).to(fused.device)
-        cos, sin = head.rope(index.unsqueeze(0))
+        cos, sin = head.rope((index if positions is None else positions[index]).unsqueeze(0))
         q, k, v = head.attn.project(head.layer_input(input_ids[:, index], features), cos, sin)
         keys.append(k.transpose(1, 2))
         values.append(v.transpose(1, 2))
-        mask = unroll_mask(roots, t, step)
+        mask = unroll_mask(roots, t, step, segment)
         if step == 0 and read is not None:
             q, mask, features = q[:, read.to(q.device)], mask[read], features[:, read.to(features.device)]
         mask = mask.to(fused.device).view(1, 1, q.shape[1], -1)

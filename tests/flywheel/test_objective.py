@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from tandem.flywheel.objective import branch_batch, branch_logits, committed_context, discard_events, evaluated_proposals, generated_roots
+from tandem.flywheel.objective import branch_batch, discard_events, evaluated_proposals, generated_roots, trace_example
+from tandem.flywheel.packing import packed_branch_hidden, packed_unroll
 from tandem.flywheel.traces import TraceAssembler
 from tandem.models.eagle import target_to_draft
 from tandem.ops.losses import discard_loss, rejection_probability
@@ -36,14 +37,17 @@ def _path_logits(head, trace, i: int) -> torch.Tensor:  # [Vd]: node i's logits 
 def test_branch_nodes_see_only_their_ancestors(served):
     """One tree-masked pass gives every branch node the logits it gets with its own ancestry as a causal
     sequence: never the committed entries at the positions its branch took over (this failed with the
-    mask that showed a node every committed entry before its own position)."""
+    mask that showed a node every committed entry before its own position), nor another trace's entries
+    (every trace's nodes run in one pass over the traces packed together)."""
     head, traces = served
+    roots = [generated_roots(t) for t in traces]
+    packed = packed_unroll(head, [trace_example(t) for t in traces], 1, roots, roots)
+    states = packed_branch_hidden(head, [branch_batch(t) for t in traces], packed)
     deep = 0
-    for trace in traces:
-        batch = branch_batch(trace)
-        if batch is None:
+    for trace, state in zip(traces, states):
+        if state is None:
             continue
-        logits = branch_logits(head, batch, committed_context(head, trace, batch.committed))
+        logits = head.lm_head(state)
         kept = torch.nonzero(trace.branch_pos < len(trace.features)).flatten().tolist()
         for row, i in enumerate(kept):
             torch.testing.assert_close(logits[row], _path_logits(head, trace, i), atol=1e-4, rtol=1e-4)

@@ -37,6 +37,8 @@ def test_a_step_reads_the_target_rows_once_and_the_frozen_lm_head_twice(trainer,
     assert read == {"target_rows": rows, "lm_head": 2 * rows, **PINNED}
 
 
-# the rest of this step's reads on the tiny model (d = 64): the layer's weights once per trace and unroll step
-# (forward, backward), the embedding rows it looks up, AdamW's moments
-PINNED = {"layer": 7_871_968, "embedding": 72_192, "optimizer": 1_152_000}
+# the rest of this step's reads on the tiny model (d = 64): the layer's weights once per unroll step and once for the
+# branch nodes, forward and backward, for the 4 traces packed together (tandem.flywheel.packing; trace by trace they
+# were read once per trace and unroll step: 7,871,968 bytes), the embedding rows it looks up (the packing's padding
+# entries look up id 0: 72,192 bytes before), AdamW's moments
+PINNED = {"layer": 2_142_976, "embedding": 75_264, "optimizer": 1_152_000}
