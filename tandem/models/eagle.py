@@ -89,11 +89,12 @@ class EagleConfig:
             raise InvalidParameterError(f"draft_vocab_size must be in [1, {self.target_vocab_size}], got {self.draft_vocab_size}")
 
     @classmethod
-    def for_target(cls, cfg: ModelConfig, draft_vocab_size: int | None = None, taps: tuple[int, int, int] | None = None, shared_lm_head: bool = False) -> "EagleConfig":
-        """A head shaped like one layer of the target (EAGLE-3's choice)."""
+    def for_target(cls, cfg: ModelConfig, draft_vocab_size: int | None = None, taps: tuple[int, int, int] | None = None, shared_lm_head: bool = False,
+                   intermediate_size: int | None = None) -> "EagleConfig":
+        """A head shaped like one layer of the target (EAGLE-3's choice), its MLP `intermediate_size` wide if given."""
         return cls(
             hidden_size=cfg.hidden_size, target_hidden=cfg.hidden_size, num_heads=cfg.num_heads,
-            num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, intermediate_size=cfg.intermediate_size,
+            num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, intermediate_size=intermediate_size or cfg.intermediate_size,
             taps=taps or default_taps(cfg.num_layers), draft_vocab_size=min(draft_vocab_size or cfg.vocab_size, cfg.vocab_size),
             target_vocab_size=cfg.vocab_size, target_id=target_identity(cfg), rms_norm_eps=cfg.rms_norm_eps,
             rope_theta=cfg.rope_theta, shared_lm_head=shared_lm_head,

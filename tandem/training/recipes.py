@@ -14,6 +14,8 @@ from tandem.errors import InvalidParameterError
 @dataclass(frozen=True)
 class Recipe:
     model: str = "smollm2-135m"
+    weights: str = "fp32"  # the target's weights while it computes features and serves the trainer its LM head rows (tandem.config.WEIGHTS)
+    head_intermediate: int | None = None  # the draft layer's MLP width; None: the target's (EAGLE-3's choice)
     draft_vocab: int = 16384  # reduced draft vocabulary (chosen by coverage and cost: docs/BENCHMARKS.md)
     shared_lm_head: bool = True  # LM head rows are the target's (frozen, not saved): keeps the artifact small
     unroll: int = 4  # training-time-test steps
@@ -43,6 +45,12 @@ class Recipe:
         for name in ("draft_vocab", "unroll", "rows", "row_len", "max_doc_tokens", "max_new_tokens", "regen_batch", "eval_every", "eval_depth"):
             if getattr(self, name) < 1:
                 raise InvalidParameterError(f"recipe {name} must be >= 1, got {getattr(self, name)}")
+        from tandem.config import WEIGHTS
+
+        if self.weights not in WEIGHTS:
+            raise InvalidParameterError(f"recipe weights must be one of {sorted(WEIGHTS)}, got {self.weights!r}")
+        if self.head_intermediate is not None and self.head_intermediate < 1:
+            raise InvalidParameterError(f"recipe head_intermediate must be >= 1, got {self.head_intermediate}")
         object.__setattr__(self, "domains", tuple(self.domains))
         unknown = set(self.domains) - set(TRAIN_DOMAINS)
         if not self.domains or unknown:
@@ -58,6 +66,14 @@ RECIPES = {
     # Aurora's static drafter: general chat / instruction data only (alpaca, chatterbot, the extra English chat
     # prompts); no code, SQL, math or translation. Reported on every domain's held-out answers, selected on chat.
     "eagle-smollm2-general": Recipe(domains=("chat",), chatterbot=True, default_drafter=False),
+    # Qwen2.5-Coder-1.5B (issue 53 item 3). Features from the int4 target, the model a CPU user serves: at fp32 its
+    # prefill would take 4x the memory traffic. The draft layer's MLP is half the target's width (4480 of 8960): a
+    # draft token then reads ~55 M weights, and a training step costs about half (the CPU budget is the limit here).
+    # Batches of 2 x 1024 tokens and a checkpoint every 20 steps keep an interrupted run's loss to minutes.
+    "eagle-qwen2.5-coder-1.5b": Recipe(model="qwen2.5-coder-1.5b", weights="int4", head_intermediate=4480, rows=2, eval_every=20, warmup=20),
+    # its general-data variant, the flywheel's starting point (as eagle-smollm2-general is for SmolLM2)
+    "eagle-qwen2.5-coder-1.5b-general": Recipe(model="qwen2.5-coder-1.5b", weights="int4", head_intermediate=4480, rows=2, eval_every=20, warmup=20,
+                                               domains=("chat",), chatterbot=True, default_drafter=False),
 }
 
 
@@ -72,9 +88,11 @@ def load_target(recipe: Recipe):
     from tandem.models.loader import load_transformer
     from tandem.models.zoo import resolve_model
 
+    from tandem.config import WEIGHTS
+
     model_dir = resolve_model(recipe.model)
     target = load_transformer(model_dir)
-    target.pack()
+    target.pack(gemm=WEIGHTS[recipe.weights])
     return target, load_tokenizer(model_dir)
 
 

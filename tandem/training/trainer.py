@@ -324,7 +324,7 @@ def fresh_head(recipe: Recipe, out: Path, target, tokenizer, feature_dirs: list[
     of a few vocabulary sizes next to the run (DIR/vocab_coverage.json)."""
     counts = merge_counts(domain_token_counts(feature_dirs), vocab_source_counts(tokenizer, recipe))
     vocab = balanced_vocab(counts, min(recipe.draft_vocab, target.cfg.vocab_size), target.cfg.vocab_size)
-    cfg = EagleConfig.for_target(target.cfg, len(vocab), shared_lm_head=recipe.shared_lm_head)
+    cfg = EagleConfig.for_target(target.cfg, len(vocab), shared_lm_head=recipe.shared_lm_head, intermediate_size=recipe.head_intermediate)
     head = new_eagle_head(target, cfg, vocab, torch.Generator().manual_seed(recipe.seed))
     sizes = sorted({8192, 16384, 32768, len(vocab)} & set(range(1, target.cfg.vocab_size + 1)))
     table = {size: coverage(counts, balanced_vocab(counts, size, target.cfg.vocab_size)) for size in sizes}

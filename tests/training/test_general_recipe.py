@@ -76,3 +76,33 @@ def test_the_best_checkpoint_is_the_one_with_the_best_validation_score(tiny_llam
     assert all("validation" in e and "heldout" in e for e in history)
     assert report["best_score"] == max(scores) and report["best_step"] == history[scores.index(max(scores))]["step"]
     assert json.loads((out / "best" / "report.json").read_text())["validation"]["mean_acceptance_length"] == max(scores)
+
+
+def test_the_qwen_recipes_take_features_from_the_int4_target_with_a_half_width_head():
+    for name in ("eagle-qwen2.5-coder-1.5b", "eagle-qwen2.5-coder-1.5b-general"):
+        recipe = get_recipe(name)
+        assert (recipe.model, recipe.weights, recipe.head_intermediate) == ("qwen2.5-coder-1.5b", "int4", 4480)
+    assert get_recipe("eagle-qwen2.5-coder-1.5b-general").domains == ("chat",)
+    with pytest.raises(InvalidParameterError, match="weights"):
+        Recipe(weights="int3")
+    with pytest.raises(InvalidParameterError, match="head_intermediate"):
+        Recipe(head_intermediate=0)
+
+
+def test_load_target_serves_the_recipes_weights(tiny_llama):
+    """A recipe at int4 loads its target packed at int4 (every Linear on the int4 kernel), fp32 on the dense kernel."""
+    from tandem.training.recipes import load_target
+
+    for weights, kind in (("int4", "int4"), ("fp32", None)):
+        target, _ = load_target(Recipe(model=tiny_llama, weights=weights))
+        kinds = {None if lin.compact is None else lin.compact.kind for lin in target.modules() if hasattr(lin, "compact")}
+        assert kinds == {kind}
+
+
+def test_a_fresh_head_takes_the_recipes_mlp_width(tiny_llama):
+    from tandem.models.eagle import EagleConfig
+    from tandem.models.loader import load_transformer
+
+    cfg = load_transformer(tiny_llama).cfg
+    assert EagleConfig.for_target(cfg, 100, intermediate_size=24).intermediate_size == 24
+    assert EagleConfig.for_target(cfg, 100).intermediate_size == cfg.intermediate_size
