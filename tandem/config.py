@@ -96,7 +96,7 @@ class EngineConfig:
     pack_weights: bool = True  # set CPU linears up for inference (tandem.models.linear.Linear.pack) so k-token verifies stay cheap
     weights: str = "fp32"  # "fp32" (exact), "bf16", "int8" or "int4": the target's served weights (WEIGHTS)
     record_steps: bool = False  # StepRecords carry target probs / hidden states (the flywheel needs them)
-    record_topk: int = 8  # detailed records keep the top-k of the target's distribution per read position (0 = none)
+    record_topk: int = 0  # detailed records keep the top-k of the target's distribution per read position (0 = none: no trainer reads it, and a softmax + top-k over the vocabulary a step cost the flywheel's serving ~1 %)
     hidden_taps: tuple[int, ...] = field(default_factory=tuple)  # target layers whose hidden states are kept
     ragged_verify: bool = True  # rows that draft different amounts verify without padding (fused CPU path); False: pad to the widest
     compile: bool = False  # torch.compile the decode / verify forward (tandem.models.compiled); eager where no compiler

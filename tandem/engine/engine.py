@@ -336,13 +336,14 @@ class Engine:
     def _greedy_argmax(self, requests: list[Request], logits: torch.Tensor) -> torch.Tensor | None:  # [B, T, V] -> [B, T]
         """The target's argmax at every position of the step, in one op for the batch (one per row cost ~80 us each at
         60 rows), when some request is verified greedily; a row's argmax does not depend on the other rows."""
-        if self.config.record_steps or not any(r.params.greedy for r in requests):
+        if not any(r.params.greedy for r in requests):
             return None
         return logits.argmax(-1).cpu()
 
     def _needs_target_probs(self, request: Request) -> bool:
-        """Greedy rows whose logits are adjusted (min_tokens, penalties) verify against the adjusted argmax's one-hot."""
-        return not request.params.greedy or self.config.record_steps or request.params.adjusts_logits
+        """Greedy rows whose logits are adjusted (min_tokens, penalties) verify against the adjusted argmax's one-hot. A
+        recorded greedy row needs none either: its nodes' target probabilities are the argmax's one-hot (records.py)."""
+        return not request.params.greedy or request.params.adjusts_logits
 
     def _verify(self, request: Request, draft: DraftTree, logits: torch.Tensor, argmax: torch.Tensor | None = None,
                 probs: torch.Tensor | None = None):  # logits [N+1, V]
