@@ -18,6 +18,7 @@ from tandem.config import SamplingParams
 from tandem.errors import InvalidParameterError
 from tandem.flywheel.buffer import TraceBuffer
 from tandem.flywheel.setups import FlywheelSetup, live_engine, serve_stream
+from tandem.flywheel.step_bytes import step_reads
 from tandem.flywheel.stream import SPECIALISED, StreamSpec, build_stream, prompt_key
 from tandem.flywheel.trainer import FlywheelConfig, OnlineTrainer, target_lm_rows, trainer_copy
 from tandem.flywheel.weights import WeightStore
@@ -52,14 +53,16 @@ def recorded_traces(target, head, cfg: TrainerStepConfig, tokenizer) -> list:
     return flywheel.buffer.snapshot()
 
 
-def time_steps(target, head, traces: list, loss: FlywheelConfig, steps: int) -> list[float]:
-    """Wall seconds of `steps` trainer steps over `traces` (after one warm-up step)."""
+def time_steps(target, head, traces: list, loss: FlywheelConfig, steps: int) -> tuple[list[float], dict[str, int]]:
+    """Wall seconds of `steps` trainer steps over `traces` (after one warm-up step), and the bytes one more step reads of
+    the tensors the trainer keeps (tandem.flywheel.step_bytes: weights, target rows, optimiser moments)."""
     buffer = TraceBuffer()
     for trace in traces:
         buffer.put(trace)
     trainer = OnlineTrainer(trainer_copy(head), target_lm_rows(target, head), buffer, WeightStore(), replace(loss, min_traces=1, warmup=1))
     trainer.train_step()
-    return [trainer.train_step()["seconds"] for _ in range(steps)]
+    seconds = [trainer.train_step()["seconds"] for _ in range(steps)]
+    return seconds, step_reads(trainer)
 
 
 def run_trainer_step_bench(cfg: TrainerStepConfig) -> dict:
@@ -79,13 +82,14 @@ def run_trainer_step_bench(cfg: TrainerStepConfig) -> dict:
     traces = recorded_traces(target, head, cfg, load_tokenizer(model_dir))
     random.Random(cfg.seed).shuffle(traces)
     loss = FlywheelSetup(batch_size=cfg.batch_size, seed=cfg.seed).loss({}, "static")
-    timed = {"full": time_steps(target, head, traces, loss, cfg.steps),
-             "no_branch": time_steps(target, head, traces, replace(loss, branch_weight=0.0), cfg.steps)}
+    full, reads = time_steps(target, head, traces, loss, cfg.steps)
+    timed = {"full": full, "no_branch": time_steps(target, head, traces, replace(loss, branch_weight=0.0), cfg.steps)[0]}
     mean = lambda xs: round(sum(xs) / len(xs), 4)  # noqa: E731
     return {
         "config": asdict(cfg), "machine": machine_info(), "head": str(path), "traces": len(traces),
         "committed_per_trace": mean([len(t.features) for t in traces]), "branch_nodes_per_trace": mean([len(t.branch_token) for t in traces]),
         "step_s": {k: mean(v) for k, v in timed.items()}, "steps_s": timed, "seconds": round(time.perf_counter() - began, 1),
+        "kept_mb_read_per_step": {k: round(v / 1e6, 1) for k, v in reads.items()} | {"total": round(sum(reads.values()) / 1e6, 1)},
     }
 
 
@@ -112,5 +116,5 @@ def _bench_trainer_step(args) -> int:
     if args.json_out:
         Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json_out).write_text(json.dumps(report, indent=1) + "\n")
-    print(json.dumps({k: report[k] for k in ("head", "traces", "committed_per_trace", "branch_nodes_per_trace", "step_s", "seconds")}, indent=1))
+    print(json.dumps({k: report[k] for k in ("head", "traces", "committed_per_trace", "branch_nodes_per_trace", "step_s", "kept_mb_read_per_step", "seconds")}, indent=1))
     return 0
