@@ -15,10 +15,13 @@ from tandem.ops.tree import trie_from_sequences
 from tandem.types import DraftTree, chain_shapes
 
 
+N_MIN, N_MAX = 1, 4  # the suffix lengths matched, longest first: the drafter's defaults (and the flywheel's model of its branch)
+
+
 class NgramDrafter(DrafterBase):
     name = "ngram"
 
-    def __init__(self, num_draft_tokens: int = 4, n_min: int = 1, n_max: int = 4, candidates: int = 1, max_nodes: int | None = None):
+    def __init__(self, num_draft_tokens: int = 4, n_min: int = N_MIN, n_max: int = N_MAX, candidates: int = 1, max_nodes: int | None = None):
         if not 1 <= n_min <= n_max or num_draft_tokens < 1 or candidates < 1:
             raise InvalidParameterError(
                 f"ngram needs 1 <= n_min <= n_max, num_draft_tokens >= 1 and candidates >= 1, got {n_min}, {n_max}, {num_draft_tokens}, {candidates}"

@@ -28,11 +28,13 @@ distribution; plain r approximates it there.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
 import torch
 
+from tandem.drafters.ngram import N_MAX, N_MIN
 from tandem.errors import InvalidParameterError
 from tandem.flywheel.traces import SequenceTrace
 from tandem.models.eagle import EagleHead, target_to_draft
@@ -54,15 +56,24 @@ def trace_example(trace: SequenceTrace) -> Example:
     return Example(trace.tokens[:m], trace.features.float(), final, trace.tokens[1 : m + 1], prompt)
 
 
-def lookup_covered(tokens: list[int], roots: torch.Tensor, depth: int, n_min: int = 1, n_max: int = 4) -> torch.Tensor:  # [R] long
+@dataclass(frozen=True)
+class Lookup:
+    """The prompt-lookup branch `eagle_ngram` grafts onto the head's chain (tandem.drafters.hybrid): NgramDrafter's
+    settings, its continuation of up to k tokens after the latest match of the context's longest suffix."""
+    k: int = 4
+    n_min: int = N_MIN
+    n_max: int = N_MAX
+
+
+def lookup_covered(tokens: list[int], roots: torch.Tensor, lookup: Lookup) -> torch.Tensor:  # [R] long
     """Per chain root t (the step whose pending token is t + 1): how many leading tokens of the committed continuation
-    the prompt-lookup branch `eagle_ngram` grafts there drafts right (its continuation of up to `depth` tokens of the
-    context tokens[: t + 2], tandem.ops.ngram; NgramDrafter's settings with num_draft_tokens = depth, as the flywheel
-    unrolls). The head's prediction at depth s < that adds nothing to what the deployed drafter accepts."""
+    the prompt-lookup branch `eagle_ngram` grafts there drafts right (its continuation of up to `lookup.k` tokens of
+    the context tokens[: t + 2], tandem.ops.ngram). The head's prediction at depth s < that adds nothing to what the
+    deployed drafter accepts."""
     context = np.asarray(tokens)
     out = []
     for t in roots.tolist():
-        found = ngram_candidates(context[: t + 2], n_min, n_max, depth, 1)
+        found = ngram_candidates(context[: t + 2], lookup.n_min, lookup.n_max, lookup.k, 1)
         run = 0
         for token in found[0] if found else []:
             if t + 2 + run >= len(tokens) or tokens[t + 2 + run] != token:
@@ -76,7 +87,7 @@ def covered_weights(trace: SequenceTrace, step_roots: list[torch.Tensor], weight
     """The imitation weight of each unroll step's predictions: `weight` where the lookup branch already drafts that
     depth right (lookup_covered), 1 elsewhere."""
     roots = torch.unique(torch.cat(step_roots))
-    covered = dict(zip(roots.tolist(), lookup_covered(trace.tokens.tolist(), roots, len(step_roots)).tolist()))
+    covered = dict(zip(roots.tolist(), lookup_covered(trace.tokens.tolist(), roots, Lookup(k=len(step_roots))).tolist()))  # drafted as deep as the unroll
     return [torch.tensor([[weight if s < covered[t] else 1.0 for t in root.tolist()]]) for s, root in enumerate(step_roots)]
 
 

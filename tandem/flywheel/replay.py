@@ -26,21 +26,12 @@ from tqdm import tqdm
 
 from tandem.flywheel.buffer import load_traces, write_shard
 from tandem.flywheel.traces import TRACE_SCHEMA, SequenceTrace, TraceAssembler
-from tandem.flywheel.objective import generated_roots, trace_example
+from tandem.flywheel.objective import Lookup, generated_roots, trace_example
 from tandem.models.eagle import EagleHead
 from tandem.ops.ngram import ngram_candidates
 from tandem.ops.tree import depths as tree_depths, graft_sequence
 from tandem.ops.verify import verify_tokens
 from tandem.training.offline import eagle_logits
-
-
-@dataclass(frozen=True)
-class Lookup:
-    """The prompt-lookup branch `eagle_ngram` grafts onto the head's chain (tandem.drafters.hybrid): NgramDrafter's
-    settings, its continuation of up to k tokens after the latest match of the context's longest suffix."""
-    k: int = 4
-    n_min: int = 1
-    n_max: int = 4
 
 
 @dataclass

@@ -34,7 +34,8 @@ from tandem.errors import InvalidParameterError
 from tandem.flywheel.buffer import TraceBuffer
 from tandem.flywheel.loop import Flywheel, FlywheelOptions
 from tandem.flywheel.pace import CoreBudget
-from tandem.flywheel.replay import Lookup, ReplayResult, replay_request, replay_trace
+from tandem.flywheel.objective import Lookup
+from tandem.flywheel.replay import ReplayResult, replay_request, replay_trace
 from tandem.flywheel.schedule import ShiftDetector, ShiftDetectorConfig, StepSchedule, StepScheduleConfig
 from tandem.flywheel.traces import SequenceTrace
 from tandem.flywheel.trainer import FlywheelConfig, OnlineTrainer, target_lm_rows, trainer_copy

@@ -200,12 +200,12 @@ def test_lookup_covered_counts_what_the_grafted_branch_drafts_right():
     """tokens 5 6 7 8 | 5 6 7 9: at root 4 (context ends 8 5) the lookup continues 6 7 8 5 after the earlier 5: the
     committed 6 7 match, 9 does not (2); at root 5 (... 5 6) it continues 7 8 5 6: 7 matches (1); at root 6 (... 6 7):
     8 5 6 7, the committed 9 does not (0); capped at `depth`."""
-    from tandem.flywheel.objective import covered_weights, lookup_covered
+    from tandem.flywheel.objective import Lookup, covered_weights, lookup_covered
 
     tokens = [5, 6, 7, 8, 5, 6, 7, 9, 1]
     roots = torch.tensor([2, 3, 4, 5])  # at root 2 the context 5 6 7 8 has no earlier match of its suffix
-    assert lookup_covered(tokens, roots, depth=4).tolist() == [0, 2, 1, 0]
-    assert lookup_covered(tokens, roots, depth=1).tolist() == [0, 1, 1, 0]
+    assert lookup_covered(tokens, roots, Lookup(k=4)).tolist() == [0, 2, 1, 0]
+    assert lookup_covered(tokens, roots, Lookup(k=1)).tolist() == [0, 1, 1, 0]
     trace = type("T", (), {"tokens": torch.tensor(tokens)})()
     weights = covered_weights(trace, [roots, roots[1:3]], 0.25)  # step 0 over every root, step 1 over roots 3, 4
     assert [w.tolist() for w in weights] == [[[1.0, 0.25, 0.25, 1.0]], [[0.25, 1.0]]]

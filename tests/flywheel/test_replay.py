@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from tandem.config import SamplingParams
-from tandem.flywheel.replay import Lookup, generated_roots, replay_request, replay_trace, target_traces, trace_example
+from tandem.flywheel.objective import Lookup
+from tandem.flywheel.replay import generated_roots, replay_request, replay_trace, target_traces, trace_example
 from tandem.models.eagle import EagleConfig, save_eagle
 from tandem.training.offline import TrainConfig, build_examples, eagle_logits, train_head
 
