@@ -183,7 +183,7 @@ def _one_thread_env() -> dict:
 
 
 HEAD_CARD = "recipe.json"
-MAKE_TARGETS = {"eagle-smollm2": "make head", "eagle-smollm2-general": "make head-general"}
+MAKE_TARGETS = {"eagle-smollm2": "make head", "eagle-smollm2-general": "make head-general", "eagle-qwen2.5-coder-1.5b": "make head-qwen15"}
 
 
 def export_head(best: Path, dest: Path, recipe_name: str) -> Path:
