@@ -20,8 +20,10 @@ def test_time_steps_times_the_requested_steps_on_recorded_traces(tiny_llama):
     flywheel.close()
     traces = flywheel.buffer.snapshot()
     assert len(traces) == 3 and any(len(t.branch_token) for t in traces)  # live traces carry branch nodes, the term the bench splits out
-    seconds = time_steps(target, head, traces, FlywheelConfig(batch_size=2), steps=3)
+    seconds, reads = time_steps(target, head, traces, FlywheelConfig(batch_size=2), steps=3)
     assert len(seconds) == 3 and all(isinstance(s, float) and s > 0 for s in seconds)
+    # the scratch head trains its 200-row fp32 LM head: read by the forward, the input gradient and the optimiser's update
+    assert reads["lm_head"] == 3 * 200 * target.cfg.hidden_size * 4
 
 
 def test_bad_configs_are_refused():
