@@ -60,10 +60,10 @@ def target_features(target: Transformer, tokens: list[int], taps: tuple[int, ...
 class ShardWriter:
     """Accumulates documents and writes a shard every `shard_tokens` tokens; resumable by document key."""
 
-    def __init__(self, directory: str | Path, target_id: str, taps: tuple[int, ...], shard_tokens: int = 32768):
+    def __init__(self, directory: str | Path, target_id: str, taps: tuple[int, ...], shard_tokens: int = 32768, wait: bool = False):
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
-        self._lock = _exclusive_lock(self.dir / ".writer.lock")
+        self._lock = _exclusive_lock(self.dir / ".writer.lock", wait)
         self.shard_tokens = shard_tokens
         self.index = read_index(self.dir) if (self.dir / INDEX_FILE).exists() else new_index(target_id, taps)
         if self.index["target_id"] != target_id or tuple(self.index["taps"]) != tuple(taps):
@@ -91,13 +91,14 @@ class ShardWriter:
         self.pending = []
 
 
-def _exclusive_lock(path: Path):
-    """One writer per feature directory: a second process would write shards under the same names."""
+def _exclusive_lock(path: Path, wait: bool = False):
+    """One writer per feature directory: a second process would write shards under the same names. With
+    `wait` a second writer blocks until the first is done instead of failing."""
     import fcntl
 
     handle = open(path, "w")
     try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(handle, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
     except BlockingIOError:
         handle.close()
         raise InvalidParameterError(f"another process is writing features into {path.parent}") from None

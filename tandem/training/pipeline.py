@@ -24,7 +24,7 @@ def run_features(recipe: Recipe, out: Path, hours: float | None, chunk_docs: int
     from tandem.models.eagle import EagleConfig, target_identity
     from tandem.data.packages import package_files
     from tandem.training import sources
-    from tandem.training.features import ShardWriter, write_reference_features, write_regenerated_features
+    from tandem.training.features import write_reference_features, write_regenerated_features
 
     now = budget_clock(clock)
     deadline = now() + 3600 * hours if hours else float("inf")
@@ -35,12 +35,10 @@ def run_features(recipe: Recipe, out: Path, hours: float | None, chunk_docs: int
         write_validation(recipe, out, target, tokenizer)
     reference = sources.reference_documents(package_files(), recipe.domains, recipe.chatterbot)
     regenerate = sources.regeneration_prompts(domains=recipe.domains, seed=recipe.seed, extra=recipe.extra_prompts)
-    ref_writer = ShardWriter(out / "features" / "reference", tid, taps)
-    regen_writer = ShardWriter(out / "features" / "regenerated", tid, taps, shard_tokens=8192)
+    ref_writer, regen_writer = feature_writers(out, recipe.feature_kinds, tid, taps)  # `--kinds regenerated`: only the target's answers
     report = {"reference": [], "regenerated": []}
-    kinds = recipe.feature_kinds  # `--kinds regenerated` spends the whole budget on the target's own answers
-    ref_todo = [d for d in reference if not ref_writer.has(_key(d))] if "reference" in kinds else []
-    regen_todo = [d for d in regenerate if not regen_writer.has(_key(d))] if "regenerated" in kinds else []
+    ref_todo = [d for d in reference if not ref_writer.has(_key(d))] if ref_writer else []
+    regen_todo = [d for d in regenerate if not regen_writer.has(_key(d))] if regen_writer else []
     while (ref_todo or regen_todo) and now() < deadline:
         if ref_todo:
             part, ref_todo = ref_todo[:chunk_docs], ref_todo[chunk_docs:]
@@ -51,6 +49,16 @@ def run_features(recipe: Recipe, out: Path, hours: float | None, chunk_docs: int
             stats = write_regenerated_features(regen_writer, target, tokenizer, part, recipe.max_new_tokens, recipe.regen_batch, chunk=len(part))
             report["regenerated"].append(stats.as_dict())
     return report
+
+
+def feature_writers(out: Path, kinds: tuple[str, ...], target_id: str, taps: tuple[int, ...]) -> tuple:
+    """(reference, regenerated) shard writers, None for a kind not in `kinds`: a writer locks its directory, so
+    a process opens only the kinds it writes (`make head-qwen15` runs one process per kind)."""
+    from tandem.training.features import ShardWriter
+
+    ref = ShardWriter(out / "features" / "reference", target_id, taps) if "reference" in kinds else None
+    regen = ShardWriter(out / "features" / "regenerated", target_id, taps, shard_tokens=8192) if "regenerated" in kinds else None
+    return ref, regen
 
 
 def write_heldout(recipe: Recipe, out: Path, target, tokenizer) -> Path:
@@ -82,7 +90,8 @@ def _write_answers(directory: Path, prompts: list, target, tokenizer) -> Path:
     from tandem.training.features import ShardWriter, write_regenerated_features
     from tandem.training.sources import Document
 
-    writer = ShardWriter(directory, target_identity(target.cfg), EagleConfig.for_target(target.cfg).taps, shard_tokens=1 << 30)
+    # wait=True: processes started side by side take turns here, and the later one finds the answers written
+    writer = ShardWriter(directory, target_identity(target.cfg), EagleConfig.for_target(target.cfg).taps, shard_tokens=1 << 30, wait=True)
     if writer.index["shards"]:
         return directory
     docs = [Document(p.domain, p.source, p.id, p.prompt, None) for p in prompts]

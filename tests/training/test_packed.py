@@ -208,3 +208,31 @@ def test_a_copy_of_a_shared_head_trains_without_touching_the_original(target):
     with torch.no_grad():
         copy.fc.weight.add_(1.0)
     assert not torch.equal(copy.fc.weight, head.fc.weight)
+
+
+def test_a_waiting_writer_takes_the_directory_when_the_first_lets_go(target, tmp_path):
+    import threading
+
+    taps, tid = default_taps(target.cfg.num_layers), target_identity(target.cfg)
+    first = ShardWriter(tmp_path, tid, taps)
+    first.add(feature_doc(target, "heldout/x/0", 10, seed=0, domain="code"))
+    opened = []
+    waiter = threading.Thread(target=lambda: opened.append(ShardWriter(tmp_path, tid, taps, wait=True)))
+    waiter.start()
+    waiter.join(timeout=0.5)
+    assert waiter.is_alive() and not opened  # blocked while the first writer holds the lock
+    first.flush()
+    first._lock.close()
+    waiter.join(timeout=10)
+    assert len(opened) == 1 and opened[0].has("heldout/x/0")  # it then sees what the first one wrote
+
+
+def test_a_features_process_opens_only_the_kinds_it_writes(target, tmp_path):
+    from tandem.training.pipeline import feature_writers
+
+    taps, tid = default_taps(target.cfg.num_layers), target_identity(target.cfg)
+    ref, _ = feature_writers(tmp_path, ("reference",), tid, taps)  # the reference process holds its directory
+    none, regen = feature_writers(tmp_path, ("regenerated",), tid, taps)  # the regenerated one starts beside it
+    assert ref is not None and none is None and regen.dir == tmp_path / "features" / "regenerated"
+    with pytest.raises(Exception, match="another process"):
+        feature_writers(tmp_path, ("reference", "regenerated"), tid, taps)
