@@ -46,6 +46,7 @@ PROBE_BUDGET = 0.02  # probes cost at most this share of plain decoding time
 STEP_EMA = 0.1  # per step, the measured seconds of a plan's kind toward what the step took (in log, the step clipped to 0.5-2x)
 MEASURED_AFTER = 3  # steps of one kind of plan before its measured seconds replace the model's
 PLAIN_SPACING = 8  # while drafting, steps between the plain steps that measure plain's price at a batch size (until MEASURED_AFTER)
+PLAIN_NEAR = 1.5  # a plain step timed at a batch within this factor prices plain well enough to start drafting on
 PLAIN_REFRESH = 512  # ... and then between the plain steps that keep it fresh
 OFF_REPLAN = 4  # while off, the plan (~0.3 ms at batch 4, 2 % of a plain step) is made every this many steps
 PRIOR_ACCEPTANCE = 0.8
@@ -57,6 +58,8 @@ SHAPE_EMA = 0.05  # per step, a shape's figure toward what the step measured of 
 PROBE_EMA = 0.25  # ... and a probe's (while off, the only measurements: at 0.05 a dozen probes were needed to turn back on)
 RATIO_PRIOR = 32.0  # a request's ratio starts as if it had emitted what was expected over this many extra tokens (8 lost to 32 at batch 4: BENCHMARKS 14)
 RATIO_DECAY = 0.97  # per drafting step, the weight left to a request's older evidence (~30 steps of memory)
+CALIBRATION_EMA = 0.2  # per drafting step, a batch size's predicted and measured seconds (its first steps count as their mean)
+CALIBRATION_RANGE = (0.5, 2.0)
 STALE = 32  # steps a shape goes undrafted before its measured figure starts drifting back toward the prior
 NESTED_PREFERENCE = 0.05  # a shape whose draft nests a better one's is preferred within this share of its rate: drafting it
 # measures both, where choosing the narrow one leaves the wide one's figure to lag (at batch 1 chain1 took 18 % of the steps)
@@ -87,10 +90,11 @@ class SpeculationController:
         self._plan: dict[str, int] = {}
         self.step_s: dict[tuple[int, int, int], tuple[float, int]] = {}  # (rows, budget, rows drafting) -> (EMA seconds, steps)
         self._drafted_last: dict[str, bool] = {}  # request -> did its previous step draft
-        self._pending: tuple[float, float, float] | None = None  # (predicted speedup, plain seconds, plain tokens)
+        self._pending: tuple[float, ...] | None = None  # (predicted speedup, plain seconds, plain tokens, calibration, plan seconds)
         self._probing = False  # this step's plan is a probe
         self._plain_checked: dict[int, int] = {}  # batch -> the step a plain step was last taken to measure plain's price
         self.probe_extra: float | None = None  # EMA of a probe's measured extra time over what plain would take for its tokens, in plain steps
+        self.step_fit: dict[int, tuple[float, float, int]] = {}  # batch -> EMAs of a drafting step's predicted and measured seconds, steps
         self.stats = {"steps": 0, "speculative_steps": 0, "probes": 0, "switches": 0, "plain_equiv_s": 0.0, "actual_s": 0.0,
                       "predicted_sum": 0.0, "realised_sum": 0.0, "shape_rows": {}, "last": {}, "plain_checks": 0}
 
@@ -122,23 +126,31 @@ class SpeculationController:
         if not self.on and self.stats["steps"] % OFF_REPLAN:  # off: plain, re-planned only every OFF_REPLAN steps
             self._idle += 1
             self._plan = {r.request_id: 0 for r in requests}
-            self._pending = (1.0, self.forward.predict_total(batch, batch, context), float(batch))
+            plain_s = self.forward.predict_total(batch, batch, context)
+            self._pending = (1.0, plain_s, float(batch), 1.0, plain_s)
             return [0] * batch
         emitted = self._emitted_matrix(requests)
         price = lambda choice: self._price(choice, emitted, context)  # noqa: E731 - (tokens, seconds) of a plan
         plain_tokens, plain_s = price(np.zeros(batch, dtype=int))
         candidate = self._best_plan(emitted, context)  # the best plan in which some row drafts
         tokens, seconds = price(candidate)
-        predicted = (tokens / seconds) / (plain_tokens / plain_s)
+        raw = (tokens / seconds) / (plain_tokens / plain_s)
+        predicted = raw * self.calibration(batch)
         chosen = self._decide(candidate, predicted, price, lambda: self._could_pay(requests, context, plain_tokens / plain_s))
-        if self.on and chosen.any() and self._plain_due(batch):  # plain's own price, measured: what every plan is compared with
+        if self.on and chosen.any() and (self._plain_unmeasured(batch) or self._plain_due(batch)):  # plain's own price, measured: what every plan is compared with
             chosen = np.zeros_like(chosen)
             self.stats["plain_checks"] += 1
         budgets = [int(self.budgets[c]) for c in chosen]
         self._plan = {r.request_id: b for r, b in zip(requests, budgets)}
         chosen_tokens, chosen_s = (tokens, seconds) if chosen is candidate else (plain_tokens, plain_s) if not chosen.any() else price(chosen)
-        self._pending = ((chosen_tokens / chosen_s) / (plain_tokens / plain_s), plain_s, plain_tokens)
+        self._pending = ((chosen_tokens / chosen_s) / (plain_tokens / plain_s), plain_s, plain_tokens, self.calibration(batch), chosen_s)
         return budgets
+
+    def _plain_unmeasured(self, batch: int) -> bool:
+        """No plain step was timed at a batch within PLAIN_NEAR of this one: take one before drafting (at batch 16 the
+        roofline prior priced plain 10-50 % off, and every prediction and realised speedup is relative to it; the
+        first drafting step at a new batch pays the drafter's catch-up on the prompts anyway)."""
+        return not any(rows <= PLAIN_NEAR * batch and batch <= PLAIN_NEAR * rows for rows, budget, _ in self.step_s if budget == 0)
 
     def _plain_due(self, batch: int) -> bool:
         """While drafting, plain steps are only modelled (the verify model extrapolates to one token a row, and a plain
@@ -170,15 +182,19 @@ class SpeculationController:
         planned = [self._plan.get(r.request_id, len(d)) for r, d in zip(requests, drafts)]
         drafting = [b for b in planned if b > 0]
         caught_up = not drafting or all(self._drafted_last.get(r.request_id, False) for r in requests)  # else a model drafter also caught up
-        if drafting and caught_up:
-            extra = sum(max(0, len(d) - self._depth_of(b)) for b, d in zip(planned, drafts) if b > 0)
-            self.draft.observe(max(self._depth_of(b) for b in drafting), extra, len(drafting), draft_s)
+        steady_s = draft_s + verify_s  # what the step would take with the drafter caught up: what a step of this plan costs
+        if drafting:
+            depth, extra = max(self._depth_of(b) for b in drafting), sum(max(0, len(d) - self._depth_of(b)) for b, d in zip(planned, drafts) if b > 0)
+            if caught_up:
+                self.draft.observe(depth, extra, len(drafting), draft_s)
+            else:
+                steady_s = verify_s + min(draft_s, self.draft.seconds(depth, extra, len(drafting)))
         if caught_up and len(set(drafting)) <= 1:
             self._time_step((batch, drafting[0] if drafting else 0, len(drafting)), draft_s + verify_s)
         self._drafted_last = {r.request_id: len(d) > 0 for r, d in zip(requests, drafts)}
         self._learn(requests, drafts, results, planned)
         self._relax_stale()
-        self._account(batch, sum(len(r.tokens) for r in results), draft_s + verify_s, any(len(d) for d in drafts))
+        self._account(batch, sum(len(r.tokens) for r in results), draft_s + verify_s, any(len(d) for d in drafts), steady_s)
 
     def _time_step(self, key: tuple[int, int, int], seconds: float) -> None:
         old, steps = self.step_s.get(key, (seconds, 0))
@@ -266,7 +282,7 @@ class SpeculationController:
         """The measured seconds of a step of `batch` rows where `drafting` of them drafted `budget` (the others plain),
         once MEASURED_AFTER such steps ran; else None (the model prices it)."""
         seconds, steps = self.step_s.get((batch, budget, drafting), (0.0, 0))
-        return seconds if steps >= MEASURED_AFTER else None
+        return seconds if steps >= (1 if budget == 0 else MEASURED_AFTER) else None  # plain: one step (its price scales every plan)
 
     def _best_plan(self, emitted: np.ndarray, context: int) -> np.ndarray:
         """The plan with the highest predicted tokens per second among those where some row drafts (whether it beats
@@ -426,16 +442,35 @@ class SpeculationController:
             rate = 1.0 if j >= self.measured_depth else RELAX
             alphas[j] += rate * (alphas[j - 1] - alphas[j])
 
-    def _account(self, batch: int, emitted: int, seconds: float, speculated: bool) -> None:
+    def calibration(self, batch: int) -> float:
+        """Predicted / measured seconds of the drafting steps at the nearest batch size that drafted (1 before any), the
+        factor on a drafting plan's predicted speedup: what the cost model gets wrong between plain's measured price
+        and a wide verify (at batch 16 the calibrated roofline priced a 66-token verify at 58 ms; it took 70-90 ms).
+        A ratio of averages: an average of per-step ratios reads the noise of single steps as a bias."""
+        if not self.step_fit:
+            return 1.0
+        predicted, measured, _ = self.step_fit[min(self.step_fit, key=lambda b: (abs(math.log(b / batch)), b))]
+        low, high = CALIBRATION_RANGE
+        return min(max(predicted / measured, low), high)
+
+    def _fit_step(self, batch: int, predicted_s: float, measured_s: float) -> None:
+        old_p, old_m, steps = self.step_fit.get(batch, (0.0, 0.0, 0))
+        w = max(CALIBRATION_EMA, 1.0 / (steps + 1))
+        self.step_fit[batch] = ((1 - w) * old_p + w * predicted_s, (1 - w) * old_m + w * measured_s, steps + 1)
+
+    def _account(self, batch: int, emitted: int, seconds: float, speculated: bool, steady_s: float | None = None) -> None:
         s = self.stats
         s["steps"] += 1
         for b in self._plan.values():
             s["shape_rows"][b] = s["shape_rows"].get(b, 0) + 1
         if self._pending is None:
             return
-        predicted, plain_s, plain_tokens = self._pending
+        raw, plain_s, plain_tokens, calibration, plan_s = self._pending
+        predicted = raw * calibration
         self._pending = None
         plain_equiv = emitted / plain_tokens * plain_s
+        if speculated:
+            self._fit_step(batch, plan_s, steady_s or seconds)
         if self._probing:
             self._probing = False
             self.probe_extra = _ema(self.probe_extra, max(seconds - plain_equiv, 0.0) / plain_s, 0.5)

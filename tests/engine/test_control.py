@@ -21,6 +21,14 @@ def req(i, context=64, max_tokens=1000):
     return SimpleNamespace(request_id=f"r{i}", all_ids=list(range(context)), params=SimpleNamespace(max_tokens=max_tokens), output_ids=[])
 
 
+def plain_priced(c, *batches, context=64):
+    """As if one plain step of each batch size had run at the model's own price: the controller drafts at a batch
+    only once plain's price there (or within PLAIN_NEAR) is measured, else its first plan is that plain step."""
+    for b in batches:
+        c.step_s[(b, 0, 0)] = (c.forward.predict_total(b, b, context), 1)
+    return c
+
+
 def controller(max_k=4, acceptance=0.8, draft=DraftCost()):
     return SpeculationController(max_k, ForwardCost(WORK, MACHINE), DraftCostModel(draft), prior_acceptance=acceptance)
 
@@ -40,8 +48,10 @@ def test_best_k_follows_acceptance_and_costs():
 
 def test_memory_bound_speculates_at_full_depth():
     c = controller()
+    assert c.plan([req(0)]) == [0]  # the first plan at a batch: one plain step, to measure what every plan is compared with
+    c.observe([req(0)], [DraftTree.chain([])], [VerifyResult([], [0], 0, False)], 0.0, c.forward.predict(1, 1, 64), 1)
     assert c.plan([req(0)]) == [4]  # 1 x 5 tokens is below the ridge: verifying 5 costs as much as 1
-    assert c.metrics()["last"] == {} and c.on
+    assert c.metrics()["last"]["drafting_rows"] == 0 and c.on  # the last step accounted: the plain one
 
 
 def test_compute_bound_turns_off_at_once():
@@ -62,7 +72,7 @@ def predicted_at(ratio, acceptance=0.8):
 
 
 def test_a_prediction_just_below_plain_turns_off_after_patience():
-    c = SpeculationController(4, ForwardCost(WORK, MACHINE), DraftCostModel(predicted_at(1 - DECISIVE / 2)), prior_acceptance=0.8)
+    c = plain_priced(SpeculationController(4, ForwardCost(WORK, MACHINE), DraftCostModel(predicted_at(1 - DECISIVE / 2)), prior_acceptance=0.8), 1)
     plans = [c.plan([req(0)])[0] for _ in range(PATIENCE + 1)]
     assert all(k > 0 for k in plans[: PATIENCE - 1])  # hysteresis: not on the first bad prediction
     assert plans[-1] == 0 and not c.on and c.stats["switches"] == 1
@@ -79,7 +89,7 @@ def test_hysteresis_between_margins_keeps_the_state():
 
 
 def test_tail_of_a_shrinking_batch_turns_speculation_on_at_once():
-    c = controller(acceptance=0.5)
+    c = plain_priced(controller(acceptance=0.5), 32, 16, 8, 4, 2, 1)
     batch = [req(i) for i in range(32)]
     decisions = []
     while batch:
@@ -165,11 +175,11 @@ def test_a_drafter_slower_than_the_target_is_probed_at_the_longest_interval():
     # plain would for them: at a 2 % budget one per ~60 steps, x MAX_BACKOFF since not even full acceptance pays here
     # (the model prices 1.1-1.3 steps as its acceptance estimate falls from the prior: 472-512 apart)
     gaps = [b - a for a, b in zip(probes, probes[1:])]
-    assert len(probes) == 8 and min(gaps) >= 55 * MAX_BACKOFF
+    assert len(probes) == 7 and min(gaps) >= 55 * MAX_BACKOFF  # the first at ~480 (on for 8 steps from the prior)
 
 
 def test_release_forgets_the_request():
-    c = controller()
+    c = plain_priced(controller(), 1)
     r = req(0)
     c.plan([r])
     extra = c._prior(4) - 1  # the engine-wide expectation before the step
@@ -289,3 +299,23 @@ def test_past_the_token_counts_measured_the_time_grows_as_the_calibration_says()
     assert fwd.predict_total(16, 16, 64) == pytest.approx(0.95 * 0.118, rel=1e-6)
     assert fwd.predict_total(16, 96, 64) == pytest.approx(0.95 * 0.25, rel=1e-6)
     assert fwd.predict_total(16, 32, 64) == pytest.approx(0.95 * forward_seconds(WORK, calibrated, 16, 2.0, 64), rel=1e-6)
+
+
+def test_a_verify_the_model_prices_cheap_is_corrected_after_one_drafting_step():
+    """The model predicts drafting at 1.3x plain; this machine's drafting steps take twice what the model priced them
+    (batch 16 on a 2-core CPU: a 66-token verify priced at 58 ms took 70-90). After the first drafting step the
+    calibration is predicted / measured seconds (0.5), which takes the prediction to 0.65, below plain at once
+    (DECISIVE), not after MEASURED_AFTER steps of each (rows, budget, rows drafting) the plans go through."""
+    c = plain_priced(SpeculationController(4, ForwardCost(WORK, MACHINE), DraftCostModel(predicted_at(1.3)), prior_acceptance=0.8), 1)
+    r = req(0)
+    budgets = []
+    for _ in range(6):
+        [budget] = c.plan([r])
+        plan_s = c._pending[4]
+        accepted = list(range(min(budget, 2)))  # 3 tokens a draft: near the prior's 3.36
+        c.observe([r], [DraftTree.chain(list(range(budget)))], [VerifyResult(accepted, list(range(len(accepted) + 1)), budget, False)],
+                  0.0, 2 * plan_s if budget else plan_s, 1 + budget)
+        if budget and len(budgets) == 0:
+            assert c.calibration(1) == pytest.approx(0.5)
+        budgets.append(budget)
+    assert budgets[0] == 4 and budgets[1:] == [0] * 5 and not c.on

@@ -15,6 +15,8 @@ from tandem.sim.roofline import Machine, ModelWork
 from tandem.sim.speculative import DraftCost
 from tandem.types import DraftShape, DraftTree, VerifyResult, chain_shapes
 
+from test_control import plain_priced
+
 # 1 GB of weights at 10 GB/s (0.1 s), 2 FLOP per parameter per token at 50 GFLOP/s (0.02 s a token): the ridge at 5 tokens
 WORK = ModelWork("toy", dense_params=0.5e9, bytes_per_param=2.0, kv_bytes_per_token=0.0, attn_flops_per_token_ctx=0.0)
 MACHINE = Machine("toy", bandwidth=10e9, peak_flops=50e9, overhead_s=0.01)
@@ -57,7 +59,7 @@ def test_hand_computed_shape_wins_for_a_hybrid_drafter():
     """tokens / (verify + 10 ms x passes) per shape: plain 1/0.11 = 9.1; chain1 2/0.12 = 16.7; chain2 3/0.13 = 23.1;
     chain3 3/0.14 = 21.4; chain4 3/0.15 = 20.0; +lookup1 4/0.17 = 23.5; +lookup2 5/0.19 = 26.3; +lookup3 5/0.21 = 23.8.
     A per-depth chain model would price the lookup shapes from the head's acceptance; measured, +lookup2 wins."""
-    c = SpeculationController(4, ForwardCost(WORK, MACHINE), DraftCostModel(DRAFT), shapes=HYBRID)
+    c = plain_priced(SpeculationController(4, ForwardCost(WORK, MACHINE), DraftCostModel(DRAFT), shapes=HYBRID), 1)
     r = req(0)
     for budget, n in EMITS.items():
         feed(c, [r], [budget], [n])
@@ -78,7 +80,7 @@ def best_by_search(requests_emits: list[dict[int, int]], budgets: list[int]) -> 
 def test_rows_that_accept_draft_and_rows_that_do_not_stay_plain():
     """Batch 4, two rows accept every drafted token, two accept none: in a compute-bound verify the rows that accept
     draft (as deep as pays) and the others cost one token each. The plan equals the exhaustive search's."""
-    c = SpeculationController(4, ForwardCost(WORK, MACHINE), DraftCostModel(DRAFT), shapes=chain_shapes(4))
+    c = plain_priced(SpeculationController(4, ForwardCost(WORK, MACHINE), DraftCostModel(DRAFT), shapes=chain_shapes(4)), 4)
     requests = [req(i) for i in range(4)]
     emits = [{b: 1 + b for b in range(1, 5)}, {b: 1 + b for b in range(1, 5)}, {b: 1 for b in range(1, 5)}, {b: 1 for b in range(1, 5)}]
     for b in range(1, 5):
@@ -115,8 +117,8 @@ def test_a_tree_without_a_prefix_measures_only_itself():
 
 
 def test_while_drafting_plain_is_measured_not_only_modelled():
-    """A batch of 4 whose drafts pay: the controller drafts, but takes a plain step every PLAIN_SPACING steps until
-    MEASURED_AFTER ran, then every PLAIN_REFRESH; plain is then priced at what it measured (0.10 s here, where the model
+    """A batch of 4 whose drafts pay: the controller drafts, but its first plan at the batch is a plain step, then one
+    every PLAIN_SPACING steps until MEASURED_AFTER ran, then every PLAIN_REFRESH; plain is then priced at what it measured (0.10 s here, where the model
     says 0.11: priced by the model, every plan looked 1.1x faster against plain than it was)."""
     c = SpeculationController(4, ForwardCost(WORK, MACHINE), DraftCostModel(DRAFT), shapes=chain_shapes(4))
     requests = [req(i) for i in range(4)]
@@ -130,7 +132,7 @@ def test_while_drafting_plain_is_measured_not_only_modelled():
         drafts = [DraftTree.chain(list(range(b))) for b in budgets]
         c.observe(requests, drafts, [result_emitting(1 + b) for b in budgets], DRAFT.seconds(max(budgets), sum(budgets)) if any(budgets) else 0.0,
                   seconds, sum(1 + b for b in budgets))
-    first = [(i + 1) * PLAIN_SPACING for i in range(MEASURED_AFTER)]
+    first = [0] + [1 + (i + 1) * PLAIN_SPACING for i in range(MEASURED_AFTER - 1)]
     assert plain_steps == first + [first[-1] + PLAIN_REFRESH] and c.stats["plain_checks"] == MEASURED_AFTER + 1
     assert c._seconds(4, 0, 0, 0.0, 0.0, 0, 0.0, 64) == pytest.approx(0.10)
 
@@ -197,7 +199,7 @@ def test_drafting_resumes_soon_after_acceptance_returns_though_catching_up_grows
 def test_padding_is_priced_when_the_engine_pads(ragged):
     """The same batch as above, but the engine reports a padded verify (rows x the widest row): then a row that
     drafts makes every row pay its width, and at this compute-bound point the best plan drafts less than ragged."""
-    c = SpeculationController(4, ForwardCost(WORK, MACHINE), DraftCostModel(DRAFT), shapes=chain_shapes(4))
+    c = plain_priced(SpeculationController(4, ForwardCost(WORK, MACHINE), DraftCostModel(DRAFT), shapes=chain_shapes(4)), 4)
     requests = [req(i) for i in range(4)]
     emits = [{b: 1 + b for b in range(1, 5)}] * 2 + [{b: 1 for b in range(1, 5)}] * 2
     for b in (1, 2, 3, 4):
@@ -237,7 +239,7 @@ def test_measured_step_seconds_replace_a_model_that_misprices():
     """Every draft accepted: on the fake clock chain4 is best (5 tokens / 0.15 s = 33 tok/s; chain3 4 / 0.14 = 28.6).
     If this machine's chain4 steps take 0.5 s (a cliff no roofline draws), MEASURED_AFTER such steps price it at
     10 tok/s and the plan moves to chain3."""
-    c = SpeculationController(4, ForwardCost(WORK, MACHINE), DraftCostModel(DRAFT), shapes=chain_shapes(4))
+    c = plain_priced(SpeculationController(4, ForwardCost(WORK, MACHINE), DraftCostModel(DRAFT), shapes=chain_shapes(4)), 1)
     r = req(0)
     for b in (1, 2, 3):
         feed(c, [r], [b], [b + 1])
@@ -256,7 +258,7 @@ def test_a_shape_that_nests_the_best_one_is_preferred_within_its_margin():
 
     assert NESTED_PREFERENCE == 0.05
     for prefix, figure, expected in ((5, 3.8, 5), (5, 3.6, 2), (0, 3.8, 2)):
-        c = SpeculationController(4, ForwardCost(WORK, MACHINE), DraftCostModel(DRAFT), shapes=chain_shapes(4) + (DraftShape(5, 4, "chain4+lookup1", prefix=prefix),))
+        c = plain_priced(SpeculationController(4, ForwardCost(WORK, MACHINE), DraftCostModel(DRAFT), shapes=chain_shapes(4) + (DraftShape(5, 4, "chain4+lookup1", prefix=prefix),)), 1)
         r = req(0)
         for budget, n in {1: 2, 2: 3, 3: 3, 4: 3, 5: 4}.items():
             feed(c, [r], [budget], [n])
