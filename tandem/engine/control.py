@@ -18,6 +18,11 @@ and the passes it takes; `drafter.shapes()`), plus plain (budget 0). For row r a
   row otherwise. Nodes are what the shape was measured to yield (a lookup often yields fewer than its budget).
 The plan maximises sum_r E_r(s_r) / (draft + verify) over plans of one shape s for the batch, each row drafting s
 or staying plain (_best_plan: free per-row shapes chased noise).
+Calibrated against what ran: plain's price at a batch is measured (the first plan at a batch no plain step was timed
+near is a plain step; one step prices it), and a drafting plan's predicted speedup is scaled by `calibration(batch)`,
+predicted / measured seconds of the drafting steps at the nearest batch size (the drafter's catch-up on missed
+steps left out), so a verify the model prices cheap stops looking like a win after one step, not after MEASURED_AFTER
+steps of each plan it tries.
 Hysteresis: speculation turns on when the best plan is predicted >= (1 + ON_MARGIN) x plain and off below
 (1 - OFF_MARGIN), each for PATIENCE plans in a row, or at once when DECISIVE; while off, a plan is made every OFF_REPLAN
 steps (the others are plain at no planning cost). While off it probes (the best plan
