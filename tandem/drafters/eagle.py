@@ -158,25 +158,35 @@ class EagleDrafter(DrafterBase):
     def propose(self, requests, budgets: list[int]) -> list[DraftTree]:
         if max(budgets, default=0) == 0:
             return [DraftTree.empty() for _ in requests]
-        logits, hidden = self._catch_up(requests)  # [B, Vd], [B, d]
+        logits, hidden = self._catch_up(requests, [b > 0 for b in budgets])  # [B, Vd], [B, d]
         if self.tree.mode != "chain" and all(r.params.greedy for r in requests):
             grow = self._dynamic_tree if self.tree.mode == "dynamic" else self._static_tree
             return grow(budgets, logits, hidden)
         return self._chain(requests, [min(self.k, b) for b in budgets], logits, hidden)
 
-    def _catch_up(self, requests) -> tuple[torch.Tensor, torch.Tensor]:  # -> logits [B, Vd], hidden [B, d] at each row's last entry
-        """Fuse every row's queued tap features in one call, write them in one batched forward (right-padded; the padding
-        is cut off after). A queue longer than PAD_LIMIT (a new prompt, a row that stayed plain) is written alone first."""
+    def _catch_up(self, requests, drafting: list[bool]) -> tuple[torch.Tensor, torch.Tensor]:  # -> logits [B, Vd], hidden [B, d] at each row's last entry
+        """Fuse the drafting rows' queued tap features in one call, write them in one batched forward (right-padded; the
+        padding is cut off after). A queue longer than PAD_LIMIT (a new prompt, a row that stayed plain) is written alone
+        first. A row that does not draft keeps its queue (its catch-up waits for its next draft: at 16 rows, catching
+        every row up for a probe on a few cost 100-230 ms); it takes one placeholder entry, dropped again, and its
+        outputs are not used."""
         raw = []
-        for request in requests:
+        for request, drafts in zip(requests, drafting):
+            if not drafts:
+                raw.append(None)
+                continue
             if not self.queued.get(request.row):
                 raise InvalidParameterError(f"eagle: nothing new for row {request.row} since its last proposal (propose without on_verified?)")
             raw.append(torch.cat(self.pending.pop(request.row)))
             self.queued[request.row] = 0
-        counts = [len(q) for q in raw]
-        queued = list(self.head.fuse([torch.cat(raw)]).split(counts))  # [m_b, d] fused features per row
+        counts = [len(q) if q is not None else 0 for q in raw]
+        fused = iter(self.head.fuse([torch.cat([q for q in raw if q is not None])]).split([c for c in counts if c]))
+        queued = [next(fused) if c else None for c in counts]  # [m_b, d] fused features per drafting row
+        some = next(q for q in queued if q is not None)
+        queued = [q if q is not None else some.new_zeros(1, some.shape[-1]) for q in queued]
+        counts = [max(c, 1) for c in counts]
         for b, request in enumerate(requests):
-            if counts[b] > PAD_LIMIT:
+            if counts[b] > PAD_LIMIT:  # (a drafting row: a placeholder is one entry)
                 self._write(request, queued[b][:-1])
                 queued[b], counts[b] = queued[b][-1:], 1
         starts = self.cache.lengths[: len(requests)].tolist()
@@ -184,12 +194,13 @@ class EagleDrafter(DrafterBase):
         ids = torch.zeros(len(requests), max(counts), dtype=torch.long)
         features = queued[0].new_zeros(len(requests), max(counts), queued[0].shape[-1])
         for b, (request, q) in enumerate(zip(requests, queued)):
-            ids[b, : len(q)] = torch.tensor(request.all_ids[starts[b] + 1 : starts[b] + 1 + len(q)])
-            features[b, : len(q)] = q
+            if drafting[b]:  # a placeholder row keeps token id 0 and zero features
+                ids[b, : len(q)] = torch.tensor(request.all_ids[starts[b] + 1 : starts[b] + 1 + len(q)])
+                features[b, : len(q)] = q
         last = torch.tensor(counts) - 1
         logits, hidden = self.head(ids.to(device), features, cache=self.cache, rows=slice(0, len(requests)), logits_at=last)
         for b, count in enumerate(counts):
-            self.cache.truncate(b, starts[b] + count)
+            self.cache.truncate(b, starts[b] + (count if drafting[b] else 0))
         return logits[:, 0], hidden[torch.arange(len(requests)), last.to(device)]
 
     def _write(self, request, features: torch.Tensor) -> None:  # features [m, d]: entries whose outputs are not needed

@@ -251,3 +251,29 @@ def test_plain_steps_queue_tap_features_and_the_catch_up_fuses_them_once(tiny_ll
     assert [r.output_ids for r in engine.run(ps, [GREEDY] * 2)] == plain_outputs(tiny_llama, ps, [GREEDY] * 2)
     assert fuses[0] == 7  # none at the prefill nor in the 6 plain steps: the first at the first drafting step
     assert len(fuses) == len(set(fuses)) >= 3  # one per drafting step (its catch-up), both rows in one call
+
+
+class FirstRowWaits(PlainThenDraft):
+    """Row 0 plain for `plain_steps` decode steps while row 1 drafts 4 from the first; then both draft 4."""
+
+    def plan(self, requests) -> list[int]:
+        self.steps += 1
+        return [0 if request.row == 0 and self.steps <= self.plain_steps else 4 for request in requests]
+
+
+def test_a_row_that_does_not_draft_is_not_caught_up_while_the_others_draft(tiny_llama):
+    """A step where some rows draft catches only those up (at 16 rows, catching every row up for a probe on a few cost
+    100-230 ms): row 0's tap features wait in its queue through 6 steps in which row 1 drafts, its first drafting step
+    writes the whole queue (prompt + 6 steps), and the outputs stay plain decoding's."""
+    target = load_packed(tiny_llama)
+    drafter = build_drafter("eagle", target=target, num_draft_tokens=4, max_batch=2, max_len=256)
+    policy = FirstRowWaits(6)
+    engine = Engine(target, EngineConfig(max_batch_size=2, max_model_len=256), drafter=drafter, draft_policy=policy)
+    fused = []  # (policy step, feature rows into the fc) per fc call
+    drafter.head.fc.register_forward_hook(lambda module, args, out: fused.append((policy.steps, args[0].shape[-2])))
+    ps = make_prompts(2)
+    params = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)] * 2
+    assert [r.output_ids for r in engine.run(ps, params)] == plain_outputs(tiny_llama, ps, params)
+    per_step = dict(fused)
+    assert per_step[1] == len(ps[1])  # step 1: row 1's prompt alone (row 0 keeps its queue and takes a placeholder)
+    assert len(ps[0]) + 7 <= per_step[7] <= len(ps[0]) + 6 + 5  # step 7: row 0's prompt and one token for each of the 6 steps, then row 1's 1-5
