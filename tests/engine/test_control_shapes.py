@@ -265,3 +265,24 @@ def test_a_shape_that_nests_the_best_one_is_preferred_within_its_margin():
         c.emitted[5] = figure
         c.evidence.clear()  # the request's own ratio at 1: the engine-wide figures decide
         assert c.plan([r]) == [expected], (prefix, figure)
+
+
+def test_a_probe_drafts_on_four_rows_in_turn():
+    """Off at 16 rows, a due probe drafts the best plan's shape on PROBE_ROWS (4) of its rows, the next probe on the next
+    4: its first draft catches the drafter up on every plain step of the rows it drafts (EAGLE at 16 rows: 100-230 ms
+    for all 16), and what it measures is engine-wide."""
+    from tandem.engine.control import PROBE_ROWS
+
+    c = plain_priced(SpeculationController(4, ForwardCost(WORK, MACHINE), DraftCostModel(DRAFT), shapes=chain_shapes(4)), 16)
+    requests = [req(i) for i in range(16)]
+    for b in range(1, 5):
+        feed(c, requests, [b] * 16, [1 + b] * 16, steps=1)  # every draft accepted: every row would draft
+    c.on = False
+    drafting = []
+    for _ in range(2):
+        c._idle, c.stats["steps"] = 10**6, 0  # a probe is due, on a step that plans
+        plan = c.plan(requests)
+        drafting.append([i for i, b in enumerate(plan) if b])
+        feed(c, requests, plan, [1 + b for b in plan], steps=1)
+        c.on = False
+    assert PROBE_ROWS == 4 and drafting == [[0, 1, 2, 3], [4, 5, 6, 7]]
