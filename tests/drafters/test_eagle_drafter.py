@@ -261,12 +261,13 @@ class FirstRowWaits(PlainThenDraft):
         return [0 if request.row == 0 and self.steps <= self.plain_steps else 4 for request in requests]
 
 
-def test_a_row_that_does_not_draft_is_not_caught_up_while_the_others_draft(tiny_llama):
+@pytest.mark.parametrize("name", ["eagle", "eagle_tree"])
+def test_a_row_that_does_not_draft_is_not_caught_up_while_the_others_draft(tiny_llama, name):
     """A step where some rows draft catches only those up (at 16 rows, catching every row up for a probe on a few cost
     100-230 ms): row 0's tap features wait in its queue through 6 steps in which row 1 drafts, its first drafting step
     writes the whole queue (prompt + 6 steps), and the outputs stay plain decoding's."""
     target = load_packed(tiny_llama)
-    drafter = build_drafter("eagle", target=target, num_draft_tokens=4, max_batch=2, max_len=256)
+    drafter = build_drafter(name, target=target, num_draft_tokens=4, max_batch=2, max_len=256)
     policy = FirstRowWaits(6)
     engine = Engine(target, EngineConfig(max_batch_size=2, max_model_len=256), drafter=drafter, draft_policy=policy)
     fused = []  # (policy step, feature rows into the fc) per fc call
