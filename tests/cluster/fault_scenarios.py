@@ -219,58 +219,65 @@ def serve_cli(model: str, work: Path) -> dict:
 
 
 def _run_rl(argv: list[str], json_path: Path, kill=None) -> dict:
-    """`tandem rl ...` in this process; `kill(trainer)` runs in a thread once the checkpoint of step 0 is on disk."""
+    """`tandem rl ...` in this process; `kill(ray, trainer, out)` runs as the command builds its trainer (it arms a fault
+    for a later moment and records what it killed in out["killed"])."""
     import ray
 
     import tandem.cluster.rl as cluster_rl
     from tandem.cli import main as cli
 
-    built, original = [], cluster_rl.build_ray_trainer
-    cluster_rl.build_ray_trainer = lambda *a, **k: built.append(original(*a, **k)) or built[-1]  # sees the actors the command starts
-    state = Path(argv[argv.index("--checkpoint") + 1]) / "state.json"
+    original = cluster_rl.build_ray_trainer
     out: dict = {}
 
-    def step_saved() -> bool:
-        try:
-            return bool(built) and json.loads(state.read_text())["step"] == 1
-        except (OSError, ValueError):  # not written yet
-            return False
+    def build(*a, **k):
+        trainer = original(*a, **k)
+        if kill:
+            kill(ray, trainer, out)
+        return trainer
 
-    def killer():
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline and not step_saved():
-            time.sleep(0.05)
-        out["killed"] = kill(ray, built[-1])
-
-    thread = threading.Thread(target=killer, daemon=True) if kill else None
+    cluster_rl.build_ray_trainer = build  # sees the actors the command starts
     warnings, handler = [], logging.Handler()
     handler.emit = lambda record: warnings.append(record.getMessage())
     logging.getLogger("tandem.cluster").addHandler(handler)
     err = io.StringIO()
     try:
-        if thread:
-            thread.start()
         with contextlib.redirect_stderr(err):
             out["rc"] = cli(argv + ["--json", str(json_path)])
     finally:
         cluster_rl.build_ray_trainer = original
         logging.getLogger("tandem.cluster").removeHandler(handler)
-    if thread:
-        thread.join(timeout=60)
     result = json.loads(json_path.read_text())
     out["history"] = [{k: h[k] for k in ("step", "policy_version", "reward_mean", "tokens", "rollout_tokens")} for h in result["history"]]
     out["evals"] = [{k: e[k] for k in ("step", "policy_version", "greedy", "sampled")} for e in result["evals"]]
     return out | {"stderr": err.getvalue()[-2000:], "warnings": warnings}
 
 
-def _kill_worker(ray, trainer) -> str:
-    ray.kill(trainer.engines[0].workers[1], no_restart=False)  # as a crash: Ray restarts it
-    return "rollout worker 1"
+def _kill_worker(ray, trainer, out: dict) -> None:
+    """Kill rollout worker 1 as a crash would (Ray restarts it) once the learner has handed over step 0's checkpoint,
+    so that step 1's rollouts meet the restarted worker."""
+    checkpoint = trainer.learner.checkpoint
+
+    def checkpoint_then_crash():
+        saved = checkpoint()
+        if "killed" not in out:
+            ray.kill(trainer.engines[0].workers[1], no_restart=False)
+            out["killed"] = "rollout worker 1"
+        return saved
+
+    trainer.learner.checkpoint = checkpoint_then_crash
 
 
-def _kill_learner(ray, trainer) -> str:
-    ray.kill(trainer.learner.actor, no_restart=False)  # as a crash (the learner is never restarted)
-    return "learner"
+def _kill_learner(ray, trainer, out: dict) -> None:
+    """Kill the learner actor as a crash would, just before the update of step 1 (the learner is never restarted)."""
+    update = trainer.learner.update
+
+    def update_after_a_crash(rollouts, advantages, step, online=None):
+        if step == 1 and "killed" not in out:
+            ray.kill(trainer.learner.actor, no_restart=False)
+            out["killed"] = "learner"
+        return update(rollouts, advantages, step, online)
+
+    trainer.learner.update = update_after_a_crash
 
 
 def rl_faults(model: str, work: Path) -> dict:
