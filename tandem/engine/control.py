@@ -89,6 +89,7 @@ class SpeculationController:
         self.measured_depth = 0  # how many depths (engine-wide) have had their acceptance measured at least once
         self.emitted: dict[int, float] = {}  # budget -> EMA of tokens a row drafting it emitted (engine-wide)
         self.yielded: dict[int, float] = {}  # budget -> EMA of the nodes the drafter returned for it
+        self.measured_rows: dict[int, int] = {}  # budget -> rows that have measured it (its figures are their mean until SHAPE_EMA's weight)
         self.last_used: dict[int, int] = {}  # budget -> the step it was last drafted
         self.fill = 1.0  # EMA: the share of drafts asked for that came back non-empty
         self.evidence: dict[str, tuple[float, float]] = {}  # request -> decayed (extra tokens emitted, extra tokens expected)
@@ -185,13 +186,14 @@ class SpeculationController:
         if len({len(d) for d in drafts}) > 1:
             self.ragged = verified < batch * width
         context = round(sum(len(r.all_ids) - len(res.tokens) for r, res in zip(requests, results)) / batch)
-        self.forward.observe_total(batch, verified, max(context, 0), verify_s)
         planned = [self._plan.get(r.request_id, len(d)) for r, d in zip(requests, drafts)]
         drafting = [b for b in planned if b > 0]
+        depth, extra = max((self._depth_of(b) for b in drafting), default=0), sum(max(0, len(d) - self._depth_of(b)) for b, d in zip(planned, drafts) if b > 0)
+        model_s = self.forward.predict_total(batch, verified, max(context, 0)) + (self.draft.seconds(depth, extra, len(drafting)) if drafting else 0.0)
+        self.forward.observe_total(batch, verified, max(context, 0), verify_s)
         caught_up = not drafting or all(self._drafted_last.get(r.request_id, False) for r in requests)  # else a model drafter also caught up
         steady_s = draft_s + verify_s  # what the step would take with the drafter caught up: what a step of this plan costs
         if drafting:
-            depth, extra = max(self._depth_of(b) for b in drafting), sum(max(0, len(d) - self._depth_of(b)) for b, d in zip(planned, drafts) if b > 0)
             if caught_up:
                 self.draft.observe(depth, extra, len(drafting), draft_s)
             else:
@@ -201,7 +203,7 @@ class SpeculationController:
         self._drafted_last = {r.request_id: len(d) > 0 for r, d in zip(requests, drafts)}
         self._learn(requests, drafts, results, planned)
         self._relax_stale()
-        self._account(batch, sum(len(r.tokens) for r in results), draft_s + verify_s, any(len(d) for d in drafts), steady_s)
+        self._account(batch, sum(len(r.tokens) for r in results), draft_s + verify_s, any(len(d) for d in drafts), steady_s, model_s)
 
     def _time_step(self, key: tuple[int, int, int], seconds: float) -> None:
         old, steps = self.step_s.get(key, (seconds, 0))
@@ -420,10 +422,12 @@ class SpeculationController:
             self.measured_depth = max(self.measured_depth, max(min(d, a + 1, self.max_k) for d, a in observed))
             self._update(self.global_alphas, observed)
         for b, values in samples.items():
-            self.emitted[b] = _ema(self.emitted.get(b), sum(values) / len(values), weight)
+            self.measured_rows[b] = self.measured_rows.get(b, 0) + len(values)
+            warm = max(weight, len(values) / self.measured_rows[b])  # a running mean over the rows measured until the EMA's weight
+            self.emitted[b] = _ema(self.emitted.get(b), sum(values) / len(values), warm)
             self.last_used[b] = self.stats["steps"]
         for b, values in yields.items():
-            self.yielded[b] = _ema(self.yielded.get(b), sum(values) / len(values), weight)
+            self.yielded[b] = _ema(self.yielded.get(b), sum(values) / len(values), max(weight, len(values) / self.measured_rows[b]))
 
     def _measured_by(self, budget: int, draft, result) -> list[tuple[int, float]]:
         """(budget, tokens it would have emitted) for every shape this row's verify measured: its own, and each smaller
@@ -477,7 +481,13 @@ class SpeculationController:
         w = max(CALIBRATION_EMA, 1.0 / (steps + 1))
         self.step_fit[batch] = ((1 - w) * old_p + w * predicted_s, (1 - w) * old_m + w * measured_s, steps + 1)
 
-    def _account(self, batch: int, emitted: int, seconds: float, speculated: bool, steady_s: float | None = None) -> None:
+    def _account(self, batch: int, emitted: int, seconds: float, speculated: bool, steady_s: float | None = None,
+                 model_s: float | None = None) -> None:
+        """steady_s: the step's seconds without the drafter's catch-up; model_s: what the cost model (before this step's
+        refit) predicts for the step as it ran (its verified tokens and drafted nodes), the calibration's numerator: the
+        plan's own prediction also holds the nodes it expected and the drafter did not return, an error the shapes'
+        yields already correct (at 16 rows a first step planned for 8 lookup nodes that found none read as a model 20 %
+        slow, and kept drafting on at 0.8x for ten steps)."""
         s = self.stats
         s["steps"] += 1
         for b in self._plan.values():
@@ -489,7 +499,7 @@ class SpeculationController:
         self._pending = None
         plain_equiv = emitted / plain_tokens * plain_s
         if speculated:
-            self._fit_step(batch, plan_s, steady_s or seconds)
+            self._fit_step(batch, plan_s if model_s is None else model_s, steady_s or seconds)
         if self._probing:
             self._probing = False
             self.probe_extra = _ema(self.probe_extra, max(seconds - plain_equiv, 0.0) / plain_s, 0.5)
