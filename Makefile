@@ -89,8 +89,10 @@ head-qwen15: assets
 	$(PY) -m tandem.cli train --recipe eagle-qwen2.5-coder-1.5b --hours $(QWEN15_HOURS) --threads 2 --clock cpu --out $(QWEN15_RUN) --phase train \
 		--export tandem/heads/eagle-qwen2.5-coder-1.5b
 
+# Tests run many processes at once (servers, Ray, trainer children): OpenMP workers that spin would slow each other
+# (`import tandem` lets them spin only on a quiet machine; docs/BENCHMARKS.md 12).
 test: assets
-	TANDEM_SLOW=1 $(PY) -m pytest -q
+	OMP_WAIT_POLICY=$${OMP_WAIT_POLICY:-PASSIVE} TANDEM_SLOW=1 $(PY) -m pytest -q
 
 test-fast: setup
 	$(PY) -m pytest -q

@@ -4,10 +4,32 @@
 """
 import os
 
-# OpenMP's worker threads spin between parallel regions by default. Measured on a 2-vCPU box with other work on it:
-# a decode step from the main thread took 0.5-1.2 s spinning against 34 ms passive (docs/BENCHMARKS.md 12). Passive
-# waiting unless the user chose a policy; it must be set before torch loads its OpenMP runtime (import tandem first).
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+QUIET_LOAD = 0.5  # a 1-minute load average below this: nothing else runs here, and OpenMP's workers may spin
+
+
+def wait_policy(environ, load: float) -> str | None:
+    """The OpenMP wait policy for this process, or None to keep OpenMP's default (libgomp: a worker spins ~300k
+    iterations for the next parallel region, then sleeps). Measured on a 2-vCPU Zen 5 (docs/BENCHMARKS.md 12), a
+    decode step from the main thread, 2 threads: on an idle box the spinning default takes 10.2 ms at batch 1 and
+    23.5 at 16 where PASSIVE (a futex wake per parallel region) takes 18.4-20.0 and 36.4 (1.8x, 1.55x); beside one
+    busy process of the same priority spinning takes 40-88 ms and PASSIVE 21-23. So: the user's choice where they made
+    one (OMP_WAIT_POLICY or GOMP_SPINCOUNT), OpenMP's spinning default on a quiet machine, PASSIVE where anything else
+    runs. The load is read once, when tandem is imported (the policy is read when torch loads OpenMP)."""
+    if "OMP_WAIT_POLICY" in environ or "GOMP_SPINCOUNT" in environ:
+        return None
+    return None if load < QUIET_LOAD else "PASSIVE"
+
+
+def _load() -> float:
+    try:
+        return os.getloadavg()[0]
+    except OSError:  # no load average on this platform: assume a busy machine
+        return float("inf")
+
+
+_policy = wait_policy(os.environ, _load())
+if _policy is not None:
+    os.environ["OMP_WAIT_POLICY"] = _policy
 
 from tandem.config import EngineConfig, SamplingParams  # noqa: E402
 

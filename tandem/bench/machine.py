@@ -21,6 +21,7 @@ def machine_info() -> dict:
     return {
         "cpu": _cpu_model(), "cores": os.cpu_count(), "threads": torch.get_num_threads(),
         "torch": torch.__version__, "python": platform.python_version(),
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY") or ("spin " + os.environ["GOMP_SPINCOUNT"] if "GOMP_SPINCOUNT" in os.environ else "default (spins)"),
     }
 
 
