@@ -32,3 +32,15 @@ def test_import_sets_the_policy_it_chose():
         assert policy == "None"
     elif float(load) > QUIET_LOAD + 0.1:
         assert policy == "PASSIVE"
+
+
+def test_a_peer_runs_at_its_own_default_unless_the_user_chose(monkeypatch):
+    """llama.cpp's tools inherited the PASSIVE that `import tandem` set for itself and ran ~0.67x their default."""
+    import tandem
+    from tandem.child_env import peer_environment
+
+    monkeypatch.setattr(tandem, "_policy", "PASSIVE")
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    assert "OMP_WAIT_POLICY" not in peer_environment()
+    monkeypatch.setattr(tandem, "_policy", None)  # the user set it: tandem chose nothing
+    assert peer_environment()["OMP_WAIT_POLICY"] == "PASSIVE"

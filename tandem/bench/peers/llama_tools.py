@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tandem.bench.peers.peers import PeerOutput
+from tandem.child_env import peer_environment
 
 TOOLS = {"cli": "llama-completion", "spec": "llama-speculative-simple", "lookup": "llama-lookup"}
 END_OF_TEXT = " [end of text]\n"  # llama-completion's line after an EOS (the EOS itself prints as nothing)
@@ -122,7 +123,7 @@ class ToolRunner:
     def generate(self, ids: list[int], max_tokens: int) -> PeerOutput:
         prompt = self.tokenizer.decode(ids, skip_special_tokens=False)
         cmd = command(self.tool, self.mode, self.gguf, self.draft, prompt, max_tokens, self.threads, self.n_ctx)
-        done = subprocess.run(cmd, capture_output=True, text=True, errors="replace")
+        done = subprocess.run(cmd, capture_output=True, text=True, errors="replace", env=peer_environment())
         if done.returncode != 0:
             raise RuntimeError(f"llama.cpp {self.tool.name} exited {done.returncode}: {done.stderr.strip()[-600:]}")
         self.system_info = self.system_info or system_info(done.stderr)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from tandem.child_env import peer_environment
 from tandem.errors import InvalidParameterError
 
 
@@ -90,7 +91,7 @@ class WorkerPeer:
     label = "peer"
 
     def __init__(self, cmd: list[str]):
-        self.process = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
+        self.process = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1, env=peer_environment())
         self.ready = self._read()
 
     def request(self, payload: dict) -> dict:
