@@ -1,7 +1,9 @@
 """`OMP_WAIT_POLICY={ACTIVE|PASSIVE} python -m tandem.bench.kernels.thread_ab --batch B`: one engine's decode step timed from the
-main thread and from another thread, alternated (docs/BENCHMARKS.md 12: with OpenMP's workers spinning, a step from the
-main thread ran 10-30x slower on a 2-vCPU box with other work on it). The policy is read when torch loads OpenMP, so it
-comes from the environment; `import tandem` sets PASSIVE only where none is set.
+main thread and from another thread, alternated (docs/BENCHMARKS.md 12). With 2 threads on a 2-vCPU box: beside other
+work, spinning workers made a step from the main thread 2-33x slower than PASSIVE; on a quiet box libgomp's default (spin
+~300k iterations, then sleep; `OMP_WAIT_POLICY=` with an empty value keeps it) made it 1.55-1.8x faster. The policy is read
+when torch loads OpenMP, so it comes from the environment; `import tandem` chooses one only where none is set
+(`tandem.wait_policy`).
 """
 from __future__ import annotations
 
