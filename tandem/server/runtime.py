@@ -145,10 +145,38 @@ def flywheel_options(c: ServerConfig, state_dir: Path):
                         trainer_threads=c.trainer_threads, checkpoint_every=c.checkpoint_every, **spill)
 
 
+def _on_a_thread_that_ends(build, *args) -> None:
+    """build(*args) on a thread of its own, joined (its exception raised here). The OpenMP team a thread starts lives
+    until that thread ends; loading the model on the main thread left a team beside the engine loop's, and with more
+    OpenMP threads than CPUs libgomp stops spinning: the loop's decode steps ran at PASSIVE's speed (19 vs 13 ms a step
+    at 2 threads on a quiet Zen 5, docs/BENCHMARKS.md 12). Built here, the engine loop's thread is the process's only team."""
+    import threading
+
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            build(*args)
+        except BaseException as e:  # noqa: BLE001 - re-raised on the caller's thread
+            failure.append(e)
+
+    thread = threading.Thread(target=run, name="tandem-build")
+    thread.start()
+    thread.join()
+    if failure:
+        raise failure[0]
+
+
 class Runtime:
     """The served model: tokenizer + engine + loop (+ flywheel), and the metrics over them."""
 
     def __init__(self, config: ServerConfig):
+        _on_a_thread_that_ends(self._build, config)
+        if self.flywheel is not None:
+            self.flywheel.start()
+        self.loop.start()
+
+    def _build(self, config: ServerConfig) -> None:
         from tandem.llm import LLM
 
         self.state_dir, self._temporary_state = _state_dir(config)
@@ -172,9 +200,6 @@ class Runtime:
         self.loop.on_finish = self.metrics.on_finish
         self.loop.on_tokens = self.metrics.on_tokens
         self.draining = False  # SIGTERM: readiness false, new requests 503, the ones in flight finish
-        if self.flywheel is not None:
-            self.flywheel.start()
-        self.loop.start()
 
     @property
     def max_model_len(self) -> int:
