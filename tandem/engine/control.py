@@ -423,11 +423,14 @@ class SpeculationController:
             self._update(self.global_alphas, observed)
         for b, values in samples.items():
             self.measured_rows[b] = self.measured_rows.get(b, 0) + len(values)
-            warm = max(weight, len(values) / self.measured_rows[b])  # a running mean over the rows measured until the EMA's weight
-            self.emitted[b] = _ema(self.emitted.get(b), sum(values) / len(values), warm)
+            self.emitted[b] = _ema(self.emitted.get(b), sum(values) / len(values), self._warm(b, len(values), weight))
             self.last_used[b] = self.stats["steps"]
         for b, values in yields.items():
-            self.yielded[b] = _ema(self.yielded.get(b), sum(values) / len(values), max(weight, len(values) / self.measured_rows[b]))
+            self.yielded[b] = _ema(self.yielded.get(b), sum(values) / len(values), self._warm(b, len(values), weight))
+
+    def _warm(self, budget: int, rows: int, weight: float) -> float:
+        """A shape's figures are the running mean of the rows that measured it until that mean's weight falls to `weight`."""
+        return max(weight, rows / self.measured_rows[budget])
 
     def _measured_by(self, budget: int, draft, result) -> list[tuple[int, float]]:
         """(budget, tokens it would have emitted) for every shape this row's verify measured: its own, and each smaller
@@ -481,8 +484,7 @@ class SpeculationController:
         w = max(CALIBRATION_EMA, 1.0 / (steps + 1))
         self.step_fit[batch] = ((1 - w) * old_p + w * predicted_s, (1 - w) * old_m + w * measured_s, steps + 1)
 
-    def _account(self, batch: int, emitted: int, seconds: float, speculated: bool, steady_s: float | None = None,
-                 model_s: float | None = None) -> None:
+    def _account(self, batch: int, emitted: int, seconds: float, speculated: bool, steady_s: float, model_s: float) -> None:
         """steady_s: the step's seconds without the drafter's catch-up; model_s: what the cost model (before this step's
         refit) predicts for the step as it ran (its verified tokens and drafted nodes), the calibration's numerator: the
         plan's own prediction also holds the nodes it expected and the drafter did not return, an error the shapes'
@@ -494,12 +496,12 @@ class SpeculationController:
             s["shape_rows"][b] = s["shape_rows"].get(b, 0) + 1
         if self._pending is None:
             return
-        raw, plain_s, plain_tokens, calibration, plan_s = self._pending
+        raw, plain_s, plain_tokens, calibration, _ = self._pending  # (the plan's own seconds: for traces)
         predicted = raw * calibration
         self._pending = None
         plain_equiv = emitted / plain_tokens * plain_s
         if speculated:
-            self._fit_step(batch, plan_s if model_s is None else model_s, steady_s or seconds)
+            self._fit_step(batch, model_s, steady_s)
         if self._probing:
             self._probing = False
             self.probe_extra = _ema(self.probe_extra, max(seconds - plain_equiv, 0.0) / plain_s, 0.5)
