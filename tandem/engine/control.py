@@ -189,7 +189,7 @@ class SpeculationController:
         planned = [self._plan.get(r.request_id, len(d)) for r, d in zip(requests, drafts)]
         drafting = [b for b in planned if b > 0]
         depth, extra = max((self._depth_of(b) for b in drafting), default=0), sum(max(0, len(d) - self._depth_of(b)) for b, d in zip(planned, drafts) if b > 0)
-        model_s = self.forward.predict_total(batch, verified, max(context, 0)) + (self.draft.seconds(depth, extra, len(drafting)) if drafting else 0.0)
+        verify_model_s = self.forward.predict_total(batch, verified, max(context, 0))  # before this step refits it
         self.forward.observe_total(batch, verified, max(context, 0), verify_s)
         caught_up = not drafting or all(self._drafted_last.get(r.request_id, False) for r in requests)  # else a model drafter also caught up
         steady_s = draft_s + verify_s  # what the step would take with the drafter caught up: what a step of this plan costs
@@ -203,6 +203,7 @@ class SpeculationController:
         self._drafted_last = {r.request_id: len(d) > 0 for r, d in zip(requests, drafts)}
         self._learn(requests, drafts, results, planned)
         self._relax_stale()
+        model_s = verify_model_s + (steady_s - verify_s)  # the drafter's seconds as measured: the calibration is the verify model's error
         self._account(batch, sum(len(r.tokens) for r in results), draft_s + verify_s, any(len(d) for d in drafts), steady_s, model_s)
 
     def _time_step(self, key: tuple[int, int, int], seconds: float) -> None:
@@ -485,11 +486,13 @@ class SpeculationController:
         self.step_fit[batch] = ((1 - w) * old_p + w * predicted_s, (1 - w) * old_m + w * measured_s, steps + 1)
 
     def _account(self, batch: int, emitted: int, seconds: float, speculated: bool, steady_s: float, model_s: float) -> None:
-        """steady_s: the step's seconds without the drafter's catch-up; model_s: what the cost model (before this step's
-        refit) predicts for the step as it ran (its verified tokens and drafted nodes), the calibration's numerator: the
-        plan's own prediction also holds the nodes it expected and the drafter did not return, an error the shapes'
-        yields already correct (at 16 rows a first step planned for 8 lookup nodes that found none read as a model 20 %
-        slow, and kept drafting on at 0.8x for ten steps)."""
+        """steady_s: the step's seconds without the drafter's catch-up; model_s: the verify model's seconds (before this
+        step's refit) for the tokens the step verified plus the drafter's steady seconds as measured, the calibration's
+        numerator. Not the plan's own prediction: that also holds the nodes it expected and the drafter did not return,
+        an error the shapes' yields already correct (at 16 rows a first step planned for 8 lookup nodes that found none
+        read as a model 20 % slow, and kept drafting on at 0.8x for ten steps); nor the drafter's modelled seconds, which
+        its own fit corrects (a draft model's first steps, priced at the prior's ~2 ms a depth where the 0.5B takes 10,
+        read as a verify model 2x slow, and kept drafting off for the rest of the request)."""
         s = self.stats
         s["steps"] += 1
         for b in self._plan.values():

@@ -51,7 +51,7 @@ class ForwardCost:
     def __init__(self, work: ModelWork = UNIT_WORK, machine: Machine = UNIT_MACHINE, refit: bool = False):
         self.work, self.machine, self.refit = work, machine, refit
         self.prior = machine  # the calibrated (or preset) machine: how time grows past the token counts measured
-        self.level = 1.0  # EMA of measured / predicted since the last refit
+        self.level = 1.0  # measured / predicted since the last refit (the mean until the first refit, then an EMA)
         self.corrections: dict[int, tuple[list[int], list[float], int]] = {}  # rows -> (token counts, monotone times, context)
         self.timings: deque[Timing] = deque(maxlen=256)
         self.refits = 0
@@ -98,9 +98,12 @@ class ForwardCost:
     def observe_total(self, batch: int, total: int, context: int, seconds: float) -> None:
         self._memo.clear()
         ratio = seconds / self._shape(batch, total, context)
-        self.level = math.exp((1 - LEVEL_EMA) * math.log(self.level) + LEVEL_EMA * math.log(max(ratio, 1e-6)))
-        self.timings.append(Timing(batch, total / batch, context, seconds))
         self._since_refit += 1
+        # before the first refit the level is the mean of the ratios measured (the prior can be 8x off: an
+        # uncalibrated 1.5B priced a 31 ms plain step at 252 ms and kept drafting off for 8 steps), then an EMA
+        weight = LEVEL_EMA if self.refits else max(LEVEL_EMA, 1.0 / self._since_refit)
+        self.level = math.exp((1 - weight) * math.log(self.level) + weight * math.log(max(ratio, 1e-6)))
+        self.timings.append(Timing(batch, total / batch, context, seconds))
         if self.refit and self._since_refit >= min(REFIT_EVERY, 8 * (self.refits + 1)):  # the first refits sooner: 8, 16, 24, 32, then every 32
             self._refit()
 

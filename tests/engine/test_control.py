@@ -359,3 +359,43 @@ def test_a_shapes_figure_is_the_mean_of_its_first_rows_then_an_ema():
     for i in range(4, n + 1):
         want += max(SHAPE_EMA, 1 / i) * (3 - want)
     assert c.emitted[2] == pytest.approx(want)
+
+
+def test_an_uncalibrated_forward_model_takes_its_level_from_the_first_steps_measured():
+    """Before its first refit the level is the mean of measured / predicted (in log): a prior 8x off (the 1.5B with no
+    calibration on the machine priced a 31 ms plain step at 252 ms, and the EMA kept drafting off for 8 steps) is
+    right after one step. After a refit the level moves by LEVEL_EMA a step again."""
+    import math
+
+    from tandem.engine.costs import LEVEL_EMA
+
+    fwd = ForwardCost(WORK, MACHINE, refit=True)
+    prior = fwd.predict_total(1, 1, 64)
+    fwd.observe_total(1, 1, 64, prior / 8)
+    assert fwd.predict_total(1, 1, 64) == pytest.approx(prior / 8)
+    fwd.observe_total(1, 1, 64, prior / 2)
+    assert fwd.predict_total(1, 1, 64) == pytest.approx(prior / 4)  # the geometric mean of 1/8 and 1/2
+    for _ in range(6):  # the 8th timing refits
+        fwd.observe_total(1, 1, 64, prior / 4)
+    assert fwd.refits == 1 and fwd.level == 1.0
+    refitted = fwd.predict_total(1, 1, 64)
+    fwd.observe_total(1, 1, 64, 2 * refitted)
+    assert fwd.predict_total(1, 1, 64) == pytest.approx(refitted * 2 ** LEVEL_EMA)
+    assert math.isclose(fwd.level, 2 ** LEVEL_EMA)
+
+
+def test_a_drafter_slower_than_its_prior_is_not_read_as_an_error_of_the_verify_model():
+    """A draft model's passes take 10 ms where the drafter's prior says 2 (the 0.5B drafting for the 1.5B). A caught-up
+    drafting step whose verify takes exactly what the verify model predicts leaves the calibration (the verify
+    model's error) at 1.0, and the draft fit learns the 40 ms. Before, the calibration compared the step with the
+    modelled drafter too and read a verify model 1.3x slow, which with one unlucky draft kept drafting off for the rest
+    of the request."""
+    c = plain_priced(SpeculationController(4, ForwardCost(WORK, MACHINE), DraftCostModel(DraftCost(per_depth_s=0.002)), prior_acceptance=1.0), 1)
+    r = req(0)
+    [budget] = c.plan([r])
+    assert budget == 4
+    c._drafted_last[r.request_id] = True  # its previous step drafted: nothing to catch up
+    verify_s = c.forward.predict_total(1, 5, 59)  # context: 64 ids less the 5 tokens emitted
+    c.observe([r], [DraftTree.chain([1, 2, 3, 4])], [VerifyResult([0, 1, 2, 3], [1, 2, 3, 4, 5], 4, False)], 0.040, verify_s, 5)
+    assert c.calibration(1) == pytest.approx(1.0)
+    assert c.draft.seconds(4, 0, 1) > 0.002 * 4 * 2
