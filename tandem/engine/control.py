@@ -192,19 +192,19 @@ class SpeculationController:
         verify_model_s = self.forward.predict_total(batch, verified, max(context, 0))  # before this step refits it
         self.forward.observe_total(batch, verified, max(context, 0), verify_s)
         caught_up = not drafting or all(self._drafted_last.get(r.request_id, False) for r in requests)  # else a model drafter also caught up
-        steady_s = draft_s + verify_s  # what the step would take with the drafter caught up: what a step of this plan costs
+        steady_draft_s = draft_s  # the drafter's seconds with it caught up: what a step of this plan costs
         if drafting:
             if caught_up:
                 self.draft.observe(depth, extra, len(drafting), draft_s)
             else:
-                steady_s = verify_s + min(draft_s, self.draft.seconds(depth, extra, len(drafting)))
+                steady_draft_s = min(draft_s, self.draft.seconds(depth, extra, len(drafting)))
         if caught_up and len(set(drafting)) <= 1:
             self._time_step((batch, drafting[0] if drafting else 0, len(drafting)), draft_s + verify_s)
         self._drafted_last = {r.request_id: len(d) > 0 for r, d in zip(requests, drafts)}
         self._learn(requests, drafts, results, planned)
         self._relax_stale()
-        model_s = verify_model_s + (steady_s - verify_s)  # the drafter's seconds as measured: the calibration is the verify model's error
-        self._account(batch, sum(len(r.tokens) for r in results), draft_s + verify_s, any(len(d) for d in drafts), steady_s, model_s)
+        self._account(batch, sum(len(r.tokens) for r in results), draft_s + verify_s, any(len(d) for d in drafts),
+                      steady_draft_s + verify_s, steady_draft_s + verify_model_s)  # the drafter as measured: the calibration is the verify model's error
 
     def _time_step(self, key: tuple[int, int, int], seconds: float) -> None:
         old, steps = self.step_s.get(key, (seconds, 0))
