@@ -37,6 +37,7 @@ import torch
 from tandem.drafters.ngram import N_MAX, N_MIN
 from tandem.errors import InvalidParameterError
 from tandem.flywheel.traces import SequenceTrace
+from tandem.models.cpu_gemm import product_nt
 from tandem.models.eagle import EagleHead, target_to_draft
 from tandem.flywheel.packing import packed_branch_hidden, packed_unroll
 from tandem.models.eagle_train import lm_head_rows
@@ -185,7 +186,7 @@ def branch_loss(logits: torch.Tensor, target_rows: torch.Tensor, batch: BranchBa
     """probs [Nb, Vd]: the target distribution at the nodes when the caller computed it (`target_distributions`)."""
     if probs is None:
         with torch.no_grad():
-            probs = torch.softmax(batch.final.float() @ target_rows.T, dim=-1)
+            probs = torch.softmax(product_nt(batch.final.float(), target_rows), dim=-1)
     return soft_cross_entropy(logits, probs)
 
 
@@ -194,7 +195,7 @@ def target_distributions(states: list[torch.Tensor], target_rows: torch.Tensor) 
     """The target's distributions over the draft vocabulary at many tensors of final hidden states in one GEMM:
     the [Vd, d] rows are read once per trainer step, not once per trace and term."""
     rows = torch.cat([h.reshape(-1, h.shape[-1]).float() for h in states])
-    out = torch.softmax(rows @ target_rows.T, dim=-1).split([h[..., 0].numel() for h in states])
+    out = torch.softmax(product_nt(rows, target_rows), dim=-1).split([h[..., 0].numel() for h in states])
     return [o.view(*h.shape[:-1], o.shape[-1]) for o, h in zip(out, states)]
 
 

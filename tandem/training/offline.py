@@ -25,6 +25,7 @@ import torch
 from tqdm import tqdm
 
 from tandem.errors import InvalidParameterError
+from tandem.models.cpu_gemm import product_nt
 from tandem.models.eagle import EagleConfig, EagleHead, draft_vocab_from_tokens, new_eagle_head, save_eagle
 from tandem.models.eagle_train import unroll_states
 from tandem.models.mtp import MtpConfig, MtpHeads, new_mtp_heads, save_mtp
@@ -138,7 +139,7 @@ def _pad(examples: list[Example], field: str, length: int) -> torch.Tensor:  # [
 
 def _restricted_target(final_hidden: torch.Tensor, target_rows: torch.Tensor) -> torch.Tensor:  # [..., d] -> [..., Vd]
     """The target's next-token distribution restricted to the draft vocabulary and renormalised."""
-    return torch.softmax(final_hidden @ target_rows.T, dim=-1)
+    return torch.softmax(product_nt(final_hidden, target_rows), dim=-1)
 
 
 @dataclass

@@ -18,6 +18,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from tandem.models.cpu_gemm import product_nt
 from tandem.models.eagle import EagleHead
 from tandem.ops.losses import soft_cross_entropy
 from tandem.training.features import PackedBatch
@@ -129,7 +130,7 @@ def packed_loss(
         final = shifted(batch.final, s + 1)[:, index].reshape(-1, batch.final.shape[-1])[rows]
         logits = head.lm_head(head.norm(hidden.reshape(-1, hidden.shape[-1])[rows]))
         with torch.no_grad():
-            target_probs = torch.softmax(final.float() @ target_rows.T, dim=-1)
+            target_probs = torch.softmax(product_nt(final.float(), target_rows), dim=-1)
         total = total + weights[s] * (soft_cross_entropy(logits, target_probs) if rows.any() else logits.sum() * 0.0)
         stats["correct"].append(int((logits.detach().argmax(-1) == target_probs.argmax(-1)).sum()))
         stats["counted"].append(int(rows.sum()))

@@ -389,3 +389,15 @@ def test_the_stream_prefetch_distance_is_a_speed_switch_only():
             cpu_gemm.set_prefetch(-5)
     finally:
         cpu_gemm.set_prefetch(-1)
+
+
+@needs_kernel
+@pytest.mark.parametrize("shape", [(4, 24), (2, 40, 24), (70, 24)])  # under WIDE_MIN_ROWS rows: `@`; from it on: the wide kernel
+def test_product_nt_is_the_transposed_product_on_the_kernel_that_applies(shape):
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(*shape, generator=g), torch.randn(50, 24, generator=g)
+    got = cpu_gemm.product_nt(x, w)
+    assert got.shape == (*shape[:-1], 50)
+    torch.testing.assert_close(got, x @ w.T, rtol=TOL, atol=TOL)
+    wide = x.numel() >= cpu_gemm.WIDE_MIN_ROWS * x.shape[-1]
+    assert torch.equal(got, cpu_gemm.wide_gemm(x, w) if wide else x @ w.T)
