@@ -78,7 +78,8 @@ def packed_branch_hidden(head: EagleHead, branches: list, packed: Packed) -> lis
     ids = torch.cat([b.ids for _, b in present], dim=1)
     features = torch.cat([b.features.float() for _, b in present], dim=1)
     positions = torch.cat([b.positions for _, b in present], dim=1)
-    hidden = head.norm(forward_on(head, packed.context, ids, head.fuse([features]), positions, mask)[0]).split(sizes)
+    group = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes))
+    hidden = head.norm(forward_on(head, packed.context, ids, head.fuse([features]), positions, mask, group)[0]).split(sizes)
     out: list[torch.Tensor | None] = [None] * len(branches)
     for (i, _), h in zip(present, hidden):
         out[i] = h

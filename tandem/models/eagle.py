@@ -184,12 +184,15 @@ class EagleAttention(nn.Module):
         mask: torch.Tensor | None,  # [B or 1, 1, T, S] bool
         is_causal: bool,
     ) -> torch.Tensor:  # [B, T, d]
+        return self.o(self.mix(q, keys, values, mask, is_causal))
+
+    def mix(self, q, keys, values, mask, is_causal) -> torch.Tensor:  # `attend` before its output projection: [B, T, q_size]
         b, t = q.shape[:2]
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), keys, values, attn_mask=mask, is_causal=is_causal,
             enable_gqa=self.cfg.num_heads != self.cfg.num_kv_heads,
         )
-        return self.o(out.transpose(1, 2).reshape(b, t, self.cfg.q_size))
+        return out.transpose(1, 2).reshape(b, t, self.cfg.q_size)
 
     def forward(self, x, cos, sin, cache: KVCache | None, batch: AttentionBatch) -> torch.Tensor:  # [B, T, d]
         q, k, v = self.project(x, cos, sin)

@@ -9,7 +9,7 @@ from tandem.models.eagle import (
     CONFIG_FILE, EagleConfig, default_taps, draft_vocab_from_tokens, expand_to_target, load_eagle, new_eagle_head,
     resize_draft_vocab, save_eagle, target_to_draft, tree_cache_mask,
 )
-from tandem.models.eagle_train import entry_context, forward_on, unroll, unroll_states
+from tandem.models.eagle_train import attend_within, entry_context, forward_on, unroll, unroll_states
 from tandem.models.kv_cache import KVCache
 from tandem.models.loader import load_transformer
 from tandem.models.mtp import MtpConfig, load_mtp, new_mtp_heads, save_mtp
@@ -351,3 +351,31 @@ def test_unroll_states_context_is_the_keys_and_values_of_every_entry(target):
         want_keys, want_values = entry_context(head, ids[:, :t], fused, torch.arange(t).unsqueeze(0))
     assert keys.shape == (1, head.cfg.layer_config().num_kv_heads, t, head.cfg.layer_config().head_dim)
     assert torch.equal(keys, want_keys) and torch.equal(values, want_values)
+
+
+def test_attention_by_group_equals_the_masked_pass_over_every_column_with_the_same_gradients(target):
+    """attend_within with groups (packed traces) runs each group's queries over the columns they see: the output and
+    the gradients into queries, keys and values equal one masked pass over all columns (an unused column gets zero)."""
+    head = head_for(target)
+    cfg = head.attn.cfg
+    g = torch.Generator().manual_seed(5)
+    sizes, extra = [3, 5, 2], 4  # three packed traces' queries; 4 more key columns nobody sees
+    r, c = sum(sizes), sum(sizes) + extra
+    group = torch.repeat_interleave(torch.arange(3), torch.tensor(sizes))
+    mask = torch.zeros(r, c, dtype=torch.bool)
+    start = 0
+    for i, n in enumerate(sizes):  # causal within each trace's own block of keys
+        mask[start : start + n, start : start + n] = torch.ones(n, n, dtype=torch.bool).tril()
+        start += n
+    results = []
+    for grouped in (True, False):
+        q = torch.randn(1, r, cfg.num_heads, cfg.head_dim, generator=g.manual_seed(1), requires_grad=True)
+        k = torch.randn(1, cfg.num_kv_heads, c, cfg.head_dim, generator=g.manual_seed(2), requires_grad=True)
+        v = torch.randn(1, cfg.num_kv_heads, c, cfg.head_dim, generator=g.manual_seed(3), requires_grad=True)
+        out = attend_within(head, q, k, v, mask, group if grouped else None)
+        (out ** 2).sum().backward()
+        results.append((out.detach(), q.grad, k.grad, v.grad))
+    for a, b in zip(*results):
+        assert torch.allclose(a, b, atol=1e-5, rtol=1e-4)
+    assert torch.count_nonzero(results[0][2][:, :, r:]) == 0  # the columns no query sees get no gradient
+    assert results[0][0].shape == (1, r, target.cfg.hidden_size)
