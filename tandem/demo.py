@@ -150,19 +150,29 @@ def run_demo(model: str, requests: int = 96, block: int = 12, max_tokens: int = 
     _report(results, block, metrics)
     same = {mode: sum(a == b for a, b in zip(joined["plain"].outputs, joined[mode].outputs)) for mode in ("static", "flywheel")}
     print(f"\ngreedy outputs identical to plain decoding: static {same['static']}/{len(stream)}, flywheel {same['flywheel']}/{len(stream)} requests")
-    print("\n            tok/s   vs plain   vs static   mean accept")
+    print("\n            tok/s   vs plain   vs static   mean accept   drafted a step   ms a decode step (draft + verify)")
     for mode in MODES:
-        accept = summary[mode]["mean_acceptance_length"]
-        print(f"  {mode:<9} {speed[mode]:>6.1f} {_ratio(speed[mode], speed['plain']):>9.2f}x {_ratio(speed[mode], speed['static']):>10.2f}x {accept:>12.3f}")
+        accept, cost = summary[mode]["mean_acceptance_length"], step_costs(results[mode])
+        print(f"  {mode:<9} {speed[mode]:>6.1f} {_ratio(speed[mode], speed['plain']):>9.2f}x {_ratio(speed[mode], speed['static']):>10.2f}x {accept:>12.3f}"
+              f" {cost['drafted_per_step']:>16.2f} {cost['draft_ms']:>10.2f} + {cost['verify_ms']:.2f}")
     _per_domain(results, block, cfg.domains, start_head.trained_on)
     print(f"SPEEDUP over plain decoding: flywheel {_ratio(speed['flywheel'], speed['plain']):.2f}x, static {_ratio(speed['static'], speed['plain']):.2f}x; "
           f"flywheel over static {_ratio(speed['flywheel'], speed['static']):.2f}x  (same stream, measured in this run; machine load affects all three)")
     print(f"plot: {plot}   ({time.perf_counter() - start:.0f} s in all)")
     return {"head": label, "speedup": round(_ratio(speed["flywheel"], speed["plain"]), 4), "static_speedup": round(_ratio(speed["static"], speed["plain"]), 4),
             "flywheel_over_static": round(_ratio(speed["flywheel"], speed["static"]), 4),
+            "step_costs": {m: {k: round(v, 3) for k, v in step_costs(results[m]).items()} for m in MODES},
             "tokens_per_s": {m: round(v, 3) for m, v in speed.items()}, "identical_outputs": same,
             "summary": summary, "metrics": metrics, "plot": str(plot), "trainer_process": flywheel.options.trainer_process,
             "flywheel_settings": setup.learning(), "head_trained_on": start_head.trained_on}
+
+
+def step_costs(rows: list[dict]) -> dict:
+    """What a decode step drafted and cost over a mode's requests: the acceptance's price (a head that drafts longer
+    verifies more tokens a step; on a CPU each one costs)."""
+    steps = sum(r["steps"] for r in rows)
+    per_step = lambda key: sum(r[key] * (r["steps"] if key == "drafted_per_step" else 1000) for r in rows) / max(1, steps)  # noqa: E731
+    return {"drafted_per_step": per_step("drafted_per_step"), "draft_ms": per_step("draft_s"), "verify_ms": per_step("verify_s")}
 
 
 def _ratio(a: float, b: float) -> float:

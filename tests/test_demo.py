@@ -77,3 +77,15 @@ def test_adaptive_k_flag_reaches_the_demo(monkeypatch):
     monkeypatch.setattr(demo, "run_demo", lambda *args, **kwargs: seen.append(kwargs["adaptive_k"]))
     assert main(["demo", "--requests", "2"]) == 0 and main(["demo", "--requests", "2", "--adaptive-k"]) == 0
     assert seen == [False, True]
+
+
+def test_step_costs_weigh_each_request_by_its_decode_steps():
+    from tandem.demo import step_costs
+
+    rows = [{"steps": 10, "drafted_per_step": 2.0, "draft_s": 0.02, "verify_s": 0.2},
+            {"steps": 30, "drafted_per_step": 4.0, "draft_s": 0.12, "verify_s": 0.6}]
+    costs = step_costs(rows)
+    assert costs["drafted_per_step"] == pytest.approx((10 * 2 + 30 * 4) / 40)  # 3.5, not the rows' mean 3.0
+    assert costs["draft_ms"] == pytest.approx(1000 * 0.14 / 40)  # 3.5 ms a step
+    assert costs["verify_ms"] == pytest.approx(1000 * 0.8 / 40)  # 20 ms a step
+    assert step_costs([]) == {"drafted_per_step": 0.0, "draft_ms": 0.0, "verify_ms": 0.0}

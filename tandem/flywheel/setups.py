@@ -341,7 +341,7 @@ def serving_cores(setup: FlywheelSetup) -> tuple[int, ...] | None:
 
 @dataclass
 class StreamResult:
-    rows: list[dict]  # per request, in stream order: i, domain, acceptance_length, tokens_per_s, version, drafted_per_step, draft_s / verify_s / prefill_s
+    rows: list[dict]  # per request, in stream order: i, domain, acceptance_length, tokens_per_s, version, steps (decode), drafted_per_step, draft_s / verify_s / prefill_s
     outputs: list[list[int]]  # output token ids per request, in stream order
     output_tokens: int
     seconds: float  # wall time of the whole stream
@@ -376,7 +376,7 @@ def serve_stream(
                 output_tokens += metrics.output_tokens
                 version = engine.drafter.version if engine.drafter is not None else 0
                 rows.append({"i": i, "domain": domain, "acceptance_length": round(metrics.acceptance_length, 4),
-                             "tokens_per_s": round(metrics.tokens_per_s, 3), "version": version,
+                             "tokens_per_s": round(metrics.tokens_per_s, 3), "version": version, "steps": metrics.steps,
                              "drafted_per_step": round(metrics.drafted_tokens / metrics.steps, 3) if metrics.steps else 0.0,
                              "draft_s": round(metrics.draft_time_s, 4), "verify_s": round(metrics.verify_time_s, 4), "prefill_s": round(metrics.prefill_time_s, 4)})
                 if on_finish is not None:
