@@ -32,6 +32,13 @@ no steady-state figure sees), at least 8 steps apart, a floor doubled after each
 back on (up to MAX_BACKOFF), and MAX_BACKOFF times the spacing (at most MAX_PROBE_INTERVAL) where not even drafts
 accepted in full would pay at this batch. A probe's measurements move the figures by PROBE_EMA. A probe drafts on at most
 PROBE_ROWS rows (in turn): the figures are engine-wide, and catching the drafter up costs per row drafting.
+Openings (batch 1): off, a probe costs a draft model its catch-up on every plain step since the last (5-8 plain steps
+for the 0.5B drafting for the 1.5B), so probes come too rarely to find the next request that pays, and one request that
+accepts little kept drafting off for every request after it. So a new request that arrives while speculation is off
+opens: it drafts for OPEN_STEPS steps (its prompt's catch-up is all it pays beyond them) and then the usual hysteresis
+judges it, on figures its own steps moved by PROBE_EMA. Openings are priced by what they bought: each opened request's
+seconds saved over plain (its drafting steps only; in plain steps) move `open_value`, and requests open while it is
+positive, and one in OPEN_RETRY when it is not.
 """
 from __future__ import annotations
 
@@ -59,6 +66,10 @@ PRIOR_ACCEPTANCE = 0.8
 MAX_BACKOFF = 8
 PROBE_ROWS = 4  # rows a probe drafts on at most
 MAX_PROBE_INTERVAL = 4096  # steps: a probe at least this often even where nothing could pay (costs change with the batch)
+OPEN_STEPS = 3  # batch 1: a request's opening drafts this many steps before the usual hysteresis judges it
+OPEN_PRIOR = 1.0  # plain steps an opening is expected to save before any was measured (optimistic: open until measured to lose)
+OPEN_EMA = 0.3  # per finished opened request, the expected saving toward what its opening saved
+OPEN_RETRY = 8  # requests: while openings are measured to lose, one request in this many still opens (traffic changes)
 RELAX = 0.02  # per step: an undrafted depth's acceptance drifts toward the depth above it; a stale shape toward its prior
 SHAPE_EMA = 0.05  # per step, a shape's figure toward what the step measured of it (~20 steps of memory: acceptance comes in bursts no
 # plan can foresee, and chasing them drafted deep just as a burst ended)
@@ -103,8 +114,13 @@ class SpeculationController:
         self._plain_checked: dict[int, int] = {}  # batch -> the step a plain step was last taken to measure plain's price
         self.probe_extra: float | None = None  # EMA of a probe's measured extra time over what plain would take for its tokens, in plain steps
         self.step_fit: dict[int, tuple[float, float, int]] = {}  # batch -> EMAs of a drafting step's predicted and measured seconds, steps
+        self.open_value = OPEN_PRIOR  # EMA: plain steps an opened request saved (batch 1 openings; module docstring)
+        self._seen: set[str] = set()  # requests planned for (released with them)
+        self._opening: tuple[str, int] | None = None  # (request, opening steps left)
+        self._open_saved: dict[str, float] = {}  # opened request -> seconds its drafting steps saved over plain
+        self._since_open = 0  # new requests since the last opening
         self.stats = {"steps": 0, "speculative_steps": 0, "probes": 0, "switches": 0, "plain_equiv_s": 0.0, "actual_s": 0.0,
-                      "predicted_sum": 0.0, "realised_sum": 0.0, "shape_rows": {}, "last": {}, "plain_checks": 0}
+                      "predicted_sum": 0.0, "realised_sum": 0.0, "shape_rows": {}, "last": {}, "plain_checks": 0, "openings": 0}
 
     @classmethod
     def for_engine(cls, model, drafter, calibration=None, model_name: str | None = None, recalibrate: bool = False,
@@ -131,6 +147,7 @@ class SpeculationController:
         """Draft budget per request for this step (0 = plain)."""
         batch = len(requests)
         context = round(sum(len(r.all_ids) for r in requests) / batch)
+        opening = batch == 1 and self._opens(requests[0])
         if not self.on and self.stats["steps"] % OFF_REPLAN:  # off: plain, re-planned only every OFF_REPLAN steps
             self._idle += 1
             self._plan = {r.request_id: 0 for r in requests}
@@ -144,7 +161,10 @@ class SpeculationController:
         tokens, seconds = price(candidate)
         raw = (tokens / seconds) / (plain_tokens / plain_s)
         predicted = raw * self.calibration(batch)
-        chosen = self._decide(candidate, predicted, price, lambda: self._could_pay(requests, context, plain_tokens / plain_s))
+        if opening:  # the opening's steps draft whatever the figures of earlier requests predict
+            chosen = candidate
+        else:
+            chosen = self._decide(candidate, predicted, price, lambda: self._could_pay(requests, context, plain_tokens / plain_s))
         if self.on and chosen.any() and (self._plain_unmeasured(batch) or self._plain_due(batch)):  # plain's own price, measured: what every plan is compared with
             chosen = np.zeros_like(chosen)
             self.stats["plain_checks"] += 1
@@ -153,6 +173,23 @@ class SpeculationController:
         chosen_tokens, chosen_s = (tokens, seconds) if chosen is candidate else (plain_tokens, plain_s) if not chosen.any() else price(chosen)
         self._pending = ((chosen_tokens / chosen_s) / (plain_tokens / plain_s), plain_s, plain_tokens, self.calibration(batch), chosen_s)
         return budgets
+
+    def _opens(self, request) -> bool:
+        """Does this step of a lone request draft as part of its opening? A request new to the controller while
+        speculation is off opens when openings have paid (open_value > 0) or every OPEN_RETRY new requests."""
+        rid = request.request_id
+        if rid not in self._seen:
+            self._seen.add(rid)
+            self._since_open += 1
+            if not self.on and (self.open_value > 0 or self._since_open >= OPEN_RETRY):
+                self.on, self._streak, self._idle, self._backoff = True, 0, 0, 1
+                self._opening, self._open_saved[rid], self._since_open = (rid, OPEN_STEPS), 0.0, 0
+                self.stats["openings"] += 1
+        if self._opening is None or self._opening[0] != rid:
+            return False
+        left = self._opening[1] - 1
+        self._opening = (rid, left) if left > 0 else None
+        return True
 
     def _plain_unmeasured(self, batch: int) -> bool:
         """No plain step was timed at a batch within PLAIN_NEAR of this one: take one before drafting (at batch 16 the
@@ -212,8 +249,15 @@ class SpeculationController:
         self.step_s[key] = (math.exp((1 - STEP_EMA) * math.log(old) + STEP_EMA * math.log(clipped)) if steps else seconds, steps + 1)
 
     def release(self, request) -> None:
+        rid = request.request_id
         for table in (self.evidence, self._plan, self._drafted_last):
-            table.pop(request.request_id, None)
+            table.pop(rid, None)
+        self._seen.discard(rid)
+        if self._opening is not None and self._opening[0] == rid:
+            self._opening = None
+        if rid in self._open_saved:  # what its opening bought, in plain steps at batch 1
+            plain_s = self.step_s.get((1, 0, 0), (0.0, 0))[0] or self.forward.predict_total(1, 1, len(request.all_ids))
+            self.open_value = _ema(self.open_value, self._open_saved.pop(rid) / plain_s, OPEN_EMA)
 
     def metrics(self) -> dict:
         """Decisions, per-shape use and what each emits, predicted and realised speedups (the server's /metrics,
@@ -223,7 +267,7 @@ class SpeculationController:
         names = {sh.budget: sh.name for sh in self.shapes} | {0: "plain"}
         return {
             "steps": s["steps"], "speculative_steps": s["speculative_steps"], "probes": s["probes"], "switches": s["switches"],
-            "plain_checks": s["plain_checks"],
+            "plain_checks": s["plain_checks"], "openings": s["openings"], "open_value": round(self.open_value, 3),
             "speculating": self.on, "ragged": self.ragged,
             "shape_rows": {names[b]: n for b, n in sorted(s["shape_rows"].items())},
             "shape_emitted": {names[b]: round(e, 4) for b, e in sorted(self.emitted.items())},
@@ -401,7 +445,8 @@ class SpeculationController:
         steps (each measured only when chosen, at batch 1 their figures came from different requests and the noise of
         that chose chain1 on a third of the steps). Request ratios are taken against the figures before this step."""
         expected = {b: self._global_emitted(b) - 1 for b in set(planned) if b}
-        weight = PROBE_EMA if self._probing else SHAPE_EMA  # probes are rare: each moves the figures further
+        opening = len(requests) == 1 and requests[0].request_id in self._open_saved and planned[0] > 0
+        weight = PROBE_EMA if self._probing or opening else SHAPE_EMA  # probes and openings are rare: each moves the figures further
         samples: dict[int, list[float]] = {}
         yields: dict[int, list[float]] = {}
         filled, observed = [], []  # per drafting row: was its draft non-empty; (depth, accepted) of the non-empty ones
@@ -512,6 +557,10 @@ class SpeculationController:
         s["actual_s"] += seconds
         realised = plain_equiv / seconds if seconds > 0 else 1.0
         if speculated:
+            if batch == 1 and len(self._plan) == 1:
+                rid = next(iter(self._plan))
+                if rid in self._open_saved:
+                    self._open_saved[rid] += plain_equiv - seconds
             s["speculative_steps"] += 1
             s["predicted_sum"] += predicted
             s["realised_sum"] += realised

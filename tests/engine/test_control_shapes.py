@@ -229,6 +229,7 @@ def test_while_off_the_plan_is_made_every_off_replan_steps(monkeypatch):
     for b in range(1, 5):
         feed(c, [r], [b], [1], steps=10)  # every shape measured to emit what plain emits
     c.on, c.stats["steps"] = False, 0
+    c.open_value = -1.0  # openings measured to lose: the request does not open (test_control: openings)
     calls = []
     best_plan = c._best_plan
     monkeypatch.setattr(c, "_best_plan", lambda *a: calls.append(1) or best_plan(*a))
