@@ -117,6 +117,7 @@ class SpeculationController:
         self.open_value = OPEN_PRIOR  # EMA: plain steps an opened request saved (batch 1 openings; module docstring)
         self._seen: set[str] = set()  # requests planned for (released with them)
         self._opening: tuple[str, int] | None = None  # (request, opening steps left)
+        self._opening_step = False  # this step's plan is part of an opening
         self._open_saved: dict[str, float] = {}  # opened request -> seconds its drafting steps saved over plain
         self._since_open = 0  # new requests since the last opening
         self.stats = {"steps": 0, "speculative_steps": 0, "probes": 0, "switches": 0, "plain_equiv_s": 0.0, "actual_s": 0.0,
@@ -147,7 +148,7 @@ class SpeculationController:
         """Draft budget per request for this step (0 = plain)."""
         batch = len(requests)
         context = round(sum(len(r.all_ids) for r in requests) / batch)
-        opening = batch == 1 and self._opens(requests[0])
+        opening = self._opening_step = batch == 1 and self._opens(requests[0])
         if not self.on and self.stats["steps"] % OFF_REPLAN:  # off: plain, re-planned only every OFF_REPLAN steps
             self._idle += 1
             self._plan = {r.request_id: 0 for r in requests}
@@ -445,8 +446,7 @@ class SpeculationController:
         steps (each measured only when chosen, at batch 1 their figures came from different requests and the noise of
         that chose chain1 on a third of the steps). Request ratios are taken against the figures before this step."""
         expected = {b: self._global_emitted(b) - 1 for b in set(planned) if b}
-        opening = len(requests) == 1 and requests[0].request_id in self._open_saved and planned[0] > 0
-        weight = PROBE_EMA if self._probing or opening else SHAPE_EMA  # probes and openings are rare: each moves the figures further
+        weight = PROBE_EMA if self._probing or self._opening_step else SHAPE_EMA  # probes and openings are rare: each moves the figures further
         samples: dict[int, list[float]] = {}
         yields: dict[int, list[float]] = {}
         filled, observed = [], []  # per drafting row: was its draft non-empty; (depth, accepted) of the non-empty ones
