@@ -180,8 +180,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def product_nt(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # x [..., K], weight [N, K] -> x @ weight.T [..., N], no gradient
     """x @ weight.T for a frozen weight (the target's LM-head rows a head trainer scores against): the wide kernel where it
     applies, ~2x the oneDNN / MKL product the `@` runs at a few hundred rows (a flywheel step's [444, 576] x [576, 16k]:
-    90 -> ~48 ms); `@` otherwise. Not differentiable: call it under no_grad."""
-    if wide_applies(x, weight):
+    90 -> ~48 ms); `@` otherwise, and wherever a gradient would flow (the kernel has no backward)."""
+    if wide_applies(x, weight) and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
         return wide_gemm(x.contiguous(), weight.contiguous())
     return x @ weight.T
 

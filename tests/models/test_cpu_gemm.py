@@ -401,3 +401,12 @@ def test_product_nt_is_the_transposed_product_on_the_kernel_that_applies(shape):
     torch.testing.assert_close(got, x @ w.T, rtol=TOL, atol=TOL)
     wide = x.numel() >= cpu_gemm.WIDE_MIN_ROWS * x.shape[-1]
     assert torch.equal(got, cpu_gemm.wide_gemm(x, w) if wide else x @ w.T)
+
+
+@needs_kernel
+def test_product_nt_keeps_the_gradient_where_one_would_flow():
+    x = torch.randn(70, 24, requires_grad=True)
+    w = torch.randn(50, 24)
+    out = cpu_gemm.product_nt(x, w)
+    out.sum().backward()
+    torch.testing.assert_close(x.grad, w.sum(0).expand(70, 24), rtol=TOL, atol=TOL)
