@@ -332,10 +332,7 @@ def _train_command(sub) -> None:
 
 
 def _train(args) -> int:
-    from tandem.heap import reuse_freed_memory
     from tandem.training.offline import run_train
-
-    reuse_freed_memory()  # a training process: large tensors reuse the last step's memory (tandem.heap)
 
     if args.recipe and args.ablate:
         from tandem.training.ablation import ablation_dir, markdown_table, run_ablation

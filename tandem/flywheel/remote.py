@@ -43,7 +43,6 @@ from tandem.flywheel.buffer import BufferStats, TraceBuffer, refill
 from tandem.flywheel.traces import SequenceTrace, trace_from_bytes, trace_to_bytes
 from tandem.flywheel.trainer import FlywheelConfig, load_target_tables, resume_or_start, save_target_tables, wait_for
 from tandem.flywheel.weights import PolledWeightStore, WeightStore, WeightVersion, checksum
-from tandem.heap import reuse_freed_memory
 from tandem.models.eagle import EagleHead, load_eagle, save_eagle
 
 TRACE_QUEUE = 64  # traces in flight to the child; more are dropped (about 1 MB each for SmolLM2)
@@ -311,7 +310,6 @@ def child_main(workdir: str, config_json: str, traces, control, status) -> None:
         if config.cpus is not None:
             os.sched_setaffinity(0, config.cpus)  # before torch starts its threads: they inherit the mask
         torch.set_num_threads(config.threads)
-        reuse_freed_memory()  # a step's ~48 MB logits reuse the last step's pages instead of fresh zeroed ones (tandem.heap)
         child = _Child(Path(workdir), config, status)
     except BaseException as e:  # the parent raises it from the flywheel's constructor
         status.put(json.dumps({"kind": "failed", "error": f"{type(e).__name__}: {e}"}))

@@ -22,7 +22,6 @@ from tandem.flywheel.step_bytes import step_reads
 from tandem.flywheel.stream import SPECIALISED, StreamSpec, build_stream, prompt_key
 from tandem.flywheel.trainer import FlywheelConfig, OnlineTrainer, target_lm_rows, trainer_copy
 from tandem.flywheel.weights import WeightStore
-from tandem.heap import reuse_freed_memory
 
 
 @dataclass(frozen=True)
@@ -113,7 +112,6 @@ def _bench_trainer_step(args) -> int:
     import torch
 
     torch.set_num_threads(args.threads)
-    reuse_freed_memory()  # as the trainer's child process runs (tandem.heap)
     report = run_trainer_step_bench(TrainerStepConfig(model=args.model, head=args.head, requests=args.requests, max_tokens=args.max_tokens, steps=args.steps))
     if args.json_out:
         Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
