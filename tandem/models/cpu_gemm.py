@@ -177,7 +177,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return _WideLinear.apply(x, weight, bias)
 
 
-def product_nt(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # x [..., K], weight [N, K] -> x @ weight.T [..., N], no gradient
+def product_nt(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # x [..., K], weight [N, K] -> x @ weight.T [..., N]
     """x @ weight.T for a frozen weight (the target's LM-head rows a head trainer scores against): the wide kernel where it
     applies, ~2x the oneDNN / MKL product the `@` runs at a few hundred rows (a flywheel step's [444, 576] x [576, 16k]:
     90 -> ~48 ms); `@` otherwise, and wherever a gradient would flow (the kernel has no backward)."""

@@ -69,11 +69,10 @@ def unroll_states(
         keys.append(k.transpose(1, 2))
         values.append(v.transpose(1, 2))
         mask = unroll_mask(roots, t, step, segment)
+        group = None if segment is None else segment[roots]  # each query's trace: attention runs trace by trace
         if step == 0 and read is not None:
             q, mask, features = q[:, read.to(q.device)], mask[read], features[:, read.to(features.device)]
-        group = None
-        if segment is not None:
-            group = segment[roots] if not (step == 0 and read is not None) else segment[read]
+            group = None if group is None else group[read]
         features = head.residual(features, attend_within(head, q, torch.cat(keys, 2), torch.cat(values, 2), mask.to(fused.device), group))
         wanted = features
         if step == 0 and first_roots is not None:
