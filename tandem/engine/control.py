@@ -284,9 +284,12 @@ class SpeculationController:
     # ---- prediction -------------------------------------------------------------------------------
     def _emitted_matrix(self, requests) -> np.ndarray:  # [B, S]: predicted tokens each row emits with each shape
         extra = np.array([0.0] + [self._global_emitted(int(b)) - 1 for b in self.budgets[1:]])
-        rows = [1 + self.request_ratio(r.request_id) * extra for r in requests]
+        ratios = np.array([[self.request_ratio(r.request_id)] for r in requests])  # one numpy op for the batch, not one a row
+        return np.minimum(1 + ratios * extra, self._perfect(requests))  # a row near max_tokens emits no more than it may
+
+    def _perfect(self, requests) -> np.ndarray:  # [B, S]: tokens each row emits with each shape if every node is accepted
         room = np.array([[_remaining(r)] for r in requests])
-        return np.minimum(np.array(rows), 1 + np.minimum(self.budgets[None, :], room))  # a row near max_tokens emits no more than it may
+        return 1 + np.minimum(self.budgets[None, :], room)
 
     def _global_emitted(self, budget: int) -> float:
         return self.emitted.get(budget, self._prior(budget))
@@ -383,7 +386,7 @@ class SpeculationController:
         """Would some shape pay at this batch if every draft were accepted in full? (Else a probe, which only
         re-measures acceptance, cannot change the decision.)"""
         batch = len(requests)
-        perfect = np.array([[1.0 + min(float(b), _remaining(r)) for b in self.budgets] for r in requests])
+        perfect = self._perfect(requests).astype(float)
         for j in range(1, len(self.budgets)):
             tokens, seconds = self._price(np.full(batch, j), perfect, context)
             if tokens / seconds >= (1 + ON_MARGIN) * plain_rate:
