@@ -26,9 +26,8 @@ import math
 import statistics
 from collections import deque
 
-import numpy as np
-
 from tandem.errors import InvalidParameterError
+from tandem.ops.linalg import solve
 from tandem.sim.fit import Timing, fit_machine
 from tandem.sim.roofline import Machine, ModelWork, forward_seconds
 from tandem.sim.speculative import DraftCost
@@ -176,25 +175,7 @@ class DraftCostModel:
             for j in range(4):
                 row[j] = FORGET * row[j] + x[i] * x[j] + (pull if i == j else 0.0)
             self.xty[i] = FORGET * self.xty[i] + x[i] * seconds + pull * self.prior[i]
-        self.current = DraftCost(*(max(c, 0.0) for c in _solve(self.xtx, self.xty)))
+        self.current = DraftCost(*(max(c, 0.0) for c in solve(self.xtx, self.xty)))
 
     def seconds(self, depth: int, nodes: int, sequences: int = 1) -> float:
         return self.current.seconds(depth, nodes, sequences)
-
-
-def _solve(a: list[list[float]], b: list[float]) -> list[float]:
-    """x with a x = b, by Gaussian elimination with partial pivoting (a is symmetric positive definite here: the
-    ridge keeps it so)."""
-    n = len(b)
-    m = [row[:] + [b[i]] for i, row in enumerate(a)]
-    for col in range(n):
-        pivot = max(range(col, n), key=lambda r: abs(m[r][col]))
-        m[col], m[pivot] = m[pivot], m[col]
-        for r in range(col + 1, n):
-            f = m[r][col] / m[col][col]
-            for c in range(col, n + 1):
-                m[r][c] -= f * m[col][c]
-    x = [0.0] * n
-    for r in range(n - 1, -1, -1):
-        x[r] = (m[r][n] - sum(m[r][c] * x[c] for c in range(r + 1, n))) / m[r][r]
-    return x

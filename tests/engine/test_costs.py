@@ -2,25 +2,13 @@
 import numpy as np
 import pytest
 
-from tandem.engine.costs import FORGET, RIDGE, DraftCostModel, _solve
+from tandem.engine.costs import FORGET, RIDGE, DraftCostModel
 from tandem.sim.speculative import DraftCost
 
 
-def test_solve_known_answer():
-    a = [[4.0, 1.0, 0.0, 0.0], [1.0, 3.0, 1.0, 0.0], [0.0, 1.0, 2.0, 1.0], [0.0, 0.0, 1.0, 5.0]]
-    x = [1.0, -2.0, 0.5, 3.0]
-    b = [sum(a[i][j] * x[j] for j in range(4)) for i in range(4)]  # [2.0, -4.5, 1.0, 15.5]
-    assert _solve(a, b) == pytest.approx(x, abs=1e-12)
-
-
-def test_solve_needs_the_pivot():
-    assert _solve([[0.0, 1.0], [2.0, 0.0]], [3.0, 4.0]) == pytest.approx([2.0, 3.0])
-
-
 def test_draft_cost_one_observation_by_hand():
-    """From a zero prior, one step of depth 2, 3 nodes, 1 sequence taking 0.01 s: the ridge solution is
-    x (x.x forgotten + ridge)^-1 ... computed here in closed form: coef = s x / (x.x + RIDGE) for a rank-one update of
-    RIDGE * I (Sherman-Morrison), x = [1, 2, 3, 1]."""
+    """From a zero prior, one step of depth 2, 3 nodes, 1 sequence taking 0.01 s, x = [1, 2, 3, 1]: the normal equations
+    are (RIDGE I + x x^T) coef = s x, whose solution (Sherman-Morrison) is coef = s x / (x.x + RIDGE)."""
     model = DraftCostModel()
     model.observe(2, 3, 1, 0.01)
     x = [1.0, 2.0, 3.0, 1.0]
