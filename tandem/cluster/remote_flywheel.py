@@ -100,6 +100,8 @@ class RemoteTraceSink:
 
 
 class PulledWeightStore(WeightStore):
+    hashed_on_read = True  # version_from_bytes checks every fetched blob's checksum
+
     def __init__(self, trainer, poll_s: float = 0.2, keep: int = 4):
         super().__init__(keep)
         self.trainer, self.poll_s = trainer, poll_s

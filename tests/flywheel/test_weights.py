@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from tandem.flywheel.trainer import wait_for
-from tandem.flywheel.weights import HotSwapper, PolledWeightStore, WeightRefused, WeightStore, load_version, save_version, validate
+from tandem.flywheel import weights
+from tandem.flywheel.weights import HotSwapper, PolledWeightStore, WeightRefused, WeightStore, all_finite, load_version, save_version, validate
 
 from flywheel_helpers import GREEDY, eagle_engine, make_prompts, plain_outputs
 
@@ -93,6 +94,33 @@ def test_the_parent_adopts_each_new_version_file_once_and_keeps_its_meta(target,
     assert wait_for(lambda: polled.latest() is not None and polled.unreadable == 1, timeout=10)
     assert polled.latest().version == 2
     polled.close()
+
+
+def test_a_version_read_from_a_file_is_hashed_once_on_the_serving_side(target, tmp_path, monkeypatch):
+    """load_version checks the file's checksum; the swapper's validation then checks names, shapes and finiteness only
+    (hashing SmolLM2's head took ~35 ms of the serving core per version, twice). A version published in this process
+    is still hashed by the validation (a store's copy changed after publishing is refused: test_bad_versions_are_refused)."""
+    engine = eagle_engine(target)
+    WeightStore(directory=tmp_path).publish(perturbed(engine.drafter.head))
+    polled = PolledWeightStore(tmp_path)
+    hashed = []
+    real = weights.checksum
+    monkeypatch.setattr(weights, "checksum", lambda tensors: hashed.append(1) or real(tensors))
+    swapper = HotSwapper(engine.drafter, polled, background=False)
+    assert wait_for(lambda: (swapper() or swapper.stats.swaps == 1), timeout=10)
+    assert len(hashed) == 1 and engine.drafter.version == 1
+    polled.close()
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_all_finite_finds_one_bad_value_and_passes_the_largest_finite_ones(value, dtype):
+    big = torch.full((4096,), torch.finfo(dtype).max, dtype=dtype)  # their sum overflows float32, not float64
+    assert all_finite(big) and all_finite(-big)
+    big[1234] = value
+    assert not all_finite(big)
+    mixed = torch.tensor([float("inf"), -float("inf")], dtype=dtype)  # inf + -inf: NaN, still caught
+    assert not all_finite(mixed)
 
 
 def test_acceptance_collapse_rolls_back_within_the_window(target):
