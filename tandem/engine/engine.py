@@ -310,7 +310,7 @@ class Engine:
             self.drafter.on_verified(requests, drafts, [r for r, _ in results], starts, out)
         t3 = time.perf_counter()  # the drafter's time is its propose and its on_verified (an EAGLE head's feature fusing)
         self._account(requests, drafts, results, (t1 - t0) + (t3 - t2), t2 - t1, self.stats.verified_tokens - verified_before)
-        self._notify(requests, drafts, results, out, starts)
+        self._notify(requests, drafts, results, out, starts, argmax)
         return outputs
 
     def _verify_forward(self, requests: list[Request], drafts: list[DraftTree], starts: list[int]) -> ForwardOutput:
@@ -442,12 +442,12 @@ class Engine:
         if self.draft_policy is not None:
             self.draft_policy.observe(requests, drafts, [r for r, _ in results], draft_s, verify_s, verified)
 
-    def _notify(self, requests, drafts, results, out, starts) -> None:
+    def _notify(self, requests, drafts, results, out, starts, argmax: torch.Tensor | None = None) -> None:
         if not self.observers:
             return
         version = self.drafter.version if self.drafter is not None else 0
         self._emit(build_step_record(
-            self.stats.steps, version, requests, drafts, results, out, starts, self.config.record_steps, self.config.record_topk, self.taps,
+            self.stats.steps, version, requests, drafts, results, out, starts, self.config.record_steps, self.config.record_topk, self.taps, argmax,
         ))
 
     def _emit(self, record: StepRecord) -> None:

@@ -23,6 +23,7 @@ def build_step_record(
     detailed: bool,
     topk: int,
     taps: tuple[int, ...],
+    argmax: torch.Tensor | None = None,  # [B, T] the step's greedy argmax when the engine computed it (else each greedy row's is taken here)
 ) -> StepRecord:
     entries = []
     for b, (request, draft, (result, target_probs)) in enumerate(zip(requests, drafts, results)):
@@ -36,7 +37,8 @@ def build_step_record(
         if detailed:
             entry.context_ids = request.all_ids[: starts[b]]
             parent_rows = draft.parents + 1  # row of each node's parent in target_probs (0 = the root)
-            entry.node_target_probs = node_target_probs(target_probs, out.logits[b, : n + 1], parent_rows, draft.tokens)
+            best = None if argmax is None else argmax[b, : n + 1]
+            entry.node_target_probs = node_target_probs(target_probs, out.logits[b, : n + 1], parent_rows, draft.tokens, best)
             entry.node_draft_probs = torch.ones(n) if draft.draft_probs is None else draft.draft_probs[torch.arange(n), draft.tokens].float().cpu()
             _add_forward_details(entry, out, b, n + 1, out.logits[b, : n + 1], topk)
             entry.sampling = (float(request.params.temperature), int(request.params.top_k), float(request.params.top_p))
@@ -69,14 +71,16 @@ def build_abort_record(step: int, drafter_version: int, requests: list[Request])
     return StepRecord(step=step, time=time.time(), drafter_version=drafter_version, requests=entries, kind="abort")
 
 
-def node_target_probs(target_probs: torch.Tensor | None, logits: torch.Tensor, parent_rows: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:  # [N]
+def node_target_probs(target_probs: torch.Tensor | None, logits: torch.Tensor, parent_rows: torch.Tensor, tokens: torch.Tensor,
+                      argmax: torch.Tensor | None = None) -> torch.Tensor:  # [N]
     """Each node's target probability given its parent: read off the sampling distribution [N+1, V] where the row
     was verified against one; a greedy row (None) was verified against the argmax, whose distribution is its
     one-hot, so the probability is 1 where the token is the argmax of its parent's logits [N+1, V], else 0 (an
-    argmax over the row instead of a softmax over the vocabulary)."""
+    argmax over the row instead of a softmax over the vocabulary; `argmax` [N+1]: the one the verify already took)."""
     if target_probs is not None:
         return target_probs[parent_rows, tokens].clone()
-    return (logits.argmax(-1).cpu()[parent_rows] == tokens.cpu()).float()
+    best = logits.argmax(-1).cpu() if argmax is None else argmax
+    return (best[parent_rows] == tokens.cpu()).float()
 
 
 def _add_forward_details(entry: RequestStep, out: ForwardOutput, b: int, length: int, logits: torch.Tensor, topk: int, final_from: int = 0) -> None:

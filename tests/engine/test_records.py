@@ -18,6 +18,9 @@ def test_a_greedy_rows_node_probabilities_are_its_argmax_one_hot():
     assert node_target_probs(None, logits, parent_rows, tokens).tolist() == [1.0, 0.0, 0.0]
     greedy = sampling_probs(logits, torch.zeros(3), torch.zeros(3, dtype=torch.long), torch.ones(3))
     assert node_target_probs(greedy, logits, parent_rows, tokens).tolist() == [1.0, 0.0, 0.0]
+    step_argmax = logits.argmax(-1)  # the verify's own argmax, passed in: read, not taken again over the vocabulary
+    assert node_target_probs(None, logits, parent_rows, tokens, step_argmax).tolist() == [1.0, 0.0, 0.0]
+    assert node_target_probs(None, logits, parent_rows, tokens, torch.tensor([1, 2, 3])).tolist() == [1.0, 1.0, 0.0]
 
 
 def test_recorded_greedy_steps_compute_no_sampling_distribution(tiny_llama, monkeypatch):
