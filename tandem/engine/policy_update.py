@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from tandem.errors import PolicyUpdateError
+from tandem.ops.checks import all_finite
 
 
 def validate_named_tensors(model: nn.Module, named_tensors: dict[str, torch.Tensor]) -> None:
@@ -31,7 +32,7 @@ def validate_named_tensors(model: nn.Module, named_tensors: dict[str, torch.Tens
             raise PolicyUpdateError(f"{name}: shape {tuple(tensor.shape)} != the target's {shape}")
         if tensor.dtype != dtype:
             raise PolicyUpdateError(f"{name}: dtype {tensor.dtype} != the target's {dtype}")
-        if not bool(torch.isfinite(tensor).all()):
+        if not all_finite(tensor):
             raise PolicyUpdateError(f"{name}: non-finite values")
 
 
